@@ -1,0 +1,22 @@
+"""trl_marl: cooperative multi-agent reinforcement learning for teams of LLM agents, on top of TRL."""
+
+from .advantages import aligned_credit, baseline_values, cross_credit, group_advantages, team_rewards
+from .config import MAGRPOConfig
+from .models import DEFAULT_MODEL_ID, default_model_path
+from .rewards import RewardFunctionError
+from .trainer import MAGRPOTrainer
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "DEFAULT_MODEL_ID",
+    "MAGRPOConfig",
+    "MAGRPOTrainer",
+    "RewardFunctionError",
+    "aligned_credit",
+    "baseline_values",
+    "cross_credit",
+    "default_model_path",
+    "group_advantages",
+    "team_rewards",
+]

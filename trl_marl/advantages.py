@@ -1,0 +1,111 @@
+"""MAGRPO's advantage math as pure functions on tensors (DESIGN.md §3).
+
+Shapes: `num_groups` prompt groups (tree nodes), `G` completions per agent, `N` agents, `K` joint actions per group
+(`G` aligned, `G**N` cross). A group's joint actions are laid out in row-major order of the agents' completion
+indices: joint action `k` of a cross group takes completion `g_i` from agent `i`, where
+`(g_0, ..., g_{N-1}) = unravel_index(k, (G,) * N)`.
+"""
+
+import torch
+from trl.trainer.utils import nanstd
+
+ADVANTAGE_EPS = 1e-4  # as TRL's GRPOTrainer
+
+
+def team_rewards(rewards_per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted team reward of each joint action: `r = Σ_k w_k · R_k`.
+
+    Args:
+        rewards_per_func: `(J, F)` rewards of F reward functions for J joint actions; NaN where a function returned
+            None (did not apply).
+        weights: `(F,)` reward weights.
+
+    Returns:
+        `(J,)` rewards; NaN where every function returned None (the joint action is unscorable).
+    """
+    rewards = (rewards_per_func * weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+    return rewards
+
+
+def baseline_values(rewards: torch.Tensor, baseline: str) -> torch.Tensor:
+    """Per-member baseline `b` of `(num_groups, K)` rewards, NaN-aware (NaN members are ignored).
+
+    - `mean`: `b = mean_j r_j` (MAGRPO / GRPO);
+    - `rloo`: `b_k = mean_{j≠k} r_j` (leave-one-out);
+    - `max`: `b = max_j r_j`;
+    - `none`: `b = 0`.
+    """
+    if baseline == "mean":
+        return torch.nanmean(rewards, dim=1, keepdim=True).expand_as(rewards)
+    if baseline == "rloo":
+        valid = ~torch.isnan(rewards)
+        total = rewards.nansum(dim=1, keepdim=True)
+        others = (valid.sum(dim=1, keepdim=True) - valid.long()).clamp(min=1)
+        return (total - torch.nan_to_num(rewards, nan=0.0)) / others
+    if baseline == "max":
+        filled = torch.nan_to_num(rewards, nan=-torch.inf)
+        return filled.max(dim=1, keepdim=True).values.expand_as(rewards)
+    if baseline == "none":
+        return torch.zeros_like(rewards)
+    raise ValueError(f"Unknown baseline {baseline!r}; expected 'mean', 'rloo', 'max' or 'none'.")
+
+
+def group_advantages(
+    rewards: torch.Tensor, baseline: str = "mean", scale_rewards: str = "group"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages of the joint actions of each group: `A = (r − b) / (σ + 1e-4)`.
+
+    Args:
+        rewards: `(num_groups, K)` team rewards, NaN for unscorable joint actions.
+        baseline: see [`baseline_values`].
+        scale_rewards: `"group"` (σ = std within the group), `"batch"` (σ = std of all rewards) or `"none"` (no
+            division), as TRL's `scale_rewards`.
+
+    Returns:
+        `(advantages, std)`, both `(num_groups, K)`. Unscorable members get advantage 0. `std` is the group std
+        (batch std with `"batch"`), also when not dividing, for the zero-std metric.
+    """
+    if rewards.size(1) > 1:
+        group_std = nanstd(rewards, dim=1).unsqueeze(1).expand_as(rewards)
+    else:
+        group_std = torch.zeros_like(rewards)
+    if scale_rewards in ("group", "none"):
+        std = group_std
+    elif scale_rewards == "batch":
+        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    else:
+        raise ValueError(f"Unknown scale_rewards {scale_rewards!r}; expected 'group', 'batch' or 'none'.")
+    advantages = rewards - baseline_values(rewards, baseline)
+    if scale_rewards != "none":
+        advantages = advantages / (std + ADVANTAGE_EPS)
+    return torch.nan_to_num(advantages, nan=0.0), std
+
+
+def aligned_credit(advantages: torch.Tensor, num_agents: int) -> torch.Tensor:
+    """Aligned joint actions: every agent's g-th completion gets `A(g)`.
+
+    `(num_groups, G)` → `(num_groups, G, N)`.
+    """
+    return advantages.unsqueeze(-1).expand(*advantages.shape, num_agents)
+
+
+def cross_credit(advantages: torch.Tensor, num_agents: int, num_generations: int) -> torch.Tensor:
+    """Cross joint actions: agent i's completion g gets the *mean* advantage of the joint actions it took part in,
+    `A_i(g) = mean_{k: g_i(k) = g} A(k)` (the reference code sums; the mean keeps the scale independent of N).
+
+    `(num_groups, G**N)` → `(num_groups, G, N)`.
+    """
+    num_groups = advantages.size(0)
+    grid = advantages.reshape(num_groups, *([num_generations] * num_agents))
+    per_agent = []
+    for agent in range(num_agents):
+        other_axes = [1 + axis for axis in range(num_agents) if axis != agent]
+        per_agent.append(grid.mean(dim=other_axes) if other_axes else grid)
+    return torch.stack(per_agent, dim=-1)
+
+
+def cross_joint_indices(num_agents: int, num_generations: int) -> torch.Tensor:
+    """`(G**N, N)` completion index of each agent in each cross joint action, in the layout above."""
+    axes = [torch.arange(num_generations)] * num_agents
+    return torch.cartesian_prod(*axes).reshape(-1, num_agents)

@@ -1,0 +1,198 @@
+"""Configuration of the MAGRPO trainer: TRL's `GRPOConfig` plus the team."""
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl import GRPOConfig
+
+JOINT_MODES = ("aligned", "cross")
+BASELINES = ("mean", "rloo", "max", "none")
+ADAPTER_MODES = ("per_agent", "shared")
+SHARED_ADAPTER_NAME = "team"
+# "ref" would be taken by TRL for its reference adapter, "__base__" means "no adapter" to PEFT.
+RESERVED_AGENT_NAMES = ("ref", "__base__", "default")
+_AGENT_NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
+
+
+def _choice_error(field_name: str, value: Any, allowed: tuple[str, ...]) -> ValueError:
+    return ValueError(f"`{field_name}` must be one of {list(allowed)}, got {value!r}.")
+
+
+def normalize_agents(agents: Any) -> list[dict[str, str]]:
+    """Turn the `agents` field into a list of `{"name": str, "system_prompt": str}` dicts.
+
+    Each entry may be a name (`"writer"`) or a mapping with a `name` and an optional `system_prompt` (alias `role`).
+    Raises `ValueError` naming the field and the offending entry when an entry is malformed, a name is not a valid
+    adapter / folder name, or two agents share a name.
+    """
+    if agents is None or (isinstance(agents, (list, tuple)) and len(agents) == 0):
+        raise ValueError(
+            f"`agents` is empty (got {agents!r}): a team needs at least one agent, e.g. "
+            "agents=[{'name': 'concise', 'system_prompt': 'Answer in one sentence.'}, {'name': 'detailed'}]."
+        )
+    if isinstance(agents, (str, dict)) or not isinstance(agents, (list, tuple)):
+        raise ValueError(
+            f"`agents` must be a list of agent names or {{'name', 'system_prompt'}} dicts, not {agents!r}."
+        )
+    normalized = []
+    for index, agent in enumerate(agents):
+        if isinstance(agent, str):
+            agent = {"name": agent}
+        if not isinstance(agent, dict) or "name" not in agent:
+            raise ValueError(f"`agents[{index}]` must be a name or a dict with a 'name' key, got {agent!r}.")
+        unknown = set(agent) - {"name", "system_prompt", "role"}
+        if unknown:
+            raise ValueError(
+                f"`agents[{index}]` has unknown keys {sorted(unknown)}; allowed keys are 'name' and 'system_prompt'."
+            )
+        name = agent["name"]
+        if not isinstance(name, str) or not _AGENT_NAME_PATTERN.match(name) or name in RESERVED_AGENT_NAMES:
+            raise ValueError(
+                f"`agents[{index}]` has name {name!r}: an agent name names its LoRA adapter and its output folder, so "
+                f"it must start with a letter and contain only letters, digits, '_' and '-', and must not be one of "
+                f"{list(RESERVED_AGENT_NAMES)}."
+            )
+        system_prompt = agent.get("system_prompt", agent.get("role")) or ""
+        if not isinstance(system_prompt, str):
+            raise ValueError(f"`agents[{index}]['system_prompt']` must be a string, got {system_prompt!r}.")
+        normalized.append({"name": name, "system_prompt": system_prompt})
+    names = [agent["name"] for agent in normalized]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"`agents` has duplicate names {duplicates} (got {names}); every agent needs a unique name.")
+    return normalized
+
+
+@dataclass
+class MAGRPOConfig(GRPOConfig):
+    r"""
+    Configuration class for [`MAGRPOTrainer`]: everything [`~trl.GRPOConfig`] has, plus the team.
+
+    In MAGRPO (arXiv 2508.04652) every agent samples `num_generations` (G) completions for each prompt; joint actions
+    combine them and receive one team reward; each agent's completion is trained with an advantage derived from the
+    rewards of the joint actions it took part in. `per_device_train_batch_size` and `generation_batch_size` count
+    prompt copies as in TRL; each copy yields one completion *per agent*, so a micro-batch trains
+    `len(agents) * per_device_train_batch_size` sequences.
+
+    Parameters:
+        > Parameters that define the team
+
+        agents (`list[str | dict]`):
+            The agents, in order. Each is a name or a dict `{"name": ..., "system_prompt": ...}`. The name names the
+            agent's LoRA adapter and its output folder; the system prompt (its role) is prepended to the task prompt.
+        joint_mode (`str`, *optional*, defaults to `"aligned"`):
+            How agents' completions form joint actions: `"aligned"` pairs the g-th completion of every agent (G joint
+            actions per prompt); `"cross"` takes the Cartesian product (G^N joint actions per prompt).
+        baseline (`str`, *optional*, defaults to `"mean"`):
+            Baseline subtracted from a joint action's team reward within its prompt group: `"mean"` (MAGRPO, as
+            GRPO), `"rloo"` (mean of the other joint actions), `"max"`, or `"none"`. Scaling then follows
+            `scale_rewards` (`"group"`, `"batch"` or `"none"`), as in TRL.
+        max_joint_actions (`int`, *optional*, defaults to `256`):
+            Upper bound on the joint actions (team reward evaluations) per prompt; a configuration that exceeds it is
+            rejected before any model is loaded.
+
+        > Parameters that control the adapters
+
+        adapter_mode (`str`, *optional*, defaults to `"per_agent"`):
+            `"per_agent"`: one LoRA adapter per agent, named after it. `"shared"`: one adapter named `"team"` serves
+            every agent; the system prompts tell them apart.
+        lora_r (`int`, *optional*, defaults to `16`):
+            LoRA rank of each adapter.
+        lora_alpha (`int`, *optional*, defaults to `32`):
+            LoRA scaling numerator.
+        lora_dropout (`float`, *optional*, defaults to `0.0`):
+            Dropout on the LoRA input.
+        lora_target_modules (`list[str]` or `str`, *optional*, defaults to `"all-linear"`):
+            Modules that carry adapters. Ignored when a `peft_config` is passed to the trainer.
+    """
+
+    # Parameters that define the team
+    agents: list[Any] | None = field(
+        default=None,
+        metadata={"help": "The agents: names or {'name', 'system_prompt'} dicts. Names must be unique."},
+    )
+    joint_mode: str = field(
+        default="aligned",
+        metadata={"help": "How completions form joint actions.", "choices": list(JOINT_MODES)},
+    )
+    baseline: str = field(
+        default="mean",
+        metadata={"help": "Baseline of the team reward within a prompt group.", "choices": list(BASELINES)},
+    )
+    max_joint_actions: int = field(
+        default=256,
+        metadata={"help": "Upper bound on joint actions (team reward evaluations) per prompt."},
+    )
+
+    # Parameters that control the adapters
+    adapter_mode: str = field(
+        default="per_agent",
+        metadata={"help": "One LoRA adapter per agent, or one shared adapter.", "choices": list(ADAPTER_MODES)},
+    )
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
+    lora_target_modules: list[str] | str = field(
+        default="all-linear", metadata={"help": "Modules that carry LoRA adapters."}
+    )
+
+    def __post_init__(self):
+        self.agents = normalize_agents(self.agents)
+        if self.joint_mode not in JOINT_MODES:
+            raise _choice_error("joint_mode", self.joint_mode, JOINT_MODES)
+        if self.baseline not in BASELINES:
+            raise _choice_error("baseline", self.baseline, BASELINES)
+        if self.adapter_mode not in ADAPTER_MODES:
+            raise _choice_error("adapter_mode", self.adapter_mode, ADAPTER_MODES)
+        if not isinstance(self.max_joint_actions, int) or self.max_joint_actions < 1:
+            raise ValueError(f"`max_joint_actions` must be a positive integer, got {self.max_joint_actions!r}.")
+        if not isinstance(self.lora_r, int) or self.lora_r < 1:
+            raise ValueError(f"`lora_r` must be a positive integer, got {self.lora_r!r}.")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"`lora_dropout` must be in [0, 1), got {self.lora_dropout!r}.")
+        if not isinstance(self.num_generations, int) or self.num_generations < 2:
+            raise ValueError(
+                f"`num_generations` must be at least 2 (got {self.num_generations!r}): advantages compare the joint "
+                "actions sampled for one prompt, so each agent needs at least two completions per prompt."
+            )
+        # vLLM serves one merged policy and continuous batching reorders rows, so neither can route rows to adapters.
+        if self.use_vllm:
+            raise ValueError(
+                "`use_vllm=True` is not supported: TRL's vLLM path merges a single adapter into the weights, while "
+                "each agent needs its own adapter. Set `use_vllm=False` (generation then batches all agents in one "
+                "transformers `generate` call)."
+            )
+        if self.use_transformers_continuous_batching:
+            raise ValueError(
+                "`use_transformers_continuous_batching=True` is not supported: it does not keep rows in order, so "
+                "rows cannot be routed to their agents' adapters. Set it to False."
+            )
+        if self.multi_objective_aggregation != "sum_then_normalize":
+            raise ValueError(
+                f"`multi_objective_aggregation={self.multi_objective_aggregation!r}` is not supported by MAGRPO: "
+                "team rewards are combined as a weighted sum, then baselined per prompt group. Use "
+                "'sum_then_normalize'."
+            )
+        super().__post_init__()
+
+        size = self.joint_actions_per_prompt(self.num_generations)
+        if size > self.max_joint_actions:
+            raise ValueError(
+                f"`joint_mode={self.joint_mode!r}` with {self.num_agents} agents and num_generations="
+                f"{self.num_generations} gives {size} joint actions per prompt, more than `max_joint_actions` "
+                f"({self.max_joint_actions}). Lower `num_generations`, use `joint_mode='aligned'`, or raise "
+                "`max_joint_actions`."
+            )
+
+    @property
+    def num_agents(self) -> int:
+        return len(self.agents)
+
+    @property
+    def agent_names(self) -> list[str]:
+        return [agent["name"] for agent in self.agents]
+
+    def joint_actions_per_prompt(self, num_generations: int) -> int:
+        """Team reward evaluations per prompt: G (aligned) or G^N (cross)."""
+        return num_generations if self.joint_mode == "aligned" else num_generations**self.num_agents

@@ -1,0 +1,81 @@
+"""Team reward functions: checks that turn a bad reward into an error naming the function."""
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from trl.trainer.utils import get_callable_name, is_async_callable
+
+TeamRewardFunc = Callable[..., list[float | None]]
+
+
+class RewardFunctionError(RuntimeError):
+    """A team reward function raised, or returned something that is not one finite float (or None) per completion."""
+
+
+def _check_rewards(name: str, rewards: Any, expected: int) -> list[float | None]:
+    if not isinstance(rewards, (list, tuple)):
+        raise RewardFunctionError(
+            f"Team reward function '{name}' returned {type(rewards).__name__}; it must return a list with one float "
+            f"(or None) per completion ({expected} expected)."
+        )
+    if len(rewards) != expected:
+        raise RewardFunctionError(
+            f"Team reward function '{name}' returned {len(rewards)} rewards for {expected} joint actions; it must "
+            "return exactly one reward per completion."
+        )
+    for index, reward in enumerate(rewards):
+        if reward is None:
+            continue
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) and not hasattr(reward, "__float__"):
+            raise RewardFunctionError(
+                f"Team reward function '{name}' returned {reward!r} for joint action {index}; rewards must be floats "
+                "(or None when the function does not apply)."
+            )
+        if not math.isfinite(float(reward)):
+            raise RewardFunctionError(
+                f"Team reward function '{name}' returned {float(reward)} for joint action {index}. Return a finite "
+                "float, or None to mark a completion the function cannot score."
+            )
+    return list(rewards)
+
+
+def checked_team_reward(func: TeamRewardFunc) -> TeamRewardFunc:
+    """Wrap a team reward function so that raising, a wrong count, NaN/inf or a non-number is a
+    `RewardFunctionError` naming the function. The wrapper keeps the function's name (TRL logs rewards by it) and
+    stays async when the function is."""
+    if isinstance(func, (str, nn.Module)):
+        raise TypeError(
+            f"Reward model {func!r} cannot score a team: a reward model scores one text, while a team reward takes a "
+            "mapping agent name -> completion. Wrap the model in a function `f(prompts, completions, **kwargs)`."
+        )
+    if not callable(func):
+        raise TypeError(f"Team reward {func!r} is not callable.")
+    name = get_callable_name(func)
+
+    def reraise(error: Exception):
+        raise RewardFunctionError(f"Team reward function '{name}' raised {type(error).__name__}: {error}") from error
+
+    if is_async_callable(func):
+
+        @functools.wraps(func)
+        async def checked_async(*args, **kwargs):
+            try:
+                rewards = await func(*args, **kwargs)
+            except Exception as error:
+                reraise(error)
+            return _check_rewards(name, rewards, len(kwargs["prompts"]))
+
+        return checked_async
+
+    @functools.wraps(func)
+    def checked(*args, **kwargs):
+        try:
+            rewards = func(*args, **kwargs)
+        except Exception as error:
+            reraise(error)
+        return _check_rewards(name, rewards, len(kwargs["prompts"]))
+
+    return checked
