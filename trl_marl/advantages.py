@@ -41,8 +41,10 @@ def baseline_values(rewards: torch.Tensor, baseline: str) -> torch.Tensor:
     if baseline == "rloo":
         valid = ~torch.isnan(rewards)
         total = rewards.nansum(dim=1, keepdim=True)
-        others = (valid.sum(dim=1, keepdim=True) - valid.long()).clamp(min=1)
-        return (total - torch.nan_to_num(rewards, nan=0.0)) / others
+        others = valid.sum(dim=1, keepdim=True) - valid.long()
+        leave_one_out = (total - torch.nan_to_num(rewards, nan=0.0)) / others.clamp(min=1)
+        # A lone scorable member has nothing to be compared with: it is its own baseline (advantage 0).
+        return torch.where(others > 0, leave_one_out, rewards)
     if baseline == "max":
         filled = torch.nan_to_num(rewards, nan=-torch.inf)
         return filled.max(dim=1, keepdim=True).values.expand_as(rewards)

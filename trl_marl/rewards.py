@@ -68,6 +68,8 @@ def checked_team_reward(func: TeamRewardFunc) -> TeamRewardFunc:
                 reraise(error)
             return _check_rewards(name, rewards, len(kwargs["prompts"]))
 
+        # `wraps` copies no name from partials or callable instances; TRL logs each reward under this name.
+        checked_async.__name__ = checked_async.__qualname__ = name
         return checked_async
 
     @functools.wraps(func)
@@ -78,4 +80,5 @@ def checked_team_reward(func: TeamRewardFunc) -> TeamRewardFunc:
             reraise(error)
         return _check_rewards(name, rewards, len(kwargs["prompts"]))
 
+    checked.__name__ = checked.__qualname__ = name
     return checked

@@ -1,0 +1,187 @@
+"""Specification of `MAGRPOConfig`: the team is normalised and every bad setting is rejected at construction, before
+any model is loaded, with a message that names the field, shows the value seen and says what is allowed."""
+
+import pytest
+
+from trl_marl.config import MAGRPOConfig
+
+
+@pytest.fixture
+def make_config(tmp_path):
+    def make(**kwargs) -> MAGRPOConfig:
+        kwargs.setdefault("agents", ["writer", "critic"])
+        return MAGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, **kwargs)
+
+    return make
+
+
+def error_message(make_config, **kwargs) -> str:
+    with pytest.raises(ValueError) as error:
+        make_config(**kwargs)
+    return str(error.value)
+
+
+# the team
+
+
+def test_agents_given_as_names_get_empty_system_prompts(make_config):
+    config = make_config(agents=["writer", "critic"])
+    assert config.agents == [{"name": "writer", "system_prompt": ""}, {"name": "critic", "system_prompt": ""}]
+    assert config.agent_names == ["writer", "critic"]
+    assert config.num_agents == 2
+
+
+def test_agents_given_as_dicts_keep_their_system_prompts(make_config):
+    agents = [{"name": "concise", "system_prompt": "Answer in one sentence."}, {"name": "detailed"}]
+    config = make_config(agents=agents)
+    assert config.agents == [
+        {"name": "concise", "system_prompt": "Answer in one sentence."},
+        {"name": "detailed", "system_prompt": ""},
+    ]
+    assert config.agent_names == ["concise", "detailed"]
+
+
+def test_agent_role_is_an_alias_of_system_prompt(make_config):
+    config = make_config(agents=[{"name": "judge", "role": "You judge."}])
+    assert config.agents == [{"name": "judge", "system_prompt": "You judge."}]
+    assert config.num_agents == 1
+
+
+@pytest.mark.parametrize("agents", [[], None])
+def test_team_without_agents_is_rejected(make_config, agents):
+    message = error_message(make_config, agents=agents)
+    assert "`agents`" in message
+    assert f"got {agents!r}" in message
+    assert "at least one agent" in message
+
+
+def test_single_agent_name_string_is_rejected(make_config):
+    message = error_message(make_config, agents="writer")
+    assert "`agents` must be a list" in message
+    assert "'writer'" in message
+
+
+def test_duplicate_agent_names_are_listed(make_config):
+    message = error_message(make_config, agents=["writer", "critic", "writer"])
+    assert "duplicate names ['writer']" in message
+    assert "unique name" in message
+
+
+@pytest.mark.parametrize("name", ["has space", "ref", "1st", "__base__"])
+def test_invalid_agent_name_is_rejected(make_config, name):
+    message = error_message(make_config, agents=["writer", name])
+    assert "`agents[1]`" in message
+    assert repr(name) in message
+    assert "must start with a letter" in message
+    assert "'ref'" in message  # the reserved names are listed
+
+
+def test_agent_dict_with_unknown_key_is_rejected(make_config):
+    message = error_message(make_config, agents=[{"name": "writer", "prompt": "Write."}])
+    assert "`agents[0]`" in message
+    assert "['prompt']" in message
+    assert "'name' and 'system_prompt'" in message
+
+
+# choices
+
+
+def test_unknown_joint_mode_is_rejected(make_config):
+    message = error_message(make_config, joint_mode="tree")
+    assert "`joint_mode`" in message
+    assert "'tree'" in message
+    assert "['aligned', 'cross']" in message
+
+
+def test_unknown_baseline_is_rejected(make_config):
+    message = error_message(make_config, baseline="median")
+    assert "`baseline`" in message
+    assert "'median'" in message
+    assert "['mean', 'rloo', 'max', 'none']" in message
+
+
+def test_unknown_adapter_mode_is_rejected(make_config):
+    message = error_message(make_config, adapter_mode="merged")
+    assert "`adapter_mode`" in message
+    assert "'merged'" in message
+    assert "['per_agent', 'shared']" in message
+
+
+# numbers
+
+
+def test_single_generation_is_rejected(make_config):
+    message = error_message(make_config, num_generations=1)
+    assert "`num_generations`" in message
+    assert "got 1" in message
+    assert "at least 2" in message
+
+
+def test_zero_lora_rank_is_rejected(make_config):
+    message = error_message(make_config, lora_r=0)
+    assert "`lora_r`" in message
+    assert "got 0" in message
+    assert "positive integer" in message
+
+
+def test_lora_dropout_of_one_is_rejected(make_config):
+    message = error_message(make_config, lora_dropout=1.0)
+    assert "`lora_dropout`" in message
+    assert "1.0" in message
+    assert "[0, 1)" in message
+
+
+def test_non_positive_max_joint_actions_is_rejected(make_config):
+    message = error_message(make_config, max_joint_actions=0)
+    assert "`max_joint_actions`" in message
+    assert "got 0" in message
+    assert "positive integer" in message
+
+
+# joint actions
+
+
+def test_aligned_joint_actions_per_prompt_is_num_generations(make_config):
+    config = make_config(agents=["a", "b", "c"], joint_mode="aligned", num_generations=4)
+    assert config.joint_actions_per_prompt(config.num_generations) == 4
+
+
+def test_cross_joint_actions_per_prompt_is_num_generations_to_the_num_agents(make_config):
+    config = make_config(agents=["a", "b", "c"], joint_mode="cross", num_generations=4)
+    # 4**3
+    assert config.joint_actions_per_prompt(config.num_generations) == 64
+
+
+def test_too_many_joint_actions_are_rejected_with_what_to_lower(make_config):
+    # 3 agents, G=8, cross: 8**3 = 512 > 256
+    message = error_message(make_config, agents=["a", "b", "c"], joint_mode="cross", num_generations=8)
+    assert "512" in message
+    assert "`max_joint_actions` (256)" in message
+    assert "Lower `num_generations`" in message
+    assert "joint_mode='aligned'" in message
+
+
+def test_raising_max_joint_actions_accepts_the_large_cross_team(make_config):
+    config = make_config(agents=["a", "b", "c"], joint_mode="cross", num_generations=8, max_joint_actions=512)
+    assert config.joint_actions_per_prompt(config.num_generations) == 512
+
+
+# unsupported TRL settings
+
+
+def test_vllm_is_rejected(make_config):
+    message = error_message(make_config, use_vllm=True)
+    assert "`use_vllm=True` is not supported" in message
+    assert "Set `use_vllm=False`" in message
+
+
+def test_continuous_batching_is_rejected(make_config):
+    message = error_message(make_config, use_transformers_continuous_batching=True)
+    assert "`use_transformers_continuous_batching=True` is not supported" in message
+    assert "Set it to False" in message
+
+
+def test_normalize_then_sum_aggregation_is_rejected(make_config):
+    message = error_message(make_config, multi_objective_aggregation="normalize_then_sum")
+    assert "`multi_objective_aggregation='normalize_then_sum'`" in message
+    assert "'sum_then_normalize'" in message

@@ -1,0 +1,280 @@
+"""MAGRPOTrainer on a tiny random model: adapters, routing, batched generation, metrics, eval, saving, bad input."""
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from trl_marl import MAGRPOConfig, MAGRPOTrainer, RewardFunctionError
+
+AGENTS = [{"name": "concise", "system_prompt": "Answer in a few words."}, {"name": "detailed"}]
+PROMPTS = ["Name a colour.", "Name a fruit.", "Count to three.", "Say hello."]
+
+
+def length_ratio_reward(prompts, completions, **kwargs):
+    return [len(c["detailed"]) / (1.0 + len(c["concise"])) for c in completions]
+
+
+def make_config(tmp_path, **overrides):
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        agents=AGENTS,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=2,
+        learning_rate=5e-2,
+        lora_r=4,
+        lora_alpha=8,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        seed=3,
+    )
+    values.update(overrides)
+    return MAGRPOConfig(**values)
+
+
+def make_trainer(model_dir, tmp_path, reward=length_ratio_reward, conversational=True, **overrides):
+    prompts = [[{"role": "user", "content": p}] for p in PROMPTS] if conversational else PROMPTS
+    dataset = Dataset.from_dict({"prompt": prompts, "topic": ["colour", "fruit", "count", "greet"]})
+    return MAGRPOTrainer(model_dir, reward, args=make_config(tmp_path, **overrides), train_dataset=dataset)
+
+
+def lora_params(model, adapter):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if f".{adapter}." in n}
+
+
+def randomize_adapters(trainer, seed=0):
+    """Fresh LoRA B is zero, so every agent starts as the base model; make the agents differ."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+
+
+@pytest.mark.parametrize("joint_mode", ["aligned", "cross"])
+def test_every_adapter_trains_and_base_stays_frozen(tiny_model_dir, tmp_path, joint_mode):
+    trainer = make_trainer(tiny_model_dir, tmp_path, joint_mode=joint_mode)
+    base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
+    adapters_before = {agent: lora_params(trainer.model, agent) for agent in ("concise", "detailed")}
+    assert all(p.requires_grad for n, p in trainer.model.named_parameters() if "lora_" in n)
+    trainer.train()
+    for agent, before in adapters_before.items():
+        after = lora_params(trainer.model, agent)
+        assert before, f"no LoRA parameters for {agent}"
+        assert any(not torch.equal(before[n], after[n]) for n in before), f"adapter {agent} did not change"
+    for name, param in trainer.model.named_parameters():
+        if "lora_" not in name:
+            assert torch.equal(base_before[name], param.detach()), f"base weight {name} changed"
+
+
+def test_samples_carry_agent_turn_and_group(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=1)
+    batch = [example for example in trainer.train_dataset.select(range(2)) for _ in range(4)]
+    trainer.model.train()
+    samples = trainer._generate_and_score_completions(batch)
+    assert samples["prompt_ids"].size(0) == 16  # 8 prompt copies x 2 agents
+    assert samples["agent_index"].tolist() == [0, 1] * 8
+    assert samples["turn_index"].tolist() == [0] * 16
+    assert samples["group_index"].tolist() == [0] * 8 + [1] * 8
+    # Aligned: both agents' g-th completions share the joint action's advantage.
+    advantages = samples["advantages"].view(8, 2)
+    torch.testing.assert_close(advantages[:, 0], advantages[:, 1])
+    assert samples["num_items_in_batch"].item() == samples["completion_mask"].sum().item()
+
+
+def test_cross_mode_scores_every_combination(tiny_model_dir, tmp_path):
+    seen = []
+
+    def recording_reward(prompts, completions, **kwargs):
+        seen.extend(completions)
+        return [float(len(c["concise"]) - len(c["detailed"])) for c in completions]
+
+    trainer = make_trainer(tiny_model_dir, tmp_path, reward=recording_reward, joint_mode="cross", num_generations=2)
+    batch = [example for example in trainer.train_dataset.select(range(2)) for _ in range(2)]
+    trainer.model.train()
+    samples = trainer._generate_and_score_completions(batch)
+    assert len(seen) == 2 * 2**2  # two prompts, G^N joint actions each
+    texts = trainer.processing_class.batch_decode(samples["completion_ids"], skip_special_tokens=True)
+    first_group = {(c["concise"], c["detailed"]) for c in seen[:4]}
+    assert first_group == {(texts[c], texts[d]) for c in (0, 2) for d in (1, 3)}
+
+
+def test_each_row_uses_its_agents_adapter_in_training_forward(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path)
+    randomize_adapters(trainer)
+    model = trainer.model
+    input_ids = torch.randint(100, 1000, (4, 7))
+    mask = torch.ones_like(input_ids)
+    trainer._rows_agent_index = torch.tensor([0, 1, 1, 0])
+    mixed, _, _ = trainer._get_per_token_logps_and_entropies(model, input_ids, mask, 3)
+    trainer._rows_agent_index = None
+    trainer.router.route(None)
+    for agent in ("concise", "detailed"):
+        model.set_adapter(agent)
+        alone, _, _ = trainer._get_per_token_logps_and_entropies(model, input_ids, mask, 3)
+        rows = [0, 3] if agent == "concise" else [1, 2]
+        torch.testing.assert_close(mixed[rows], alone[rows], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(mixed[[0, 3]], mixed[[1, 2]].flip(0)), "agents should differ"
+
+
+def test_gradient_checkpointing_replays_each_row_with_its_adapter(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path)
+    randomize_adapters(trainer)
+    trainer.model.train()
+    batch = [example for example in trainer.train_dataset.select(range(2)) for _ in range(4)]
+    samples = trainer._generate_and_score_completions(batch)
+    trainer.router.route(["detailed"] * 16)  # a stale routing must not leak into the loss
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train() otherwise
+
+    def gradients(checkpointing):
+        model = trainer.model
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+        model.zero_grad()
+        trainer._compute_loss(model, samples).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, checkpointed = gradients(False), gradients(True)
+    assert any(".concise." in n for n in plain) and any(".detailed." in n for n in plain)
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=1e-4, atol=1e-6)
+
+
+def test_one_generate_call_gives_each_row_its_agents_greedy_output(tiny_model_dir, tmp_path):
+    agents = [{"name": "left"}, {"name": "right"}, {"name": "third"}]
+    trainer = make_trainer(
+        tiny_model_dir, tmp_path, agents=agents, generation_kwargs={"do_sample": False}, max_completion_length=5
+    )
+    randomize_adapters(trainer, seed=1)
+    model, unwrapped_generate = trainer.model, trainer.model.generate
+    calls = []
+    trainer.model.generate = lambda *a, **k: calls.append(k["input_ids"].size(0)) or unwrapped_generate(*a, **k)
+    prompts = [[{"role": "user", "content": p}] for p in PROMPTS[:2]]
+    team_prompts = [p for p in prompts for _ in agents]
+    trainer._route_rows([0, 1, 2, 0, 1, 2])
+    _, team_ids, *_ = trainer._generate(team_prompts)
+    assert calls == [6], "the whole team must be generated in one call"
+    trainer.router.route(None)
+    for index, agent in enumerate(agents):
+        model.set_adapter(agent["name"])
+        _, alone_ids, *_ = trainer._generate(prompts)
+        assert [team_ids[r * 3 + index] for r in range(2)] == alone_ids
+    assert team_ids[0] != team_ids[1] or team_ids[1] != team_ids[2], "agents should not all answer alike"
+
+
+def test_standard_prompts_go_through_the_chat_template(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, conversational=False, max_steps=1)
+    batch = [example for example in trainer.train_dataset.select(range(1)) for _ in range(4)]
+    trainer.model.train()
+    samples = trainer._generate_and_score_completions(batch)
+    text = trainer.processing_class.decode(samples["prompt_ids"][0], skip_special_tokens=False)
+    assert "<|im_start|>system\nAnswer in a few words.<|im_end|>" in text
+    assert "<|im_start|>user\nName a colour.<|im_end|>" in text
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_metrics_are_logged_per_agent(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=1)
+    trainer.train()
+    logs = trainer.state.log_history[0]
+    for key in ("reward", "reward_std", "rewards/length_ratio_reward/mean", "frac_reward_zero_std", "loss"):
+        assert key in logs, key
+    for agent in ("concise", "detailed"):
+        for metric in ("completion_length", "clipped_ratio", "advantage_mean", "advantage_std"):
+            assert f"agents/{agent}/{metric}" in logs
+        assert 1 <= logs[f"agents/{agent}/completion_length"] <= 6
+
+
+def test_reward_kwargs_carry_dataset_columns_and_turn(tiny_model_dir, tmp_path):
+    received = {}
+
+    def inspecting_reward(prompts, completions, completion_ids, topic, turn, **kwargs):
+        received.update(topic=topic, turn=turn, ids=completion_ids, prompts=prompts)
+        return [1.0] * len(prompts)
+
+    trainer = make_trainer(tiny_model_dir, tmp_path, reward=inspecting_reward, max_steps=1)
+    trainer.train()
+    assert set(received["topic"]) <= {"colour", "fruit", "count", "greet"}
+    assert received["turn"] == [0] * len(received["topic"])
+    assert set(received["ids"][0]) == {"concise", "detailed"}
+    assert isinstance(received["ids"][0]["concise"], list)
+
+
+def test_evaluate_logs_team_reward_under_eval(tiny_model_dir, tmp_path):
+    prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
+    eval_dataset = Dataset.from_dict({"prompt": prompts[:2]})
+    args = make_config(tmp_path, per_device_eval_batch_size=4, num_generations_eval=2)
+    trainer = MAGRPOTrainer(
+        tiny_model_dir,
+        length_ratio_reward,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        eval_dataset=eval_dataset,
+    )
+    metrics = trainer.evaluate()
+    assert "eval_reward" in metrics and "eval_agents/concise/completion_length" in metrics
+    assert metrics["eval_reward"] >= 0.0
+
+
+def test_save_model_writes_one_peft_adapter_per_agent(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=1)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "team"))
+    for agent in ("concise", "detailed"):
+        assert (tmp_path / "team" / agent / "adapter_model.safetensors").is_file()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    reloaded = PeftModel.from_pretrained(base, str(tmp_path / "team" / "concise"), adapter_name="concise")
+    reloaded.load_adapter(str(tmp_path / "team" / "detailed"), adapter_name="detailed")
+    trained = lora_params(trainer.model, "detailed")
+    for name, value in lora_params(reloaded, "detailed").items():
+        torch.testing.assert_close(value, trained[name])
+
+
+def test_shared_adapter_mode_trains_one_adapter(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, adapter_mode="shared", max_steps=1)
+    assert list(trainer.model.peft_config) == ["team"]
+    before = lora_params(trainer.model, "team")
+    trainer.train()
+    after = lora_params(trainer.model, "team")
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+
+
+@pytest.mark.parametrize(
+    ("reward", "message"),
+    [
+        (lambda prompts, completions, **kw: 1 / 0, "raised ZeroDivisionError"),
+        (lambda prompts, completions, **kw: [1.0], "returned 1 rewards for 4 joint actions"),
+        (lambda prompts, completions, **kw: [float("nan")] * len(prompts), "returned nan for joint action 0"),
+    ],
+    ids=["raises", "wrong-length", "nan"],
+)
+def test_bad_team_reward_is_an_error_naming_the_function(tiny_model_dir, tmp_path, reward, message):
+    def broken_team_reward(prompts, completions, **kwargs):
+        return reward(prompts, completions, **kwargs)
+
+    trainer = make_trainer(tiny_model_dir, tmp_path, reward=broken_team_reward, max_steps=1)
+    with pytest.raises(RewardFunctionError, match="broken_team_reward") as error:
+        trainer.train()
+    assert message in str(error.value)
+
+
+def test_peft_model_without_the_agents_adapters_is_rejected(tiny_model_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=2, task_type="CAUSAL_LM"))
+    dataset = Dataset.from_dict({"prompt": PROMPTS})
+    with pytest.raises(ValueError, match=r"missing \['concise', 'detailed'\]"):
+        MAGRPOTrainer(model, length_ratio_reward, args=make_config(tmp_path), train_dataset=dataset)
+
+
+def test_args_must_name_the_team(tiny_model_dir):
+    with pytest.raises(TypeError, match="MAGRPOConfig"):
+        MAGRPOTrainer(tiny_model_dir, length_ratio_reward, args=None, train_dataset=Dataset.from_dict({"prompt": ["x"]}))
