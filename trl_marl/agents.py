@@ -4,6 +4,7 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 from peft.utils import AuxiliaryTrainingWrapper
@@ -23,7 +24,8 @@ def lora_config_from_args(args: MAGRPOConfig) -> LoraConfig:
         r=args.lora_r,
         lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout,
-        target_modules=args.lora_target_modules,
+        # PEFT takes the "all-linear" shortcut only as a plain string.
+        target_modules="all-linear" if list(args.lora_target_modules) == ["all-linear"] else args.lora_target_modules,
         task_type="CAUSAL_LM",
     )
 
@@ -65,26 +67,59 @@ class AdapterRouter:
 
     def __init__(self, model: PeftModel):
         self.row_adapters: list[str] | None = None
-        self._handles = [
-            module.register_forward_pre_hook(self._inject_adapter_names, with_kwargs=True)
-            for module in model.modules()
-            if isinstance(module, (LoraLayer, AuxiliaryTrainingWrapper))
-        ]
+        self._handles = []
+        for module in model.modules():
+            if isinstance(module, (LoraLayer, AuxiliaryTrainingWrapper)):
+                self._handles.append(module.register_forward_pre_hook(self._inject_adapter_names, with_kwargs=True))
+            if isinstance(module, LoraLayer) and _is_4bit(module.get_base_layer()):
+                # PEFT's 4-bit layer clones the base output before adding LoRA deltas in its single-adapter path, not
+                # in its mixed-batch path, whose in-place add then fails under autograd: clone it here too.
+                self._handles.append(module.get_base_layer().register_forward_hook(self._clone_output))
 
     def _inject_adapter_names(self, module, args, kwargs):
         if self.row_adapters is not None:
             kwargs["adapter_names"] = self.row_adapters
         return args, kwargs
 
+    def _clone_output(self, module, args, output):
+        if self.row_adapters is not None and torch.is_grad_enabled():
+            return output.clone()
+        return None
+
     def route(self, row_adapters: Sequence[str] | None) -> None:
         """Route the rows of the next forward calls (until the next `route`); `None` uses the active adapter."""
         self.row_adapters = list(row_adapters) if row_adapters is not None else None
 
     def remove(self) -> None:
+        """Remove the hooks (the model then behaves as plain PEFT again)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self.row_adapters = None
+
+
+def _is_4bit(layer: torch.nn.Module) -> bool:
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return False
+    return isinstance(layer, bnb.nn.Linear4bit)
+
+
+def keep_4bit_weights_trainable(model: torch.nn.Module) -> None:
+    """Stop bitsandbytes from repacking 4-bit weights for CPU inference.
+
+    On CPUs with AVX512-BF16, a `Linear4bit` run in eval mode (e.g. `trainer.evaluate()`) repacks its weight into a
+    CPU inference layout and keeps it; later training forwards then go through a kernel without autograd, and the
+    adapters silently stop receiving gradients.
+    """
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
 
 
 def agent_prompt(system_prompt: str, prompt: str | list[dict], use_chat_template: bool) -> str | list[dict]:

@@ -103,12 +103,13 @@ class MAGRPOConfig(GRPOConfig):
             LoRA scaling numerator.
         lora_dropout (`float`, *optional*, defaults to `0.0`):
             Dropout on the LoRA input.
-        lora_target_modules (`list[str]` or `str`, *optional*, defaults to `"all-linear"`):
+        lora_target_modules (`list[str]`, *optional*, defaults to `["all-linear"]`):
             Modules that carry adapters. Ignored when a `peft_config` is passed to the trainer.
     """
 
     # Parameters that define the team
-    agents: list[Any] | None = field(
+    # Typed as names for command-line parsing; Python code and YAML files may give {'name', 'system_prompt'} dicts.
+    agents: list[str] | None = field(
         default=None,
         metadata={"help": "The agents: names or {'name', 'system_prompt'} dicts. Names must be unique."},
     )
@@ -133,8 +134,9 @@ class MAGRPOConfig(GRPOConfig):
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
-    lora_target_modules: list[str] | str = field(
-        default="all-linear", metadata={"help": "Modules that carry LoRA adapters."}
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["all-linear"],
+        metadata={"help": "Modules that carry LoRA adapters (module names, or 'all-linear')."},
     )
 
     def __post_init__(self):

@@ -25,6 +25,7 @@ from .agents import (
     agent_prompt,
     attach_agent_adapters,
     completion_text,
+    keep_4bit_weights_trainable,
     lora_config_from_args,
 )
 from .config import MAGRPOConfig
@@ -114,6 +115,7 @@ class MAGRPOTrainer(GRPOTrainer):
         # One adapter needs no routing, which keeps the single-agent case numerically identical to GRPOTrainer.
         unwrapped = self.accelerator.unwrap_model(self.model)
         self.router = AdapterRouter(unwrapped) if len(set(self.agent_adapters)) > 1 else None
+        keep_4bit_weights_trainable(unwrapped)
         self._rows_agent_index: torch.Tensor | None = None
         if args.ddp_find_unused_parameters is None and self.router is not None:
             # A micro-batch may hold rows of only some agents; the other adapters then get no gradient.
@@ -124,17 +126,6 @@ class MAGRPOTrainer(GRPOTrainer):
     def _route_rows(self, agent_index: torch.Tensor | list[int]) -> None:
         if self.router is not None:
             self.router.route([self.agent_adapters[int(i)] for i in agent_index])
-
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        # PEFT's per-row adapter mixing is an inference feature; eval mode also keeps dropout out of sampling.
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            return super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images=has_tool_images
-            )
-        finally:
-            self.model.train(was_training)
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kwargs

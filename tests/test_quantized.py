@@ -1,0 +1,53 @@
+"""A team on a 4-bit NF4 base (bitsandbytes, on the CPU here): every adapter trains, the quantized base does not."""
+
+import pytest
+import torch
+from datasets import Dataset
+
+from trl_marl import MAGRPOConfig, MAGRPOTrainer
+
+bitsandbytes = pytest.importorskip("bitsandbytes", reason="bitsandbytes is needed for 4-bit bases")
+
+
+def team_reward(prompts, completions, **kwargs):
+    return [float(len(c["writer"]) - len(c["critic"])) for c in completions]
+
+
+def test_two_agents_train_on_a_4bit_nf4_base(default_model_dir, tmp_path):
+    from transformers import BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+    args = MAGRPOConfig(
+        output_dir=str(tmp_path),
+        agents=[{"name": "writer", "system_prompt": "Write."}, {"name": "critic", "system_prompt": "Criticise."}],
+        num_generations=2,
+        per_device_train_batch_size=4,
+        max_completion_length=4,
+        max_steps=2,
+        learning_rate=1e-2,
+        lora_r=4,
+        lora_target_modules=["q_proj", "v_proj"],
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+    )
+    dataset = Dataset.from_dict(
+        {"prompt": [[{"role": "user", "content": "Name a colour."}], [{"role": "user", "content": "Say hi."}]]}
+    )
+    trainer = MAGRPOTrainer(
+        default_model_dir, team_reward, args=args, train_dataset=dataset, quantization_config=quantization
+    )
+    linear4bit = [m for m in trainer.model.modules() if isinstance(m, bitsandbytes.nn.Linear4bit)]
+    assert linear4bit, "the base should be quantized"
+    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
+    adapters = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+    trainer.train()
+    after = dict(trainer.model.named_parameters())
+    for agent in ("writer", "critic"):
+        names = [n for n in adapters if f".{agent}." in n]
+        assert any(not torch.equal(adapters[n], after[n].detach()) for n in names), f"{agent} did not train"
+    for name, value in frozen.items():
+        assert torch.equal(value, after[name].detach()), f"base weight {name} changed"
