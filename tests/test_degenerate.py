@@ -13,7 +13,9 @@ PROMPTS = ["Name a colour.", "Name a fruit.", "Count to three.", "Say hello."]
 
 def fixed_completions(prompt_ids, eos_id):
     """Deterministic completions of varied lengths, so both trainers see exactly the same samples."""
-    return [[(sum(ids) + 7 * i + k) % 4000 + 100 for k in range(1 + (i % 5))] + [eos_id] for i, ids in enumerate(prompt_ids)]
+    return [
+        [(sum(ids) + 7 * i + k) % 4000 + 100 for k in range(1 + i % 5)] + [eos_id] for i, ids in enumerate(prompt_ids)
+    ]
 
 
 def length_reward(completions):

@@ -72,6 +72,19 @@ def test_every_adapter_trains_and_base_stays_frozen(tiny_model_dir, tmp_path, jo
             assert torch.equal(base_before[name], param.detach()), f"base weight {name} changed"
 
 
+def test_routing_is_cleared_after_training_so_set_adapter_works_again(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=1)
+    randomize_adapters(trainer)
+    trainer.train()
+    assert trainer.router.row_adapters is None
+    model, inputs = trainer.model, torch.randint(100, 1000, (2, 5))
+    outputs = {}
+    for agent in ("concise", "detailed"):
+        model.set_adapter(agent)
+        outputs[agent] = model(input_ids=inputs).logits
+    assert not torch.allclose(outputs["concise"], outputs["detailed"])
+
+
 def test_samples_carry_agent_turn_and_group(tiny_model_dir, tmp_path):
     trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=1)
     batch = [example for example in trainer.train_dataset.select(range(2)) for _ in range(4)]
@@ -269,7 +282,8 @@ def test_bad_team_reward_is_an_error_naming_the_function(tiny_model_dir, tmp_pat
 def test_peft_model_without_the_agents_adapters_is_rejected(tiny_model_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=2, task_type="CAUSAL_LM"))
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model = get_peft_model(base, LoraConfig(r=2, task_type="CAUSAL_LM"))
     dataset = Dataset.from_dict({"prompt": PROMPTS})
     with pytest.raises(ValueError, match=r"missing \['concise', 'detailed'\]"):
         MAGRPOTrainer(model, length_ratio_reward, args=make_config(tmp_path), train_dataset=dataset)
@@ -277,4 +291,4 @@ def test_peft_model_without_the_agents_adapters_is_rejected(tiny_model_dir, tmp_
 
 def test_args_must_name_the_team(tiny_model_dir):
     with pytest.raises(TypeError, match="MAGRPOConfig"):
-        MAGRPOTrainer(tiny_model_dir, length_ratio_reward, args=None, train_dataset=Dataset.from_dict({"prompt": ["x"]}))
+        MAGRPOTrainer(tiny_model_dir, length_ratio_reward, args=None, train_dataset=Dataset.from_dict({"prompt": []}))

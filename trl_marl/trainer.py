@@ -159,6 +159,25 @@ class MAGRPOTrainer(GRPOTrainer):
         self._rows_agent_index = inputs["agent_index"]
         return super()._compute_loss(model, inputs)
 
+    def _clear_routing(self) -> None:
+        self._rows_agent_index = None
+        if self.router is not None:
+            self.router.route(None)
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        # The routing of a micro-batch must outlive its forward (checkpointing replays it in the backward) but not
+        # the step: afterwards the model answers to `set_adapter` again.
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._clear_routing()
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        try:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        finally:
+            self._clear_routing()
+
     # ------------------------------------------------------------------ rollout
 
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
@@ -176,7 +195,10 @@ class MAGRPOTrainer(GRPOTrainer):
             for agent in self.args.agents
         ]
         self._route_rows(agent_index)
-        prompt_ids_list, completion_ids_list, _, completions, *_ = self._generate(agent_prompts)
+        try:
+            prompt_ids_list, completion_ids_list, _, completions, *_ = self._generate(agent_prompts)
+        finally:
+            self._clear_routing()
         texts = [completion_text(c) for c in completions]
 
         rewards_per_func, joint_prompts, joint_completions = self._score_joint_actions(
@@ -283,6 +305,7 @@ class MAGRPOTrainer(GRPOTrainer):
                     logps["ref_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
                         self.model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
                     )
+        self._clear_routing()
         return logps
 
     # ------------------------------------------------------------------ metrics
