@@ -85,7 +85,7 @@ def main() -> None:
         per_device_eval_batch_size=8,
         num_generations_eval=4,
         max_completion_length=40,
-        max_steps=30,
+        max_steps=16,
         learning_rate=5e-4,
         lr_scheduler_type="constant",
         lora_r=16,

@@ -88,6 +88,10 @@ class MAGRPOTrainer(GRPOTrainer):
         set_seed(args.seed)
         model = attach_agent_adapters(model, self.agent_adapters, peft_config or lora_config_from_args(args))
 
+        if args.ddp_find_unused_parameters is None and len(set(self.agent_adapters)) > 1:
+            # A micro-batch may hold rows of only some agents; the other adapters then get no gradient under DDP.
+            args.ddp_find_unused_parameters = True
+
         # TRL would clone an adapter named "default" as the KL reference when given a PeftModel with beta != 0; with
         # fresh adapters the base model (adapters disabled) is every agent's reference, which TRL uses when no "ref"
         # adapter exists. model_init_kwargs were used above; TRL would warn that they are ignored.
@@ -117,9 +121,6 @@ class MAGRPOTrainer(GRPOTrainer):
         self.router = AdapterRouter(unwrapped) if len(set(self.agent_adapters)) > 1 else None
         keep_4bit_weights_trainable(unwrapped)
         self._rows_agent_index: torch.Tensor | None = None
-        if args.ddp_find_unused_parameters is None and self.router is not None:
-            # A micro-batch may hold rows of only some agents; the other adapters then get no gradient.
-            args.ddp_find_unused_parameters = True
 
     # ------------------------------------------------------------------ routing
 
@@ -238,7 +239,7 @@ class MAGRPOTrainer(GRPOTrainer):
         per_row_ids = [completion_ids_list[r * num_agents : (r + 1) * num_agents] for r in range(len(inputs))]
         if self.joint_mode == "aligned":
             choices = [[(r, a) for a in range(num_agents)] for r in range(len(inputs))]
-            sources_texts, sources_ids, offset = per_row_texts, per_row_ids, 0
+            sources_texts, sources_ids = per_row_texts, per_row_ids
             joint_rows = list(range(len(inputs)))
         else:
             # Other agents' completions of a group may live on other processes.

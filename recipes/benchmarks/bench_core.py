@@ -242,7 +242,13 @@ def bench_generate(model_path, s, num_agents):
 # --------------------------------------------------------------------------------------------------- 3. peak memory
 
 
-def memory_worker(num_agents, s):
+MEMORY_LORAS = {  # the default adapters, and small ones on the attention projections only
+    "r16-all-linear": dict(lora_r=16, lora_alpha=32, lora_target_modules=["all-linear"]),
+    "r8-q,v": dict(lora_r=8, lora_alpha=16, lora_target_modules=["q_proj", "v_proj"]),
+}
+
+
+def memory_worker(num_agents, batch, lora, s):
     """Runs in its own process: training steps of `num_agents` agents on a 4-bit NF4 base; prints one JSON line.
 
     Completions are fixed token lists, as in the step benchmark: 4-bit generation is very slow on CPU, and at these
@@ -256,8 +262,8 @@ def memory_worker(num_agents, s):
     )
     length = s["mem_length"]
     with tempfile.TemporaryDirectory() as tmp:
-        args = train_args(tmp, s["mem_batch"], length, s["mem_generations"], max_steps=s["mem_steps"])
-        config = MAGRPOConfig(agents=names, lora_r=LORA["r"], lora_alpha=LORA["lora_alpha"], **args)
+        args = train_args(tmp, batch, length, s["mem_generations"], max_steps=s["mem_steps"])
+        config = MAGRPOConfig(agents=names, **MEMORY_LORAS[lora], **args)
         trainer = MAGRPOTrainer(
             default_model_path(), team_reward, args=config, train_dataset=dataset(), quantization_config=quantization
         )
@@ -288,34 +294,35 @@ def reset_peak():
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
 
 
+def run_memory_worker(num_agents, batch, lora, quick):
+    command = [sys.executable, __file__, "--memory-worker", str(num_agents), str(batch), lora]
+    result = subprocess.run(command + (["--quick"] if quick else []), capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"memory worker ({num_agents} agents) failed:\n{result.stderr[-3000:]}")
+    worker = json.loads(result.stdout.strip().splitlines()[-1])
+    adapter_params = worker.pop("adapter_params")
+    m = {key: value / 2**20 for key, value in worker.items()}
+    m["net"] = max(m["load_peak"], m["train_peak"]) - m["imports"]
+    print(f"  {num_agents} agent(s), batch {batch}, {lora}: " + ", ".join(f"{k} {v:.0f} MiB" for k, v in m.items()))
+    return m, adapter_params
+
+
 def bench_memory(s, quick):
-    mib, rows = {}, []
-    for n in (1, 4):
-        command = [sys.executable, __file__, "--memory-worker", str(n)] + (["--quick"] if quick else [])
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"memory worker ({n} agents) failed:\n{result.stderr[-3000:]}")
-        worker = json.loads(result.stdout.strip().splitlines()[-1])
-        adapter_params = worker.pop("adapter_params")
-        m = mib[n] = {key: value / 2**20 for key, value in worker.items()}
-        m["net"] = max(m["load_peak"], m["train_peak"]) - m["imports"]
-        m["train_net"] = m["train_peak"] - m["imports"]
-        print(f"  {n} agent(s): " + ", ".join(f"{key} {value:.0f} MiB" for key, value in m.items()))
-        what = "torch.cuda.max_memory_allocated" if ON_CUDA else "peak RSS"
-        if not ON_CUDA:
-            rows.append((f"memory {n} agent(s): RSS after imports, MiB", m["imports"], None))
-        rows.append((f"memory {n} agent(s): {what} while loading, MiB", m["load_peak"], None))
-        rows.append((f"memory {n} agent(s): {what} while training, MiB", m["train_peak"], None))
-        rows.append((f"memory {n} agent(s): {what} net of imports, MiB", m["net"], None))
-    rows.append((f"memory: adapter parameters per agent (LoRA r={LORA['r']}, all-linear)", adapter_params, None))
-    rows.append(
-        ("memory: ratio 4/1 agents, training peak net of imports", mib[4]["train_net"] / mib[1]["train_net"], None)
-    )
-    rows.append(("memory: ratio 4/1 agents, process peak net of imports", mib[4]["net"] / mib[1]["net"], "memory"))
+    """4 agents vs 1 with the same number of sequences per micro-batch (the 1-agent run takes 4x the prompt copies):
+    what the extra agents cost. The 4-agent run at the 1-agent batch (4x the sequences) is shown too."""
+    what = "torch.cuda.max_memory_allocated" if ON_CUDA else "peak RSS net of imports"
+    rows, small = [], s["mem_batch"]
+    for lora in MEMORY_LORAS:
+        one, adapter_params = run_memory_worker(1, 4 * small, lora, quick)
+        four, _ = run_memory_worker(4, small, lora, quick)
+        rows.append((f"memory {lora}: adapter parameters per agent", adapter_params, None))
+        rows.append((f"memory {lora}: 1 agent, {4 * small} prompt copies, {what}, MiB", one["net"], None))
+        rows.append((f"memory {lora}: 4 agents, {small} prompt copies, {what}, MiB", four["net"], None))
+        rows.append((f"memory {lora}: ratio 4/1 agents, same sequences", four["net"] / one["net"], "memory"))
     held = (
-        f"4-bit NF4 base, per_device_train_batch_size={s['mem_batch']} prompt copies (so a micro-batch trains "
-        f"4x more sequences with 4 agents), G={s['mem_generations']}, fixed completions of {s['mem_length']} "
-        f"tokens, {s['mem_steps']} step(s), LoRA r={LORA['r']} per agent"
+        f"4-bit NF4 base, G={s['mem_generations']}, fixed completions of {s['mem_length']} tokens, "
+        f"{s['mem_steps']} step(s); 1 agent x {4 * small} prompt copies vs 4 agents x {small} prompt copies = the "
+        "same number of sequences per micro-batch; each configuration in its own process"
     )
     return rows, held
 
@@ -336,11 +343,12 @@ def main():
     parser.add_argument("--quick", action="store_true", help="tiny settings, to check that the script works")
     parser.add_argument("--only", choices=["step", "generate", "memory"], help="run one part only")
     parser.add_argument("--output", help="JSON summary (default: results/bench_core[_quick].json next to this file)")
-    parser.add_argument("--memory-worker", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-worker", nargs=3, metavar=("AGENTS", "BATCH", "LORA"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     s = SETTINGS["quick" if args.quick else "full"]
     if args.memory_worker:
-        return memory_worker(args.memory_worker, s)
+        num_agents, batch, lora = args.memory_worker
+        return memory_worker(int(num_agents), int(batch), lora, s)
 
     torch.manual_seed(SEED)
     path, rows, held = default_model_path(), [], {}
