@@ -251,6 +251,24 @@ def test_save_model_writes_one_peft_adapter_per_agent(tiny_model_dir, tmp_path):
         torch.testing.assert_close(value, trained[name])
 
 
+def test_checkpoint_holds_every_agent_and_resuming_trains_every_agent(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=1, save_strategy="steps", save_steps=1)
+    trainer.train()
+    checkpoint = tmp_path / "out" / "checkpoint-1"
+    for agent in ("concise", "detailed"):
+        assert (checkpoint / agent / "adapter_model.safetensors").is_file()
+    assert (checkpoint / "optimizer.pt").is_file()
+    saved = {agent: lora_params(trainer.model, agent) for agent in ("concise", "detailed")}
+
+    resumed = make_trainer(tiny_model_dir, tmp_path, max_steps=2, save_strategy="no")
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 2
+    for agent, before in saved.items():
+        after = lora_params(resumed.model, agent)
+        assert all(p.requires_grad for n, p in resumed.model.named_parameters() if f".{agent}." in n)
+        assert any(not torch.equal(before[n], after[n]) for n in before), f"{agent} did not train after resuming"
+
+
 def test_shared_adapter_mode_trains_one_adapter(tiny_model_dir, tmp_path):
     trainer = make_trainer(tiny_model_dir, tmp_path, adapter_mode="shared", max_steps=1)
     assert list(trainer.model.peft_config) == ["team"]

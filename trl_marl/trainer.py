@@ -179,6 +179,14 @@ class MAGRPOTrainer(GRPOTrainer):
         finally:
             self._clear_routing()
 
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model=model)
+        # Trainer reloads every adapter of a PeftModel but leaves only the active one trainable, and builds the
+        # optimizer afterwards: without this, a resumed run would train a single agent.
+        self.accelerator.unwrap_model(model or self.model).set_requires_grad(
+            list(dict.fromkeys(self.agent_adapters)), requires_grad=True
+        )
+
     # ------------------------------------------------------------------ rollout
 
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
