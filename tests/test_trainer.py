@@ -4,7 +4,7 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import PeftModel
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, RewardFunctionError
 
@@ -252,21 +252,26 @@ def test_save_model_writes_one_peft_adapter_per_agent(tiny_model_dir, tmp_path):
 
 
 def test_checkpoint_holds_every_agent_and_resuming_trains_every_agent(tiny_model_dir, tmp_path):
-    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=1, save_strategy="steps", save_steps=1)
+    settings = dict(max_steps=2, lr_scheduler_type="constant")
+    trainer = make_trainer(tiny_model_dir, tmp_path, save_strategy="steps", save_steps=1, **settings)
     trainer.train()
     checkpoint = tmp_path / "out" / "checkpoint-1"
     for agent in ("concise", "detailed"):
         assert (checkpoint / agent / "adapter_model.safetensors").is_file()
     assert (checkpoint / "optimizer.pt").is_file()
-    saved = {agent: lora_params(trainer.model, agent) for agent in ("concise", "detailed")}
 
-    resumed = make_trainer(tiny_model_dir, tmp_path, max_steps=2, save_strategy="no")
+    class RecordResumedAdapters(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.loaded = {agent: lora_params(model, agent) for agent in ("concise", "detailed")}
+
+    resumed = make_trainer(tiny_model_dir, tmp_path, save_strategy="no", **settings)
+    record = RecordResumedAdapters()
+    resumed.add_callback(record)
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == 2
-    for agent, before in saved.items():
+    for agent, loaded in record.loaded.items():
         after = lora_params(resumed.model, agent)
-        assert all(p.requires_grad for n, p in resumed.model.named_parameters() if f".{agent}." in n)
-        assert any(not torch.equal(before[n], after[n]) for n in before), f"{agent} did not train after resuming"
+        assert any(not torch.equal(loaded[n], after[n]) for n in loaded), f"{agent} did not train after resuming"
 
 
 def test_shared_adapter_mode_trains_one_adapter(tiny_model_dir, tmp_path):
