@@ -45,8 +45,11 @@ def attach_agent_adapters(model: Any, adapter_names: Sequence[str], lora_config:
                 f"{unique_names}: missing {missing}. Pass the base model instead and let the trainer add the adapters."
             )
     else:
-        if lora_config.use_dora:
-            raise ValueError("DoRA adapters cannot be routed per row by PEFT; set `use_dora=False` in `peft_config`.")
+        if lora_config.use_dora and len(unique_names) > 1:
+            raise ValueError(
+                "DoRA adapters cannot be routed per row by PEFT; set `use_dora=False` in `peft_config`, or share one "
+                "adapter (`adapter_mode='shared'`)."
+            )
         model = get_peft_model(model, copy.deepcopy(lora_config), adapter_name=unique_names[0])
         for name in unique_names[1:]:
             model.add_adapter(name, copy.deepcopy(lora_config))
