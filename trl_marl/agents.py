@@ -1,4 +1,4 @@
-"""Agents on one base model: one LoRA adapter per agent, and per-row routing of a batch to its agents' adapters."""
+"""Agents on one base model: one LoRA adapter per agent, and the prompt each agent sees."""
 
 import copy
 from collections.abc import Sequence
@@ -6,8 +6,6 @@ from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from peft.tuners.lora import LoraLayer
-from peft.utils import AuxiliaryTrainingWrapper
 
 from .config import SHARED_ADAPTER_NAME, MAGRPOConfig
 
@@ -57,56 +55,6 @@ def attach_agent_adapters(model: Any, adapter_names: Sequence[str], lora_config:
     # built: without this only the first agent would learn.
     model.set_requires_grad(unique_names, requires_grad=True)
     return model
-
-
-class AdapterRouter:
-    """Routes row `i` of every forward to adapter `row_adapters[i]`, in training as in generation.
-
-    PEFT's LoRA layers already compute a mixed-adapter batch when given `adapter_names=` (one adapter per row), but
-    `PeftModel` only accepts that argument in eval mode, through hooks that live for one call. The router installs
-    the same injection as persistent hooks, so the routing set before a training forward is still in place when
-    gradient checkpointing recomputes that forward during the backward pass.
-    """
-
-    def __init__(self, model: PeftModel):
-        self.row_adapters: list[str] | None = None
-        self._handles = []
-        for module in model.modules():
-            if isinstance(module, (LoraLayer, AuxiliaryTrainingWrapper)):
-                self._handles.append(module.register_forward_pre_hook(self._inject_adapter_names, with_kwargs=True))
-            if isinstance(module, LoraLayer) and _is_4bit(module.get_base_layer()):
-                # PEFT's 4-bit layer clones the base output before adding LoRA deltas in its single-adapter path, not
-                # in its mixed-batch path, whose in-place add then fails under autograd: clone it here too.
-                self._handles.append(module.get_base_layer().register_forward_hook(self._clone_output))
-
-    def _inject_adapter_names(self, module, args, kwargs):
-        if self.row_adapters is not None:
-            kwargs["adapter_names"] = self.row_adapters
-        return args, kwargs
-
-    def _clone_output(self, module, args, output):
-        if self.row_adapters is not None and torch.is_grad_enabled():
-            return output.clone()
-        return None
-
-    def route(self, row_adapters: Sequence[str] | None) -> None:
-        """Route the rows of the next forward calls (until the next `route`); `None` uses the active adapter."""
-        self.row_adapters = list(row_adapters) if row_adapters is not None else None
-
-    def remove(self) -> None:
-        """Remove the hooks (the model then behaves as plain PEFT again)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self.row_adapters = None
-
-
-def _is_4bit(layer: torch.nn.Module) -> bool:
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        return False
-    return isinstance(layer, bnb.nn.Linear4bit)
 
 
 def keep_4bit_weights_trainable(model: torch.nn.Module) -> None:

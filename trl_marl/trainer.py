@@ -20,7 +20,6 @@ from trl.trainer.utils import create_model_from_path, nanstd, pad, use_adapter
 
 from .advantages import aligned_credit, cross_credit, group_advantages, team_rewards
 from .agents import (
-    AdapterRouter,
     agent_adapter_names,
     agent_prompt,
     attach_agent_adapters,
@@ -30,6 +29,7 @@ from .agents import (
 )
 from .config import MAGRPOConfig
 from .rewards import TeamRewardFunc, checked_team_reward
+from .routing import AdapterRouter
 
 
 class MAGRPOTrainer(GRPOTrainer):
@@ -118,7 +118,7 @@ class MAGRPOTrainer(GRPOTrainer):
         self._use_chat_template = getattr(self.processing_class, "chat_template", None) is not None
         # One adapter needs no routing, which keeps the single-agent case numerically identical to GRPOTrainer.
         unwrapped = self.accelerator.unwrap_model(self.model)
-        self.router = AdapterRouter(unwrapped) if len(set(self.agent_adapters)) > 1 else None
+        self.router = AdapterRouter(unwrapped, self.agent_adapters) if len(set(self.agent_adapters)) > 1 else None
         keep_4bit_weights_trainable(unwrapped)
         self._rows_agent_index: torch.Tensor | None = None
 

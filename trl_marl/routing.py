@@ -1,0 +1,125 @@
+"""Per-row routing of a batch to its agents' LoRA adapters, for training forwards as for generation.
+
+A batch mixes the agents' rows; each row must go through its own agent's adapter, in one forward. The router keeps
+the routing in persistent hooks (not, as PEFT's `adapter_names=`, in hooks that live for one call and only in eval
+mode), so the routing set before a training forward is still in place when gradient checkpointing replays that
+forward in the backward pass.
+
+Plain LoRA layers (linear, same rank and dropout for every agent) get a batched path: the base layer runs once, then
+each row's LoRA delta is `scale_a · B_a A_a x` with the agents' matrices stacked and gathered per row, two batched
+matmuls whatever the number of agents. Other layers (LoRA variants, `modules_to_save`, …) use PEFT's own mixed-batch
+path (`adapter_names=` injected per call), which loops over the agents.
+"""
+
+from collections.abc import Sequence
+
+import torch
+from peft import PeftModel
+from peft.tuners.lora import LoraLayer
+from peft.utils import AuxiliaryTrainingWrapper
+
+
+class AdapterRouter:
+    """Routes row `i` of every forward to adapter `row_adapters[i]` until the next `route` call.
+
+    Args:
+        model: the `PeftModel` carrying the adapters.
+        adapter_names: the adapters rows may be routed to.
+    """
+
+    def __init__(self, model: PeftModel, adapter_names: Sequence[str]):
+        self.adapter_names = list(dict.fromkeys(adapter_names))
+        self.row_adapters: list[str] | None = None
+        self._row_index: torch.Tensor | None = None
+        self._stacks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # weights stacked once per no-grad routing
+        self._handles = []
+        for module in model.modules():
+            if isinstance(module, LoraLayer) and self._is_plain_lora(module):
+                self._handles.append(module.register_forward_pre_hook(self._base_only, with_kwargs=True))
+                self._handles.append(module.register_forward_hook(self._add_routed_lora))
+            elif isinstance(module, (LoraLayer, AuxiliaryTrainingWrapper)):
+                self._handles.append(module.register_forward_pre_hook(self._inject_adapter_names, with_kwargs=True))
+                if isinstance(module, LoraLayer) and _is_4bit(module.get_base_layer()):
+                    # PEFT's 4-bit layer clones the base output before adding LoRA deltas in its single-adapter path
+                    # but not in its mixed-batch path, whose in-place add then fails under autograd.
+                    self._handles.append(module.get_base_layer().register_forward_hook(self._clone_output))
+
+    def _is_plain_lora(self, layer: LoraLayer) -> bool:
+        if getattr(layer, "fan_in_fan_out", False) or not all(name in layer.lora_A for name in self.adapter_names):
+            return False
+        if any(name in layer.lora_variant or layer.lora_bias.get(name, False) for name in self.adapter_names):
+            return False
+        if not all(isinstance(layer.lora_A[name], torch.nn.Linear) for name in self.adapter_names):
+            return False
+        ranks = {layer.r[name] for name in self.adapter_names}
+        dropouts = {getattr(layer.lora_dropout[name], "p", 0.0) for name in self.adapter_names}
+        return len(ranks) == 1 and len(dropouts) == 1
+
+    def route(self, row_adapters: Sequence[str] | None) -> None:
+        """Route the rows of the next forward calls; `None` gives the model back to PEFT's active adapter."""
+        self._stacks.clear()
+        if row_adapters is None:
+            self.row_adapters = self._row_index = None
+            return
+        unknown = set(row_adapters) - set(self.adapter_names)
+        if unknown:
+            raise ValueError(f"Cannot route rows to adapters {sorted(unknown)}; known: {self.adapter_names}.")
+        self.row_adapters = list(row_adapters)
+        self._row_index = torch.tensor([self.adapter_names.index(name) for name in row_adapters])
+
+    # -- batched path
+
+    def _base_only(self, module, args, kwargs):
+        # "__base__" is PEFT's name for "no adapter": the layer then returns its base output, to which the routed
+        # LoRA deltas are added below.
+        if self.row_adapters is not None:
+            kwargs["adapter_names"] = ["__base__"] * args[0].shape[0]
+        return args, kwargs
+
+    def _stacked(self, layer: LoraLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(A, B)` of every routable adapter, `(N, r, in)` and `(N, out, r)`, B pre-multiplied by the scaling."""
+        cached = self._stacks.get(id(layer))
+        if cached is not None:
+            return cached
+        lora_a = torch.stack([layer.lora_A[name].weight for name in self.adapter_names])
+        lora_b = torch.stack([layer.lora_B[name].weight * layer.scaling[name] for name in self.adapter_names])
+        if not torch.is_grad_enabled():  # generation: the weights do not change until the next routing
+            self._stacks[id(layer)] = (lora_a, lora_b)
+        return lora_a, lora_b
+
+    def _add_routed_lora(self, module, args, output):
+        if self.row_adapters is None or module.disable_adapters or module.merged:
+            return None
+        x = args[0]
+        lora_a, lora_b = self._stacked(module)
+        rows = self._row_index.to(x.device)
+        x = module.lora_dropout[self.adapter_names[0]](x).to(lora_a.dtype)
+        hidden = torch.einsum("b...i,bri->b...r", x, lora_a[rows])
+        return output + torch.einsum("b...r,bor->b...o", hidden, lora_b[rows]).to(output.dtype)
+
+    # -- PEFT's mixed-batch path
+
+    def _inject_adapter_names(self, module, args, kwargs):
+        if self.row_adapters is not None:
+            kwargs["adapter_names"] = self.row_adapters
+        return args, kwargs
+
+    def _clone_output(self, module, args, output):
+        if self.row_adapters is not None and torch.is_grad_enabled():
+            return output.clone()
+        return None
+
+    def remove(self) -> None:
+        """Remove the hooks (the model then behaves as plain PEFT again)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.route(None)
+
+
+def _is_4bit(layer: torch.nn.Module) -> bool:
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return False
+    return isinstance(layer, bnb.nn.Linear4bit)
