@@ -31,7 +31,7 @@ class AdapterRouter:
         self.adapter_names = list(dict.fromkeys(adapter_names))
         self.row_adapters: list[str] | None = None
         self._row_index: torch.Tensor | None = None
-        self._stacks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # weights stacked once per no-grad routing
+        self._stacks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row weights, kept while no grad is taken
         self._handles = []
         for module in model.modules():
             if isinstance(module, LoraLayer) and self._is_plain_lora(module):
@@ -66,6 +66,7 @@ class AdapterRouter:
             raise ValueError(f"Cannot route rows to adapters {sorted(unknown)}; known: {self.adapter_names}.")
         self.row_adapters = list(row_adapters)
         self._row_index = torch.tensor([self.adapter_names.index(name) for name in row_adapters])
+        self._base_names = ["__base__"] * len(self.row_adapters)
 
     # -- batched path
 
@@ -73,29 +74,29 @@ class AdapterRouter:
         # "__base__" is PEFT's name for "no adapter": the layer then returns its base output, to which the routed
         # LoRA deltas are added below.
         if self.row_adapters is not None:
-            kwargs["adapter_names"] = ["__base__"] * args[0].shape[0]
+            kwargs["adapter_names"] = self._base_names
         return args, kwargs
 
-    def _stacked(self, layer: LoraLayer) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(A, B)` of every routable adapter, `(N, r, in)` and `(N, out, r)`, B pre-multiplied by the scaling."""
+    def _row_weights(self, layer: LoraLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's `A` `(rows, r, in)` and scaled `B` `(rows, out, r)`, gathered from the stacked adapters."""
         cached = self._stacks.get(id(layer))
         if cached is not None:
             return cached
         lora_a = torch.stack([layer.lora_A[name].weight for name in self.adapter_names])
         lora_b = torch.stack([layer.lora_B[name].weight * layer.scaling[name] for name in self.adapter_names])
+        rows = self._row_index.to(lora_a.device)
+        row_weights = lora_a[rows], lora_b[rows]
         if not torch.is_grad_enabled():  # generation: the weights do not change until the next routing
-            self._stacks[id(layer)] = (lora_a, lora_b)
-        return lora_a, lora_b
+            self._stacks[id(layer)] = row_weights
+        return row_weights
 
     def _add_routed_lora(self, module, args, output):
         if self.row_adapters is None or module.disable_adapters or module.merged:
             return None
-        x = args[0]
-        lora_a, lora_b = self._stacked(module)
-        rows = self._row_index.to(x.device)
-        x = module.lora_dropout[self.adapter_names[0]](x).to(lora_a.dtype)
-        hidden = torch.einsum("b...i,bri->b...r", x, lora_a[rows])
-        return output + torch.einsum("b...r,bor->b...o", hidden, lora_b[rows]).to(output.dtype)
+        row_a, row_b = self._row_weights(module)
+        x = module.lora_dropout[self.adapter_names[0]](args[0]).to(row_a.dtype)
+        hidden = torch.einsum("b...i,bri->b...r", x, row_a)
+        return output + torch.einsum("b...r,bor->b...o", hidden, row_b).to(output.dtype)
 
     # -- PEFT's mixed-batch path
 

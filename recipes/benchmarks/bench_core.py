@@ -8,7 +8,8 @@
              own `step_time` (`training_step` only) is shown too. Runs alternate TRL, MAGRPO, TRL, ... to cancel drift.
 2. generate: tokens/s of ONE `generate` call for the whole team (rows routed to their agent's adapter) vs one call
              per agent (`set_adapter`), N = 2 and 4 agents with randomised LoRA B (so the adapters differ), the same
-             prompts for every agent, and every completion forced to exactly T new tokens (min = max = T).
+             prompts for every agent, and every completion forced to exactly T new tokens (min = max = T). Also the
+             same rows in one call on a single adapter: the bound routing can approach (the cost of batching itself).
 3. memory:   peak memory of training steps (fixed completions) with 4 agents vs 1 agent on a 4-bit NF4 base, each
              in its own subprocess: `torch.cuda.max_memory_allocated()` on CUDA, else peak RSS (VmHWM) net of the RSS
              after imports. The peak is taken while loading, then reset and taken while training; the target ratio
@@ -220,9 +221,15 @@ def bench_generate(model_path, s, num_agents):
             completion_ids += trainer._generate(prompts)[1]
         return completion_ids
 
-    totals = {"routed": [0, 0.0], "per_agent": [0, 0.0]}  # tokens, seconds
+    def one_adapter():  # the same rows in one call on a single adapter: what routing can at best approach
+        trainer.router.route(None)
+        trainer.model.set_adapter(names[0])
+        return trainer._generate([p for p in prompts for _ in names])[1]
+
+    modes = (("routed", routed), ("per_agent", per_agent), ("one_adapter", one_adapter))
+    totals = {mode: [0, 0.0] for mode, _ in modes}  # tokens, seconds
     for rep in range(s["gen_reps"] + 1):  # rep 0 is a warm-up
-        for mode, generate in (("routed", routed), ("per_agent", per_agent)):
+        for mode, generate in modes:
             start = time.perf_counter()
             completion_ids = generate()
             elapsed = time.perf_counter() - start
@@ -231,8 +238,13 @@ def bench_generate(model_path, s, num_agents):
                 totals[mode][0] += sum(len(ids) for ids in completion_ids)
                 totals[mode][1] += elapsed
     speed = {mode: n / t for mode, (n, t) in totals.items()}
-    print(f"  {num_agents} agents: routed {speed['routed']:.1f} tok/s, per agent {speed['per_agent']:.1f} tok/s")
+    print(
+        f"  {num_agents} agents: routed {speed['routed']:.1f} tok/s, per agent {speed['per_agent']:.1f} tok/s, "
+        f"same rows on one adapter {speed['one_adapter']:.1f} tok/s"
+    )
     return [
+        (f"generate {num_agents} agents: same rows on one adapter, tok/s", speed["one_adapter"], None),
+        (f"generate {num_agents} agents: routed / one adapter", speed["routed"] / speed["one_adapter"], None),
         (f"generate {num_agents} agents: one routed call, tok/s", speed["routed"], None),
         (f"generate {num_agents} agents: one call per agent, tok/s", speed["per_agent"], None),
         (f"generate {num_agents} agents: speed-up", speed["routed"] / speed["per_agent"], f"generate_{num_agents}"),
