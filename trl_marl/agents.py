@@ -57,6 +57,14 @@ def attach_agent_adapters(model: Any, adapter_names: Sequence[str], lora_config:
     return model
 
 
+def is_4bit_linear(layer: torch.nn.Module) -> bool:
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return False
+    return isinstance(layer, bnb.nn.Linear4bit)
+
+
 def keep_4bit_weights_trainable(model: torch.nn.Module) -> None:
     """Stop bitsandbytes from repacking 4-bit weights for CPU inference.
 
@@ -64,12 +72,8 @@ def keep_4bit_weights_trainable(model: torch.nn.Module) -> None:
     CPU inference layout and keeps it; later training forwards then go through a kernel without autograd, and the
     adapters silently stop receiving gradients.
     """
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        return
     for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
+        if is_4bit_linear(module):
             module.support_avx512bf16_for_cpu = False
 
 

@@ -18,6 +18,8 @@ from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 from peft.utils import AuxiliaryTrainingWrapper
 
+from .agents import is_4bit_linear
+
 
 class AdapterRouter:
     """Routes row `i` of every forward to adapter `row_adapters[i]` until the next `route` call.
@@ -31,7 +33,7 @@ class AdapterRouter:
         self.adapter_names = list(dict.fromkeys(adapter_names))
         self.row_adapters: list[str] | None = None
         self._row_index: torch.Tensor | None = None
-        self._stacks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # row weights, kept while no grad is taken
+        self._row_weight_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # kept while no grad is taken
         self._handles = []
         for module in model.modules():
             if isinstance(module, LoraLayer) and self._is_plain_lora(module):
@@ -39,7 +41,7 @@ class AdapterRouter:
                 self._handles.append(module.register_forward_hook(self._add_routed_lora))
             elif isinstance(module, (LoraLayer, AuxiliaryTrainingWrapper)):
                 self._handles.append(module.register_forward_pre_hook(self._inject_adapter_names, with_kwargs=True))
-                if isinstance(module, LoraLayer) and _is_4bit(module.get_base_layer()):
+                if isinstance(module, LoraLayer) and is_4bit_linear(module.get_base_layer()):
                     # PEFT's 4-bit layer clones the base output before adding LoRA deltas in its single-adapter path
                     # but not in its mixed-batch path, whose in-place add then fails under autograd.
                     self._handles.append(module.get_base_layer().register_forward_hook(self._clone_output))
@@ -57,7 +59,7 @@ class AdapterRouter:
 
     def route(self, row_adapters: Sequence[str] | None) -> None:
         """Route the rows of the next forward calls; `None` gives the model back to PEFT's active adapter."""
-        self._stacks.clear()
+        self._row_weight_cache.clear()
         if row_adapters is None:
             self.row_adapters = self._row_index = None
             return
@@ -79,7 +81,7 @@ class AdapterRouter:
 
     def _row_weights(self, layer: LoraLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's `A` `(rows, r, in)` and scaled `B` `(rows, out, r)`, gathered from the stacked adapters."""
-        cached = self._stacks.get(id(layer))
+        cached = self._row_weight_cache.get(id(layer))
         if cached is not None:
             return cached
         lora_a = torch.stack([layer.lora_A[name].weight for name in self.adapter_names])
@@ -87,7 +89,7 @@ class AdapterRouter:
         rows = self._row_index.to(lora_a.device)
         row_weights = lora_a[rows], lora_b[rows]
         if not torch.is_grad_enabled():  # generation: the weights do not change until the next routing
-            self._stacks[id(layer)] = row_weights
+            self._row_weight_cache[id(layer)] = row_weights
         return row_weights
 
     def _add_routed_lora(self, module, args, output):
@@ -116,11 +118,3 @@ class AdapterRouter:
             handle.remove()
         self._handles = []
         self.route(None)
-
-
-def _is_4bit(layer: torch.nn.Module) -> bool:
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        return False
-    return isinstance(layer, bnb.nn.Linear4bit)

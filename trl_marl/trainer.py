@@ -84,11 +84,12 @@ class MAGRPOTrainer(GRPOTrainer):
 
         self.agent_names = args.agent_names
         self.agent_adapters = agent_adapter_names(args)
+        self.adapter_names = list(dict.fromkeys(self.agent_adapters))  # each adapter once
         # As TRL: seed before creating adapters, so their initialisation is reproducible (and equal to TRL's).
         set_seed(args.seed)
         model = attach_agent_adapters(model, self.agent_adapters, peft_config or lora_config_from_args(args))
 
-        if args.ddp_find_unused_parameters is None and len(set(self.agent_adapters)) > 1:
+        if args.ddp_find_unused_parameters is None and len(self.adapter_names) > 1:
             # A micro-batch may hold rows of only some agents; the other adapters then get no gradient under DDP.
             args.ddp_find_unused_parameters = True
 
@@ -118,7 +119,7 @@ class MAGRPOTrainer(GRPOTrainer):
         self._use_chat_template = getattr(self.processing_class, "chat_template", None) is not None
         # One adapter needs no routing, which keeps the single-agent case numerically identical to GRPOTrainer.
         unwrapped = self.accelerator.unwrap_model(self.model)
-        self.router = AdapterRouter(unwrapped, self.agent_adapters) if len(set(self.agent_adapters)) > 1 else None
+        self.router = AdapterRouter(unwrapped, self.adapter_names) if len(self.adapter_names) > 1 else None
         keep_4bit_weights_trainable(unwrapped)
         self._rows_agent_index: torch.Tensor | None = None
 
@@ -183,9 +184,7 @@ class MAGRPOTrainer(GRPOTrainer):
         super()._load_from_checkpoint(resume_from_checkpoint, model=model)
         # Trainer reloads every adapter of a PeftModel but leaves only the active one trainable, and builds the
         # optimizer afterwards: without this, a resumed run would train a single agent.
-        self.accelerator.unwrap_model(model or self.model).set_requires_grad(
-            list(dict.fromkeys(self.agent_adapters)), requires_grad=True
-        )
+        self.accelerator.unwrap_model(model or self.model).set_requires_grad(self.adapter_names, requires_grad=True)
 
     # ------------------------------------------------------------------ rollout
 
