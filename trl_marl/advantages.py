@@ -111,3 +111,51 @@ def cross_joint_indices(num_agents: int, num_generations: int) -> torch.Tensor:
     """`(G**N, N)` completion index of each agent in each cross joint action, in the layout above."""
     axes = [torch.arange(num_generations)] * num_agents
     return torch.cartesian_prod(*axes).reshape(-1, num_agents)
+
+
+def tree_returns(rewards: torch.Tensor, parents: torch.Tensor, discount: float) -> torch.Tensor:
+    """Monte-Carlo returns over a tree of joint actions: a leaf's `R = r`; an inner joint action's
+    `R(j) = r(j) + γ · mean(R(c) for c in children(j))`.
+
+    Args:
+        rewards: `(J,)` team rewards; NaN for an unscorable joint action (its return is NaN: it gets advantage 0).
+        parents: `(J,)` index of the joint action whose child node holds `j`, or -1 at the root. Parents come before
+            their children (`parents[j] < j`).
+        discount: γ.
+
+    Returns:
+        `(J,)` returns. Children with a NaN return are left out of the mean.
+    """
+    rewards, parents = rewards.tolist(), parents.tolist()
+    child_sum, child_count = [0.0] * len(rewards), [0] * len(rewards)
+    returns = list(rewards)
+    for j in reversed(range(len(rewards))):
+        if child_count[j]:
+            returns[j] = rewards[j] + discount * child_sum[j] / child_count[j]
+        parent = parents[j]
+        if parent >= 0 and returns[j] == returns[j]:  # NaN != NaN
+            if parent >= j:
+                raise ValueError(f"Joint action {j} has parent {parent}: parents must come before their children.")
+            child_sum[parent] += returns[j]
+            child_count[parent] += 1
+    return torch.tensor(returns, dtype=torch.float32)
+
+
+def node_credit(
+    returns: torch.Tensor, joint_mode: str, num_agents: int, num_generations: int, baseline: str, scale_rewards: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Advantages of the sibling joint actions of each node, and each agent's credit.
+
+    Args:
+        returns: `(num_nodes, K)` returns of each node's joint actions, in the layout of this module's docstring.
+
+    Returns:
+        `(credit, advantages, std)`: `credit` is `(num_nodes, G, N)`, the advantage of agent `i`'s completion `g`;
+        `advantages` and `std` are `(num_nodes, K)` as [`group_advantages`].
+    """
+    advantages, std = group_advantages(returns, baseline, scale_rewards)
+    if joint_mode == "aligned":
+        credit = aligned_credit(advantages, num_agents)
+    else:
+        credit = cross_credit(advantages, num_agents, num_generations)
+    return credit, advantages, std

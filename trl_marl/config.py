@@ -89,8 +89,20 @@ class MAGRPOConfig(GRPOConfig):
             GRPO), `"rloo"` (mean of the other joint actions), `"max"`, or `"none"`. Scaling then follows
             `scale_rewards` (`"group"`, `"batch"` or `"none"`), as in TRL.
         max_joint_actions (`int`, *optional*, defaults to `256`):
-            Upper bound on the joint actions (team reward evaluations) per prompt; a configuration that exceeds it is
-            rejected before any model is loaded.
+            Upper bound on the joint actions (team reward evaluations) of one prompt's whole tree, all turns counted;
+            a configuration whose full tree exceeds it is rejected before any model is loaded.
+
+        > Parameters that control multi-turn episodes (DESIGN.md §3)
+
+        num_turns (`int`, *optional*, defaults to `1`):
+            Turns per episode (T). Every joint action of turn t < T−1 opens a child node where each agent samples
+            `num_generations` new completions, prompted with what the trainer's `transition` shows it. A full tree
+            has G^T leaves (aligned) or G^(N·T) (cross).
+        discount (`float`, *optional*, defaults to `1.0`):
+            γ in the Monte-Carlo return R(j) = r(j) + γ · mean(R of j's children); a leaf's return is its reward.
+        termination_threshold (`float` or `None`, *optional*, defaults to `None`):
+            Early termination: a node whose mean team reward reaches this value is not expanded (its joint actions are
+            leaves). `None` expands every node until `num_turns` or until the transition says the episode is done.
 
         > Parameters that control the adapters
 
@@ -126,6 +138,14 @@ class MAGRPOConfig(GRPOConfig):
         metadata={"help": "Upper bound on joint actions (team reward evaluations) per prompt."},
     )
 
+    # Parameters that control multi-turn episodes
+    num_turns: int = field(default=1, metadata={"help": "Turns per episode; each turn expands the tree."})
+    discount: float = field(default=1.0, metadata={"help": "Discount γ of the Monte-Carlo returns over turns."})
+    termination_threshold: float | None = field(
+        default=None,
+        metadata={"help": "A node whose mean team reward reaches this value is not expanded (None: no early stop)."},
+    )
+
     # Parameters that control the adapters
     adapter_mode: str = field(
         default="per_agent",
@@ -149,6 +169,12 @@ class MAGRPOConfig(GRPOConfig):
             raise _choice_error("adapter_mode", self.adapter_mode, ADAPTER_MODES)
         if not isinstance(self.max_joint_actions, int) or self.max_joint_actions < 1:
             raise ValueError(f"`max_joint_actions` must be a positive integer, got {self.max_joint_actions!r}.")
+        if not isinstance(self.num_turns, int) or isinstance(self.num_turns, bool) or self.num_turns < 1:
+            raise ValueError(f"`num_turns` must be a positive integer, got {self.num_turns!r}.")
+        if not isinstance(self.discount, (int, float)) or not 0.0 <= self.discount <= 1.0:
+            raise ValueError(f"`discount` must be a number in [0, 1], got {self.discount!r}.")
+        if self.termination_threshold is not None and not isinstance(self.termination_threshold, (int, float)):
+            raise ValueError(f"`termination_threshold` must be a number or None, got {self.termination_threshold!r}.")
         if not isinstance(self.lora_r, int) or self.lora_r < 1:
             raise ValueError(f"`lora_r` must be a positive integer, got {self.lora_r!r}.")
         if not 0.0 <= self.lora_dropout < 1.0:
@@ -178,14 +204,13 @@ class MAGRPOConfig(GRPOConfig):
             )
         super().__post_init__()
 
-        size = self.joint_actions_per_prompt(self.num_generations)
-        if size > self.max_joint_actions:
-            raise ValueError(
-                f"`joint_mode={self.joint_mode!r}` with {self.num_agents} agents and num_generations="
-                f"{self.num_generations} gives {size} joint actions per prompt, more than `max_joint_actions` "
-                f"({self.max_joint_actions}). Lower `num_generations`, use `joint_mode='aligned'`, or raise "
-                "`max_joint_actions`."
-            )
+        for field_name in ("num_generations", "num_generations_eval"):
+            num_generations = getattr(self, field_name)
+            if num_generations is None:
+                continue
+            size = self.joint_actions_per_prompt(num_generations)
+            if size > self.max_joint_actions:
+                raise ValueError(self._tree_too_large_message(field_name, num_generations, size))
 
     @property
     def num_agents(self) -> int:
@@ -195,6 +220,24 @@ class MAGRPOConfig(GRPOConfig):
     def agent_names(self) -> list[str]:
         return [agent["name"] for agent in self.agents]
 
-    def joint_actions_per_prompt(self, num_generations: int) -> int:
-        """Team reward evaluations per prompt: G (aligned) or G^N (cross)."""
+    def joint_actions_per_node(self, num_generations: int) -> int:
+        """Joint actions at one tree node: G (aligned) or G^N (cross)."""
         return num_generations if self.joint_mode == "aligned" else num_generations**self.num_agents
+
+    def joint_actions_per_prompt(self, num_generations: int) -> int:
+        """Team reward evaluations of one prompt's full tree: Σ_{t=1..T} K^t, with K joint actions per node."""
+        per_node = self.joint_actions_per_node(num_generations)
+        return sum(per_node**turn for turn in range(1, self.num_turns + 1))
+
+    def _tree_too_large_message(self, field_name: str, num_generations: int, size: int) -> str:
+        per_node = self.joint_actions_per_node(num_generations)
+        per_turn = " + ".join(str(per_node**turn) for turn in range(1, self.num_turns + 1))
+        counted = f"{per_turn} = {size}" if self.num_turns > 1 else str(size)
+        lower = "`num_turns` or `num_generations`" if self.num_turns > 1 else "`num_generations`"
+        mode = ", use `joint_mode='aligned'`" if self.joint_mode == "cross" else ""
+        return (
+            f"The tree of one prompt is too large: `joint_mode={self.joint_mode!r}` with {self.num_agents} agents, "
+            f"{field_name}={num_generations} and num_turns={self.num_turns} gives {counted} joint actions "
+            f"({per_node**self.num_turns} leaves), more than `max_joint_actions` ({self.max_joint_actions}). "
+            f"Lower {lower}{mode}, or raise `max_joint_actions`."
+        )

@@ -8,27 +8,38 @@ What is multi-agent, and therefore overridden:
 Everything else (loss types, clipping, KL to the base, gradient accumulation, logging, checkpoints) is TRL's.
 """
 
-import itertools
+import asyncio
+import functools
+import math
+from collections.abc import Callable
 
 import torch
 from accelerate.utils import gather_object, set_seed
 from datasets import Dataset, IterableDataset
 from transformers import PreTrainedTokenizerBase, TrainerCallback
 from trl import GRPOTrainer
+from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import create_model_from_path, nanstd, pad, use_adapter
+from trl.trainer.utils import (
+    create_model_from_path,
+    is_async_callable,
+    nanstd,
+    pad,
+    shuffle_sequence_dict,
+    use_adapter,
+)
 
-from .advantages import aligned_credit, cross_credit, group_advantages, team_rewards
+from .advantages import team_rewards
 from .agents import (
     agent_adapter_names,
     agent_prompt,
     attach_agent_adapters,
-    completion_text,
     keep_4bit_weights_trainable,
     lora_config_from_args,
 )
 from .config import MAGRPOConfig
 from .rewards import TeamRewardFunc, checked_team_reward
+from .rollout import JointAction, Rollout, TreeRollout, default_transition, split_rows
 from .routing import AdapterRouter
 
 
@@ -40,10 +51,15 @@ class MAGRPOTrainer(GRPOTrainer):
             `PeftModel` that already carries one adapter per agent (named after the agents).
         reward_funcs: team reward function(s) `f(prompts, completions, **kwargs) -> list[float | None]`, where each
             completion is a mapping agent name -> text and kwargs carry the dataset columns, `completion_ids` (a
-            mapping agent name -> token ids), `turn` and TRL's `trainer_state`, `log_extra`, `log_metric`.
+            mapping agent name -> token ids), `turn`, `history` (the branch's earlier joint actions) and TRL's
+            `trainer_state`, `log_extra`, `log_metric`.
         args: a [`MAGRPOConfig`] (it names the agents).
         quantization_config: e.g. a 4-bit `BitsAndBytesConfig`, used when `model` is an id or path.
         peft_config: a `LoraConfig` for every agent's adapter; defaults to one built from the `lora_*` fields.
+        transition: with `num_turns > 1`, what each agent sees at the next turn of one branch:
+            `f(prompt, joint_action, history, turn, observations, reward, **columns)` returns one prompt per agent (a
+            list, or a dict agent name -> prompt) or `NextTurn(prompts, done)`; see [`~trl_marl.rollout`]. Defaults to
+            [`~trl_marl.rollout.default_transition`]: every agent sees the task and all agents' earlier answers.
         The other arguments are TRL's.
     """
 
@@ -62,6 +78,7 @@ class MAGRPOTrainer(GRPOTrainer):
         optimizers: tuple = (None, None),
         quantization_config=None,
         peft_config=None,
+        transition: Callable | None = None,
     ):
         if not isinstance(args, MAGRPOConfig):
             raise TypeError(
@@ -72,6 +89,9 @@ class MAGRPOTrainer(GRPOTrainer):
         if not reward_funcs:
             raise ValueError("`reward_funcs` is empty: give at least one team reward function.")
         reward_funcs = [checked_team_reward(func) for func in reward_funcs]
+        if transition is not None and not callable(transition):
+            raise TypeError(f"`transition` must be callable, got {transition!r}.")
+        self.transition = transition or default_transition
 
         if isinstance(model, str):
             model_init_kwargs = dict(args.model_init_kwargs or {})
@@ -188,82 +208,108 @@ class MAGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ rollout
 
+    def _prepare_inputs(self, generation_batch):
+        if not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        # As GRPOTrainer, except for the split: a tree yields a varying number of rows, and TRL's equal split would
+        # drop the remainder. Rows are split into `steps_per_generation` micro-batches whose sizes differ by at most
+        # one, so every sample reaches the loss exactly once per iteration.
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            samples = shuffle_sequence_dict(self._generate_and_score_completions(generation_batch))
+            self._buffered_inputs = split_rows(samples, self.args.steps_per_generation)
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
-        device = self.accelerator.device
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        num_rows, num_agents = len(inputs), self.num_agents
-        prompts = [example["prompt"] for example in inputs]
-
-        # Row-major samples: sample r * N + a is agent a's answer to prompt copy r.
-        agent_index = torch.arange(num_agents).repeat(num_rows)
-        agent_prompts = [
-            agent_prompt(agent["system_prompt"], prompt, self._use_chat_template)
-            for prompt in prompts
-            for agent in self.args.agents
-        ]
-        self._route_rows(agent_index)
-        try:
-            prompt_ids_list, completion_ids_list, _, completions, *_ = self._generate(agent_prompts)
-        finally:
-            self._clear_routing()
-        texts = [completion_text(c) for c in completions]
-
-        rewards_per_func, joint_prompts, joint_completions = self._score_joint_actions(
-            inputs, prompts, texts, completion_ids_list, num_generations
+        rollout = TreeRollout(
+            agent_names=self.agent_names,
+            num_generations=num_generations,
+            num_turns=self.args.num_turns,
+            joint_mode=self.joint_mode,
+            discount=self.args.discount,
+            termination_threshold=self.args.termination_threshold,
+            reward_weights=self.reward_weights,
+            baseline=self.baseline,
+            scale_rewards=self.scale_rewards,
+            transition=self.transition,
+            agent_input=self._agent_input,
+            process_index=self.accelerator.process_index,
+        ).run(
+            inputs,
+            first_copy=self.accelerator.process_index * len(inputs),
+            generate=functools.partial(self._generate_team, num_generations=num_generations),
+            score=self._score_joint_actions,
+            gather=gather_object if self.accelerator.num_processes > 1 else list,
         )
-        rewards = team_rewards(rewards_per_func, self.reward_weights)
-        group_size = num_generations if self.joint_mode == "aligned" else num_generations**num_agents
-        joint_advantages, std = group_advantages(rewards.view(-1, group_size), self.baseline, self.scale_rewards)
-        if self.joint_mode == "aligned":
-            credit = aligned_credit(joint_advantages, num_agents)
-        else:
-            credit = cross_credit(joint_advantages, num_agents, num_generations)
-        credit = credit.reshape(-1, num_agents)  # (global prompt copies, N)
-        first_row = self.accelerator.process_index * num_rows
-        advantages = credit[first_row : first_row + num_rows].reshape(-1)
-
-        output = self._pad_samples(prompt_ids_list, completion_ids_list)
-        output["advantages"] = advantages
-        output["agent_index"] = agent_index.to(device)
-        output["turn_index"] = torch.zeros_like(output["agent_index"])
-        row_of_sample = torch.arange(num_rows, device=device).repeat_interleave(num_agents)
-        output["group_index"] = (first_row + row_of_sample) // num_generations
+        samples = rollout.samples
+        device = self.accelerator.device
+        output = self._pad_samples([s.prompt_ids for s in samples], [s.completion_ids for s in samples])
+        output["advantages"] = torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=device)
+        output["agent_index"] = torch.tensor([s.agent for s in samples], dtype=torch.long, device=device)
+        output["turn_index"] = torch.tensor([s.turn for s in samples], dtype=torch.long, device=device)
+        output["group_index"] = torch.tensor([s.group for s in samples], dtype=torch.long, device=device)
         output.update(self._reference_logps(output, mode))
-
-        self._log_team_metrics(mode, rewards_per_func, rewards, std, credit, completion_ids_list)
-        self._log_joint_actions(mode, joint_prompts, joint_completions, rewards_per_func, joint_advantages)
+        self._log_rollout_metrics(mode, rollout)
+        self._log_joint_actions(mode, rollout.joint_actions)
         return output
 
-    def _score_joint_actions(self, inputs, prompts, texts, completion_ids_list, num_generations):
-        """Team rewards of this process's joint actions, gathered over processes: `(J_global, F)`.
+    def _agent_input(self, agent: int, prompt):
+        return agent_prompt(self.args.agents[agent]["system_prompt"], prompt, self._use_chat_template)
 
-        Aligned: one joint action per prompt copy. Cross: prompt copy r holds the joint actions where the first agent
-        plays r's completion and every other agent any completion of the group, so groups stay contiguous.
+    def _generate_team(self, model_inputs: list, agent_index: list[int], num_generations: int):
+        """One `generate` call for rows of any agents, each row through its agent's adapter.
+
+        TRL's `_generate` would gather its metrics over processes, which needs equal row counts; tree turns differ
+        between processes, so generation metrics are logged once per rollout instead (`_log_rollout_metrics`).
         """
-        num_agents, names = self.num_agents, self.agent_names
-        per_row_texts = [texts[r * num_agents : (r + 1) * num_agents] for r in range(len(inputs))]
-        per_row_ids = [completion_ids_list[r * num_agents : (r + 1) * num_agents] for r in range(len(inputs))]
-        if self.joint_mode == "aligned":
-            choices = [[(r, a) for a in range(num_agents)] for r in range(len(inputs))]
-            sources_texts, sources_ids = per_row_texts, per_row_ids
-            joint_rows = list(range(len(inputs)))
-        else:
-            # Other agents' completions of a group may live on other processes.
-            sources_texts, sources_ids = gather_object(per_row_texts), gather_object(per_row_ids)
-            offset = self.accelerator.process_index * len(inputs)
-            choices, joint_rows = [], []
-            for r in range(len(inputs)):
-                group_start = (offset + r) // num_generations * num_generations
-                for others in itertools.product(range(num_generations), repeat=num_agents - 1):
-                    choices.append([(offset + r, 0)] + [(group_start + g, a + 1) for a, g in enumerate(others)])
-                    joint_rows.append(r)
-        joint_completions = [{names[a]: sources_texts[row][a] for row, a in choice} for choice in choices]
-        joint_ids = [{names[a]: sources_ids[row][a] for row, a in choice} for choice in choices]
-        joint_inputs = [{**inputs[r], "turn": 0} for r in joint_rows]
-        joint_prompts = [prompts[r] for r in joint_rows]
-        rewards_per_func = self._calculate_rewards(joint_inputs, joint_prompts, joint_completions, joint_ids)
-        return rewards_per_func, joint_prompts, joint_completions
+        self._route_rows(agent_index)
+        try:
+            prompt_ids, images, multimodal_fields = self._tokenize_prompts(model_inputs)
+            completion_ids, _ = self._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations)
+        finally:
+            self._clear_routing()
+        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        return [list(ids) for ids in prompt_ids], completion_ids, texts
+
+    def _score_joint_actions(self, joint_actions: list[JointAction]) -> torch.Tensor:
+        """`(J, F)` team rewards of this process's joint actions (not gathered: processes score different numbers).
+
+        Reward functions get the dataset prompt, each joint action as a mapping agent -> text, and as kwargs the
+        dataset columns, `completion_ids` (agent -> ids), `turn`, `history` (the earlier joint actions of the
+        branch) and TRL's `trainer_state`, `log_extra`, `log_metric`.
+        """
+        if not joint_actions:
+            return torch.zeros(0, len(self.reward_funcs))
+        rows = [{**ja.branch.example, "turn": ja.turn, "history": ja.branch.history} for ja in joint_actions]
+        columns = [key for key in rows[0] if key not in ("prompt", "completion", "completion_ids")]
+        call = {key: [row[key] for row in rows] for key in columns}
+        call.update(
+            prompts=[row["prompt"] for row in rows],
+            completions=[ja.completions for ja in joint_actions],
+            completion_ids=[ja.completion_ids for ja in joint_actions],
+            trainer_state=self.state,
+            log_extra=self._log_completion_extra,
+            log_metric=self._log_metric,
+        )
+        results = {}
+        pending = []
+        for index, (func, name) in enumerate(zip(self.reward_funcs, self.reward_func_names)):
+            if is_async_callable(func):
+                pending.append((index, func(**call)))
+            else:
+                with profiling_context(self, name):
+                    results[index] = func(**call)
+        if pending:
+
+            async def run_all():
+                return await asyncio.gather(*(coroutine for _, coroutine in pending))
+
+            outputs = asyncio.run_coroutine_threadsafe(run_all(), self.async_loop).result()
+            results.update({index: output for (index, _), output in zip(pending, outputs)})
+        rewards = [[math.nan if r is None else float(r) for r in results[i]] for i in range(len(self.reward_funcs))]
+        return torch.tensor(rewards, dtype=torch.float32).T.reshape(len(joint_actions), -1)
 
     def _pad_samples(self, prompt_ids_list, completion_ids_list) -> dict:
         device, pad_id = self.accelerator.device, self._tokenizer.pad_token_id
@@ -318,42 +364,85 @@ class MAGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ metrics
 
-    def _log_team_metrics(self, mode, rewards_per_func, rewards, std, credit, completion_ids_list):
-        metrics = self._metrics[mode]
+    def _log_rollout_metrics(self, mode: str, rollout: Rollout) -> None:
+        """Team metrics over all joint actions of the batch, the same per turn (`turns/<t>/...`), per agent
+        (`agents/<name>/...`) and TRL's completion-length metrics, all over every process."""
+        metrics, names = self._metrics[mode], self.agent_names
+        rewards_per_func = rollout.batch_rewards_per_func
+        rewards = team_rewards(rewards_per_func, self.reward_weights)
         for i, name in enumerate(self.reward_func_names):
             metrics[f"rewards/{name}/mean"].append(torch.nanmean(rewards_per_func[:, i]).item())
             metrics[f"rewards/{name}/std"].append(nanstd(rewards_per_func[:, i]).item())
         metrics["reward"].append(torch.nanmean(rewards).item())
         metrics["reward_std"].append(nanstd(rewards).item())
-        metrics["frac_reward_zero_std"].append(torch.isclose(std, torch.zeros_like(std)).float().mean().item())
+        metrics["frac_reward_zero_std"].append(rollout.turn_stats[0]["frac_reward_zero_std"])
 
-        device, num_agents = self.accelerator.device, self.num_agents
         eos_and_pad = [*self.eos_token_ids, self._tokenizer.pad_token_id]
-        lengths = torch.tensor([len(ids) for ids in completion_ids_list], device=device).view(-1, num_agents)
-        truncated = torch.tensor([ids[-1] not in eos_and_pad for ids in completion_ids_list], device=device)
-        lengths = self.accelerator.gather(lengths).float()
-        truncated = self.accelerator.gather(truncated.view(-1, num_agents)).float()
-        for a, name in enumerate(self.agent_names):
-            metrics[f"agents/{name}/completion_length"].append(lengths[:, a].mean().item())
-            metrics[f"agents/{name}/clipped_ratio"].append(truncated[:, a].mean().item())
-            metrics[f"agents/{name}/advantage_mean"].append(credit[:, a].mean().item())
-            metrics[f"agents/{name}/advantage_std"].append(credit[:, a].std().item() if len(credit) > 1 else 0.0)
 
-    def _log_joint_actions(self, mode, joint_prompts, joint_completions, rewards_per_func, joint_advantages):
-        """The completions table: one line per joint action (its prompt, the agents' answers, rewards, advantage)."""
-        self._logs["prompt"].extend(gather_object(joint_prompts))
+        def is_truncated(ids):
+            return bool(ids) and ids[-1] not in eos_and_pad
+
+        local = [
+            (
+                s.turn,
+                s.agent,
+                len(s.prompt_ids),
+                len(s.completion_ids),
+                s.completion_ids[-1] not in eos_and_pad,
+                s.advantage,
+            )
+            for s in rollout.samples
+        ]
+        turn, agent, prompt_length, length, truncated, advantage = torch.tensor(
+            gather_object(local) if self.accelerator.num_processes > 1 else local, dtype=torch.float64
+        ).T
+        if mode == "train":
+            self.state.num_input_tokens_seen += int(prompt_length.sum() + length.sum())
+        metrics["num_tokens"] = [self.state.num_input_tokens_seen]
+        metrics["num_samples"].append(float(len(length)))
+        metrics["completions/mean_length"].append(length.mean().item())
+        metrics["completions/min_length"].append(length.min().item())
+        metrics["completions/max_length"].append(length.max().item())
+        metrics["completions/clipped_ratio"].append(truncated.mean().item())
+        terminated = length[truncated == 0]
+        metrics["completions/mean_terminated_length"].append(terminated.mean().item() if len(terminated) else 0.0)
+        for a, name in enumerate(names):
+            mine = agent == a
+            metrics[f"agents/{name}/completion_length"].append(length[mine].mean().item())
+            metrics[f"agents/{name}/clipped_ratio"].append(truncated[mine].mean().item())
+            metrics[f"agents/{name}/advantage_mean"].append(advantage[mine].mean().item())
+            metrics[f"agents/{name}/advantage_std"].append(advantage[mine].std().item() if mine.sum() > 1 else 0.0)
+        if self.args.num_turns == 1:
+            return
+        for t, stats in enumerate(rollout.turn_stats):
+            metrics[f"turns/{t}/reward"].append(stats["reward"])
+            metrics[f"turns/{t}/return"].append(stats["return"])
+            metrics[f"turns/{t}/num_nodes"].append(stats["num_nodes"])
+            metrics[f"turns/{t}/frac_reward_zero_std"].append(stats["frac_reward_zero_std"])
+            for a, name in enumerate(names):
+                mine = (agent == a) & (turn == t)
+                metrics[f"turns/{t}/agents/{name}/completion_length"].append(length[mine].mean().item())
+
+    def _log_joint_actions(self, mode: str, joint_actions: list[JointAction]) -> None:
+        """The completions table: one line per joint action (its turn, the agents' answers, rewards, advantage)."""
+        self._logs["prompt"].extend(gather_object([ja.branch.example["prompt"] for ja in joint_actions]))
         self._logs["completion"].extend(
-            gather_object(["\n\n".join(f"[{n}] {t}" for n, t in joint.items()) for joint in joint_completions])
+            gather_object(["\n\n".join(f"[{n}] {t}" for n, t in ja.completions.items()) for ja in joint_actions])
         )
+        rewards_per_func = [ja.rewards_per_func for ja in joint_actions]
         for i, name in enumerate(self.reward_func_names):
-            self._logs["rewards"][name].extend(rewards_per_func[:, i].tolist())
-        self._logs["advantages"].extend(joint_advantages.reshape(-1).tolist())
-        self._flush_reward_logs(mode, len(joint_prompts))
+            self._logs["rewards"][name].extend(gather_object([rewards[i] for rewards in rewards_per_func]))
+        self._logs["advantages"].extend(gather_object([ja.advantage for ja in joint_actions]))
+        if self.args.num_turns > 1:
+            self._pending_extra_logs["turn"] = [ja.turn for ja in joint_actions]
+            self._pending_extra_logs["return"] = [ja.value for ja in joint_actions]
+        self._flush_reward_logs(mode, len(joint_actions))
 
     def _flush_reward_logs(self, mode: str, num_local: int) -> None:
         """Gather what reward functions logged through `log_extra` / `log_metric`, as GRPOTrainer does."""
         for column in sorted(set(gather_object(list(self._pending_extra_logs)))):
-            values = self._pending_extra_logs.get(column, [None] * num_local)
+            values = self._pending_extra_logs.get(column, [])  # a function may log at some turns only
+            values = [*values, *[None] * (num_local - len(values))]
             self._logs["extra"][column].extend(gather_object(values))
         self._pending_extra_logs.clear()
         for name in sorted(set(gather_object(list(self._pending_metrics)))):

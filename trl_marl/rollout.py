@@ -1,0 +1,448 @@
+"""MAGRPO's tree rollout (DESIGN.md §3), independent of any model.
+
+At a node every agent samples G completions; joint actions combine them (aligned: G, cross: G^N); each joint action
+of turn t < T−1 opens a child node unless the node's mean team reward reached `termination_threshold` or the
+transition says the episode is `done`. The caller supplies generation, scoring and gathering, so the same tree code
+trains (`MAGRPOTrainer`), runs a saved team (`load_team`) and is tested with stand-ins.
+
+Layout. The root nodes are the sampler's prompt groups: G consecutive dataset rows (prompt copies), which may span
+processes, each copy being one *slot* (one completion per agent). A child node has G slots, all on the process that
+holds its parent joint action. Node keys are `(turn, process, index)` with `process = -1` and `index` = the global
+group for root nodes. A node's joint actions are numbered in row-major order of the agents' completion indices, as in
+`advantages.py`; in cross mode slot g holds the joint actions in which the first agent plays g.
+"""
+
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from trl.trainer.utils import get_callable_name
+
+from .advantages import node_credit, team_rewards, tree_returns
+
+NodeKey = tuple[int, int, int]
+Prompt = str | list[dict]
+
+
+class TransitionError(RuntimeError):
+    """A transition raised, or did not return one next prompt per agent."""
+
+
+@dataclass
+class NextTurn:
+    """What a transition returns for one branch: each agent's next prompt (a string or a list of chat messages, in the
+    dataset's prompt format), or `done=True` to end the episode after this turn."""
+
+    prompts: Sequence[Prompt] | dict[str, Prompt] | None = None
+    done: bool = False
+
+
+@dataclass
+class Branch:
+    """One path from the root: the dataset row, what each agent is shown at this turn, and the earlier turns."""
+
+    example: dict
+    observations: list[Prompt]  # per agent: the task prompt of this turn, before the agent's role is added
+    history: list[dict[str, str]]  # joint actions of the earlier turns, agent name -> text
+    parent: int  # index (in this process's joint actions) of the joint action this branch continues; -1 at the root
+
+
+@dataclass
+class Slot:
+    node: NodeKey
+    position: int  # g: which of the node's G completions per agent
+    branch: Branch
+
+
+@dataclass
+class Sample:
+    """One agent's completion at one node: one training row."""
+
+    turn: int
+    node: NodeKey
+    position: int
+    agent: int
+    model_input: Prompt  # what the model was given (role included)
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    text: str
+    advantage: float = 0.0
+    group: int = -1  # global index of the node (in sorted node-key order), the same on every process
+
+
+@dataclass
+class JointAction:
+    turn: int
+    node: NodeKey
+    index: int  # k within the node
+    branch: Branch
+    completions: dict[str, str]
+    completion_ids: dict[str, list[int]]
+    rewards_per_func: list[float] = field(default_factory=list)
+    reward: float = math.nan
+    value: float = math.nan  # the return R
+    advantage: float = 0.0
+    done: bool = False  # the transition ended the episode here
+    terminated: bool = False  # early termination: its node's mean reward reached the threshold
+
+
+@dataclass
+class Rollout:
+    """A process's samples and joint actions, and per-turn statistics of the whole (all processes) batch."""
+
+    samples: list[Sample]
+    joint_actions: list[JointAction]
+    turn_stats: list[dict[str, float]]  # per turn: reward, return, zero-std fraction, node / joint-action counts
+    batch_rewards_per_func: torch.Tensor  # (J_all, F) over every process's joint actions
+    batch_turns: torch.Tensor  # (J_all,)
+
+
+def _local(items: list) -> list:
+    return list(items)
+
+
+def with_feedback(prompt: Prompt, text: str) -> Prompt:
+    """`prompt` followed by `text`: appended to a string prompt, or to the last user message of a conversation."""
+    if isinstance(prompt, str):
+        return f"{prompt}\n\n{text}"
+    messages = [dict(message) for message in prompt]
+    if messages and messages[-1]["role"] == "user" and isinstance(messages[-1]["content"], str):
+        messages[-1]["content"] = f"{messages[-1]['content']}\n\n{text}"
+    else:
+        messages.append({"role": "user", "content": text})
+    return messages
+
+
+def transcript(turns: Sequence[dict[str, str]]) -> str:
+    """The team's answers of the given turns, one block per turn, one `[agent] text` line per agent."""
+    return "\n\n".join(
+        f"Turn {turn + 1}:\n" + "\n".join(f"[{name}] {text.strip()}" for name, text in joint_action.items())
+        for turn, joint_action in enumerate(turns)
+    )
+
+
+def default_transition(
+    prompt: Prompt, joint_action: dict[str, str], history: list[dict[str, str]], turn: int, **kwargs
+) -> list[Prompt]:
+    """Every agent sees the task prompt followed by all agents' answers of every turn so far."""
+    so_far = transcript([*history, joint_action])
+    block = f"Your team's answers so far:\n\n{so_far}\n\nGive your answer for turn {turn + 2}."
+    return [with_feedback(prompt, block)] * len(joint_action)
+
+
+def transition_name(transition: Callable) -> str:
+    return get_callable_name(transition)
+
+
+def checked_next_turn(name: str, result: Any, agent_names: list[str], turn: int) -> tuple[list[Prompt], bool]:
+    """Normalise what a transition returned to `(one prompt per agent, done)`, or raise `TransitionError`."""
+    if isinstance(result, NextTurn):
+        if result.done:
+            return [], True
+        result = result.prompts
+    expected = f"{len(agent_names)} prompts, one per agent {agent_names}"
+    if isinstance(result, dict):
+        if sorted(result) != sorted(agent_names):
+            raise TransitionError(
+                f"Transition '{name}' returned prompts for agents {sorted(result)} after turn {turn}; expected "
+                f"{expected}."
+            )
+        prompts = [result[agent] for agent in agent_names]
+    elif isinstance(result, (list, tuple)):
+        if len(result) != len(agent_names):
+            raise TransitionError(
+                f"Transition '{name}' returned {len(result)} prompts after turn {turn}; expected {expected}."
+            )
+        prompts = list(result)
+    else:
+        raise TransitionError(
+            f"Transition '{name}' returned {type(result).__name__} after turn {turn}; it must return a list of "
+            f"{expected}, a dict agent name -> prompt, or trl_marl.NextTurn(prompts=..., done=...)."
+        )
+    for agent, prompt in zip(agent_names, prompts):
+        if (
+            not isinstance(prompt, (str, list))
+            or isinstance(prompt, list)
+            and not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt)
+        ):
+            raise TransitionError(
+                f"Transition '{name}' returned {prompt!r} as the prompt of agent '{agent}' after turn {turn}; a "
+                "prompt is a string or a list of {'role', 'content'} messages."
+            )
+    return prompts, False
+
+
+class TreeRollout:
+    """Builds one batch of MAGRPO trees, scores every joint action, and assigns returns, advantages and credit.
+
+    Args:
+        agent_names: the agents, in order.
+        num_generations: G, completions per agent at each node.
+        num_turns: T.
+        joint_mode: `"aligned"` or `"cross"`.
+        discount: γ of the returns.
+        termination_threshold: a node whose mean team reward reaches it is not expanded; `None` for never.
+        reward_weights: `(F,)` weights of the reward functions.
+        baseline, scale_rewards: as [`~trl_marl.advantages.group_advantages`].
+        transition: `f(prompt, joint_action, history, turn, observations, reward, **columns)` → each agent's next
+            prompt (see [`checked_next_turn`]).
+        agent_input: `f(agent_index, prompt)` → the model input of that agent (its role added).
+        process_index: this process's rank; part of child node keys.
+    """
+
+    def __init__(
+        self,
+        agent_names: list[str],
+        num_generations: int,
+        num_turns: int,
+        joint_mode: str,
+        discount: float,
+        termination_threshold: float | None,
+        reward_weights: torch.Tensor,
+        baseline: str,
+        scale_rewards: str,
+        transition: Callable,
+        agent_input: Callable[[int, Prompt], Any],
+        process_index: int = 0,
+    ):
+        self.agent_names = agent_names
+        self.num_agents = len(agent_names)
+        self.num_generations = num_generations
+        self.num_turns = num_turns
+        self.joint_mode = joint_mode
+        self.discount = discount
+        self.termination_threshold = termination_threshold
+        self.reward_weights = reward_weights
+        self.baseline = baseline
+        self.scale_rewards = scale_rewards
+        self.transition = transition
+        self.agent_input = agent_input
+        self.process_index = process_index
+        self.joint_actions_per_node = num_generations if joint_mode == "aligned" else num_generations**self.num_agents
+
+    def run(
+        self,
+        examples: list[dict],
+        first_copy: int,
+        generate: Callable[[list, list[int]], tuple[list, list, list[str]]],
+        score: Callable[[list[JointAction]], torch.Tensor],
+        gather: Callable[[list], list] = _local,
+    ) -> Rollout:
+        """Roll out the trees of this process's prompt copies.
+
+        Args:
+            examples: dataset rows, G consecutive copies per prompt (a group may continue on other processes).
+            first_copy: global index of `examples[0]` among all processes' copies.
+            generate: `f(model_inputs, agent_index)` → `(prompt_ids, completion_ids, texts)`, one per row.
+            score: `f(joint_actions)` → `(J, F)` rewards per reward function (NaN where a function does not apply).
+            gather: concatenates a list over processes (every process calls it in the same order); identity when
+                there is one process.
+        """
+        num_generations, num_agents = self.num_generations, self.num_agents
+        slots = [
+            Slot(
+                node=(0, -1, (first_copy + row) // num_generations),
+                position=(first_copy + row) % num_generations,
+                branch=Branch(example, [example["prompt"]] * num_agents, [], -1),
+            )
+            for row, example in enumerate(examples)
+        ]
+        samples, joint_actions = [], []
+        for turn in range(self.num_turns):
+            if turn > 0 and not slots:  # turn 0 runs on every process: its groups may span them
+                break
+            root = turn == 0
+            turn_samples = self._sample(turn, slots, generate)
+            turn_joint_actions = self._joint_actions(turn, slots, turn_samples, gather if root else _local)
+            self._score(turn_joint_actions, score)
+            first = len(joint_actions)
+            samples += turn_samples
+            joint_actions += turn_joint_actions
+            if turn < self.num_turns - 1:
+                stopped = self._terminated_nodes(turn_joint_actions, gather if root else _local)
+                slots = self._expand(turn, first, turn_joint_actions, stopped)
+
+        values = tree_returns(
+            torch.tensor([ja.reward for ja in joint_actions]),
+            torch.tensor([ja.branch.parent for ja in joint_actions], dtype=torch.long),
+            self.discount,
+        )
+        for joint_action, value in zip(joint_actions, values.tolist()):
+            joint_action.value = value
+        table = gather(
+            [(ja.turn, ja.node, ja.index, ja.reward, ja.value, ja.rewards_per_func) for ja in joint_actions]
+        )
+        turn_stats = self._assign_advantages(samples, joint_actions, table)
+        batch_rewards_per_func = torch.tensor([entry[5] for entry in table]).view(len(table), -1)
+        batch_turns = torch.tensor([entry[0] for entry in table], dtype=torch.long)
+        return Rollout(samples, joint_actions, turn_stats, batch_rewards_per_func, batch_turns)
+
+    # ------------------------------------------------------------------ one turn
+
+    def _sample(self, turn: int, slots: list[Slot], generate: Callable) -> list[Sample]:
+        model_inputs, agent_index = [], []
+        for slot in slots:
+            for agent in range(self.num_agents):
+                model_inputs.append(self.agent_input(agent, slot.branch.observations[agent]))
+                agent_index.append(agent)
+        prompt_ids, completion_ids, texts = generate(model_inputs, agent_index)
+        return [
+            Sample(turn, slots[row // self.num_agents].node, slots[row // self.num_agents].position, agent, *values)
+            for row, (agent, *values) in enumerate(zip(agent_index, model_inputs, prompt_ids, completion_ids, texts))
+        ]
+
+    def _joint_actions(
+        self, turn: int, slots: list[Slot], samples: list[Sample], gather: Callable
+    ) -> list[JointAction]:
+        num_agents, names = self.num_agents, self.agent_names
+        per_slot = [samples[i * num_agents : (i + 1) * num_agents] for i in range(len(slots))]
+
+        def joint_action(slot, index, members):
+            completions = {names[a]: text for a, (text, _) in enumerate(members)}
+            completion_ids = {names[a]: ids for a, (_, ids) in enumerate(members)}
+            return JointAction(turn, slot.node, index, slot.branch, completions, completion_ids)
+
+        if self.joint_mode == "aligned":
+            return [
+                joint_action(slot, slot.position, [(s.text, s.completion_ids) for s in slot_samples])
+                for slot, slot_samples in zip(slots, per_slot)
+            ]
+        # Cross: the other agents' completions of a root group may live on other processes.
+        completions_at = dict(
+            gather(
+                [
+                    ((slot.node, slot.position), [(s.text, s.completion_ids) for s in slot_samples])
+                    for slot, slot_samples in zip(slots, per_slot)
+                ]
+            )
+        )
+        num_generations = self.num_generations
+        result = []
+        for slot, slot_samples in zip(slots, per_slot):
+            first = (slot_samples[0].text, slot_samples[0].completion_ids)
+            for rest, others in enumerate(itertools.product(range(num_generations), repeat=num_agents - 1)):
+                members = [first] + [completions_at[(slot.node, g)][a + 1] for a, g in enumerate(others)]
+                index = slot.position * num_generations ** (num_agents - 1) + rest
+                result.append(joint_action(slot, index, members))
+        return result
+
+    def _score(self, joint_actions: list[JointAction], score: Callable) -> None:
+        rewards_per_func = score(joint_actions)
+        rewards = team_rewards(rewards_per_func, self.reward_weights)
+        for joint_action, per_func, reward in zip(joint_actions, rewards_per_func.tolist(), rewards.tolist()):
+            joint_action.rewards_per_func, joint_action.reward = per_func, reward
+
+    def _terminated_nodes(self, joint_actions: list[JointAction], gather: Callable) -> set[NodeKey]:
+        if self.termination_threshold is None:
+            return set()
+        rewards = defaultdict(list)
+        for node, reward in gather([(ja.node, ja.reward) for ja in joint_actions]):
+            if reward == reward:  # NaN: unscorable
+                rewards[node].append(reward)
+        return {node for node, values in rewards.items() if sum(values) / len(values) >= self.termination_threshold}
+
+    def _expand(self, turn: int, first: int, joint_actions: list[JointAction], stopped: set[NodeKey]) -> list[Slot]:
+        slots = []
+        for offset, joint_action in enumerate(joint_actions):
+            if joint_action.node in stopped:
+                joint_action.terminated = True
+                continue
+            prompts, done = self._next_turn(joint_action)
+            if done:
+                joint_action.done = True
+                continue
+            node = (turn + 1, self.process_index, first + offset)  # unique: one child node per joint action
+            history = [*joint_action.branch.history, joint_action.completions]
+            branch = Branch(joint_action.branch.example, prompts, history, parent=first + offset)
+            slots += [Slot(node, g, branch) for g in range(self.num_generations)]
+        return slots
+
+    def _next_turn(self, joint_action: JointAction) -> tuple[list[Prompt], bool]:
+        name = transition_name(self.transition)
+        example = joint_action.branch.example
+        columns = {key: value for key, value in example.items() if key != "prompt"}
+        try:
+            result = self.transition(
+                **columns,
+                prompt=example["prompt"],
+                joint_action=dict(joint_action.completions),
+                history=list(joint_action.branch.history),
+                turn=joint_action.turn,
+                observations=dict(zip(self.agent_names, joint_action.branch.observations)),
+                reward=joint_action.reward,
+            )
+        except Exception as error:
+            raise TransitionError(
+                f"Transition '{name}' raised {type(error).__name__} after turn {joint_action.turn}: {error}"
+            ) from error
+        return checked_next_turn(name, result, self.agent_names, joint_action.turn)
+
+    # ------------------------------------------------------------------ advantages
+
+    def _assign_advantages(
+        self, samples: list[Sample], joint_actions: list[JointAction], table: list[tuple]
+    ) -> list[dict[str, float]]:
+        """Advantages among the siblings of every node, from the joint actions of all processes (`table`: root groups
+        span processes, and `scale_rewards="batch"` needs every node of a turn); each process keeps its own back."""
+        size = self.joint_actions_per_node
+        turn_stats, node_row, first_group = [], {}, 0
+        for turn in range(self.num_turns):
+            rows = [entry for entry in table if entry[0] == turn]
+            if not rows:
+                break
+            nodes = sorted({entry[1] for entry in rows})
+            index_of = {node: i for i, node in enumerate(nodes)}
+            rewards = torch.full((len(nodes), size), math.nan)
+            values = torch.full((len(nodes), size), math.nan)
+            filled = torch.zeros(len(nodes), size, dtype=torch.bool)
+            for _, node, k, reward, value, _ in rows:
+                rewards[index_of[node], k], values[index_of[node], k], filled[index_of[node], k] = reward, value, True
+            if not filled.all():
+                raise RuntimeError(f"Turn {turn} has incomplete nodes: joint actions were lost between processes.")
+            credit, advantages, std = node_credit(
+                values, self.joint_mode, self.num_agents, self.num_generations, self.baseline, self.scale_rewards
+            )
+            for node, i in index_of.items():
+                node_row[node] = (first_group + i, credit[i], advantages[i])
+            first_group += len(nodes)
+            turn_stats.append(
+                {
+                    "reward": torch.nanmean(rewards).item(),
+                    "return": torch.nanmean(values).item(),
+                    "frac_reward_zero_std": torch.isclose(std, torch.zeros_like(std)).float().mean().item(),
+                    "num_nodes": float(len(nodes)),
+                    "num_joint_actions": float(len(rows)),
+                }
+            )
+        for joint_action in joint_actions:
+            joint_action.advantage = node_row[joint_action.node][2][joint_action.index].item()
+        for sample in samples:
+            group, credit, _ = node_row[sample.node]
+            sample.group, sample.advantage = group, credit[sample.position, sample.agent].item()
+        return turn_stats
+
+
+def split_rows(samples: dict, num_chunks: int) -> list[dict]:
+    """Split a batch of rows into `num_chunks` micro-batches whose sizes differ by at most one, keeping every row.
+
+    Tensors and lists with one entry per row are split; 0-dim tensors (`num_items_in_batch`) and `None` are copied to
+    every chunk. Raises `ValueError` when there are fewer rows than chunks (a micro-batch would be empty).
+    """
+    num_rows = len(next(value for value in samples.values() if value is not None and getattr(value, "ndim", 1) > 0))
+    if num_rows < num_chunks:
+        raise ValueError(f"{num_rows} rows cannot fill {num_chunks} micro-batches (`steps_per_generation`).")
+    bounds = [num_rows * i // num_chunks for i in range(num_chunks + 1)]
+    chunks = []
+    for start, end in itertools.pairwise(bounds):
+        chunk = {}
+        for key, value in samples.items():
+            if value is None or isinstance(value, torch.Tensor) and value.ndim == 0:
+                chunk[key] = value
+            else:
+                chunk[key] = value[start:end]
+        chunks.append(chunk)
+    return chunks
