@@ -161,6 +161,35 @@ def test_too_many_joint_actions_are_rejected_with_what_to_lower(make_config):
     assert "joint_mode='aligned'" in message
 
 
+def test_the_bound_counts_every_turn_of_the_tree(make_config):
+    config = make_config(num_generations=4, num_turns=3)
+    # aligned: 4 + 16 + 64 joint actions, 64 leaves
+    assert config.joint_actions_per_prompt(config.num_generations) == 84
+
+
+def test_a_tree_larger_than_the_bound_fails_saying_its_size_and_what_to_lower(make_config):
+    # cross, 2 agents, G=2, T=3: 4 + 16 + 64 = 84 joint actions, 64 = G^(N·T) leaves
+    message = error_message(make_config, joint_mode="cross", num_generations=2, num_turns=3, max_joint_actions=50)
+    assert "4 + 16 + 64 = 84 joint actions (64 leaves)" in message
+    assert "`max_joint_actions` (50)" in message
+    assert "Lower `num_turns` or `num_generations`" in message
+    assert "joint_mode='aligned'" in message
+
+
+def test_the_eval_tree_is_bounded_too(make_config):
+    message = error_message(make_config, num_generations=2, num_generations_eval=8, num_turns=2, max_joint_actions=20)
+    assert "num_generations_eval=8" in message and "8 + 64 = 72" in message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("num_turns", 0), ("num_turns", 1.5), ("discount", 1.5), ("discount", -0.1), ("termination_threshold", "high")],
+)
+def test_bad_turn_settings_are_rejected_naming_the_field(make_config, field, value):
+    message = error_message(make_config, **{field: value})
+    assert f"`{field}`" in message and repr(value) in message
+
+
 def test_raising_max_joint_actions_accepts_the_large_cross_team(make_config):
     config = make_config(agents=["a", "b", "c"], joint_mode="cross", num_generations=8, max_joint_actions=512)
     assert config.joint_actions_per_prompt(config.num_generations) == 512

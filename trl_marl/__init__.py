@@ -4,6 +4,7 @@ from .advantages import aligned_credit, baseline_values, cross_credit, group_adv
 from .config import MAGRPOConfig
 from .models import DEFAULT_MODEL_ID, default_model_path
 from .rewards import RewardFunctionError
+from .rollout import NextTurn, TransitionError, default_transition
 from .trainer import MAGRPOTrainer
 
 __version__ = "0.1.0.dev0"
@@ -12,11 +13,14 @@ __all__ = [
     "DEFAULT_MODEL_ID",
     "MAGRPOConfig",
     "MAGRPOTrainer",
+    "NextTurn",
     "RewardFunctionError",
+    "TransitionError",
     "aligned_credit",
     "baseline_values",
     "cross_credit",
     "default_model_path",
+    "default_transition",
     "group_advantages",
     "team_rewards",
 ]

@@ -1,0 +1,210 @@
+"""Multi-turn MAGRPO through the trainer: what each agent saw, every tree sample reaching the loss exactly once,
+per-turn metrics, and transitions that fail without touching the training state on disk."""
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoTokenizer
+
+from trl_marl import MAGRPOConfig, MAGRPOTrainer, NextTurn, TransitionError
+from trl_marl.agents import agent_prompt
+
+AGENTS = [{"name": "planner", "system_prompt": "Plan briefly."}, {"name": "checker"}]
+PROMPTS = ["Name a colour.", "Name a fruit.", "Count to three.", "Say hello."]
+
+
+def shorter_is_better(prompts, completions, turn, **kwargs):
+    return [1.0 / (1 + len(c["planner"]) + len(c["checker"])) + 0.1 * t for c, t in zip(completions, turn)]
+
+
+def make_trainer(model_dir, tmp_path, transition=None, **overrides):
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        agents=AGENTS,
+        num_turns=2,
+        discount=0.9,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=5,
+        max_steps=2,
+        learning_rate=5e-2,
+        lora_r=4,
+        lora_alpha=8,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        seed=5,
+    )
+    values.update(overrides)
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
+    return MAGRPOTrainer(
+        model_dir, shorter_is_better, args=MAGRPOConfig(**values), train_dataset=dataset, transition=transition
+    )
+
+
+class RowCounter:
+    """Records the rows each generation produced and the rows each loss call received."""
+
+    def __init__(self, trainer):
+        self.generated, self.trained = [], []
+        generate, compute_loss = trainer._generate_and_score_completions, trainer._compute_loss
+
+        def counting_generate(inputs):
+            output = generate(inputs)
+            self.generated.append(output)
+            return output
+
+        def counting_loss(model, inputs):
+            self.trained.append(inputs)
+            return compute_loss(model, inputs)
+
+        trainer._generate_and_score_completions = counting_generate
+        trainer._compute_loss = counting_loss
+
+
+def lora_params(model, adapter):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if f".{adapter}." in n}
+
+
+def stop_some_branches(prompt, joint_action, history, turn, **kwargs):
+    """Ends the episodes whose planner answer has an even number of characters: trees of varying size."""
+    if len(joint_action["planner"]) % 2 == 0:
+        return NextTurn(done=True)
+    return [f"{prompt[-1]['content']} Again."] * 2
+
+
+@pytest.mark.parametrize("joint_mode", ["aligned", "cross"])
+def test_every_tree_sample_reaches_the_loss_exactly_once(tiny_model_dir, tmp_path, joint_mode):
+    # 2 micro-batches per generation and 2 accumulation steps: rows split unevenly must all be trained.
+    trainer = make_trainer(
+        tiny_model_dir,
+        tmp_path,
+        transition=stop_some_branches,
+        joint_mode=joint_mode,
+        steps_per_generation=2,
+        gradient_accumulation_steps=2,
+        max_steps=3,
+    )
+    counter = RowCounter(trainer)
+    trainer.train()
+    assert len(counter.generated) == 3 and len(counter.trained) == 6
+    row_counts = {len(output["advantages"]) for output in counter.generated}
+    for index, output in enumerate(counter.generated):
+        chunks = counter.trained[2 * index : 2 * index + 2]
+        assert sum(len(chunk["advantages"]) for chunk in chunks) == len(output["advantages"])
+        assert abs(len(chunks[0]["advantages"]) - len(chunks[1]["advantages"])) <= 1
+
+        # the same rows, each once (shuffled): compare sorted (advantage, agent, turn, tokens) rows
+        def rows(batches):
+            return sorted(
+                (a.item(), g.item(), t.item(), m.sum().item())
+                for batch in batches
+                for a, g, t, m in zip(
+                    batch["advantages"], batch["agent_index"], batch["turn_index"], batch["completion_mask"]
+                )
+            )
+
+        assert rows(chunks) == rows([output])
+        assert chunks[0]["num_items_in_batch"] == output["completion_mask"].sum()
+    logged = [entry["num_samples"] for entry in trainer.state.log_history if "num_samples" in entry]
+    assert logged == [float(len(output["advantages"])) for output in counter.generated]
+    # `done` made the trees differ in size; full trees would give N·G·(1 + K) rows for each of the 2 prompts.
+    full = 2 * 2 * 2 * (1 + (2 if joint_mode == "aligned" else 4))
+    assert any(count < full for count in row_counts), row_counts
+
+
+def test_two_turn_training_changes_every_adapter_and_logs_per_turn_metrics(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path)
+    before = {agent["name"]: lora_params(trainer.model, agent["name"]) for agent in AGENTS}
+    trainer.train()
+    for agent, params in before.items():
+        after = lora_params(trainer.model, agent)
+        assert any(not torch.equal(params[n], after[n]) for n in params), f"adapter {agent} did not change"
+    logs = trainer.state.log_history[0]
+    for key in (
+        "turns/0/reward",
+        "turns/1/reward",
+        "turns/0/return",
+        "turns/1/return",
+        "turns/1/num_nodes",
+        "turns/0/agents/planner/completion_length",
+        "turns/1/agents/checker/completion_length",
+    ):
+        assert key in logs, key
+    # the reward adds 0.1 per turn, so the second turn's mean reward is the first's plus about 0.1
+    assert logs["turns/1/reward"] > logs["turns/0/reward"]
+    assert logs["turns/1/num_nodes"] == 2.0  # one prompt per generation batch: G = 2 joint actions expanded
+
+
+def test_each_sample_was_prompted_with_what_its_agent_saw_at_that_node(tiny_model_dir, tmp_path):
+    shown = []
+
+    def recording_transition(prompt, joint_action, history, turn, **kwargs):
+        prompts = [
+            f"{agent['name']} reads {joint_action[other['name']]!r}" for agent, other in zip(AGENTS, AGENTS[::-1])
+        ]
+        shown.append(prompts)
+        return prompts
+
+    trainer = make_trainer(tiny_model_dir, tmp_path, transition=recording_transition, max_steps=1)
+    counter = RowCounter(trainer)
+    trainer.train()
+    output = counter.generated[0]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+
+    def rendered(agent, prompt):
+        conversation = agent_prompt(AGENTS[agent].get("system_prompt", ""), prompt, use_chat_template=True)
+        return tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
+
+    seen = {0: [], 1: []}
+    for ids, mask, agent, turn in zip(
+        output["prompt_ids"], output["prompt_mask"], output["agent_index"], output["turn_index"]
+    ):
+        seen[turn.item()].append((agent.item(), ids[mask.bool()].tolist()))
+    task = tokenizer.decode(seen[0][0][1])
+    prompt = [{"role": "user", "content": next(p for p in PROMPTS if p in task)}]  # the sampler picks the prompt
+    assert sorted(seen[0]) == sorted((a, rendered(a, prompt)) for a in (0, 1) for _ in range(2))
+    # Turn 1: G rows per child node and agent, each with exactly the prompt the transition gave that agent.
+    expected = sorted((a, rendered(a, prompts[a])) for prompts in shown for a in (0, 1) for _ in range(2))
+    assert sorted(seen[1]) == expected
+    assert len(shown) == 2
+
+
+def file_hashes(folder: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in folder.rglob("*")
+        if p.is_file()
+    }
+
+
+@pytest.mark.parametrize(
+    ("transition", "message"),
+    [
+        (lambda **kwargs: ["just one prompt"], "returned 1 prompts after turn 0; expected 2 prompts"),
+        (lambda **kwargs: 1 / 0, "raised ZeroDivisionError after turn 0"),
+    ],
+    ids=["wrong-count", "raises"],
+)
+def test_a_failing_transition_stops_training_with_its_name_and_leaves_checkpoints_intact(
+    tiny_model_dir, tmp_path, transition, message
+):
+    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=1, save_strategy="steps", save_steps=1)
+    trainer.train()
+    output_dir = tmp_path / "out"
+    before = file_hashes(output_dir)
+    assert any(name.startswith("checkpoint-1/") for name in before)
+
+    resumed = make_trainer(
+        tiny_model_dir, tmp_path, transition=transition, max_steps=3, save_strategy="steps", save_steps=1
+    )
+    with pytest.raises(TransitionError, match="Transition '<lambda>'") as error:
+        resumed.train(resume_from_checkpoint=str(output_dir / "checkpoint-1"))
+    assert message in str(error.value)
+    assert file_hashes(output_dir) == before

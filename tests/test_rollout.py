@@ -1,0 +1,286 @@
+"""The MAGRPO tree, without a model: returns, advantages and credit against hand-computed trees; early termination,
+`done` and transitions; the uneven split of rows into micro-batches."""
+
+import math
+
+import pytest
+import torch
+
+from trl_marl.advantages import tree_returns
+from trl_marl.rollout import NextTurn, TransitionError, TreeRollout, default_transition, split_rows
+
+EPS = 1e-4
+AGENTS = ["a", "b"]
+
+
+def approx(expected, abs=1e-5):
+    """Float32 tensors against float64 hand computations."""
+    return pytest.approx(expected, rel=1e-5, abs=abs)
+
+
+def unbiased_std(values):
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+
+def normalized(values):
+    """(r − mean) / (std + 1e-4), written out."""
+    mean, std = sum(values) / len(values), unbiased_std(values)
+    return [(v - mean) / (std + EPS) for v in values]
+
+
+class ScriptedTeam:
+    """Generation that answers each row with the next number of a script, and a reward that adds the agents'
+    numbers: the test knows every completion and every team reward in advance."""
+
+    def __init__(self, script):
+        self.script = list(script)
+        self.model_inputs = []  # per generate call
+
+    def generate(self, model_inputs, agent_index):
+        self.model_inputs.append(list(model_inputs))
+        texts = [str(self.script.pop(0)) for _ in model_inputs]
+        return [[0]] * len(texts), [[1, 2]] * len(texts), texts
+
+    @staticmethod
+    def score(joint_actions):
+        return torch.tensor([[float(sum(int(t) for t in ja.completions.values()))] for ja in joint_actions])
+
+
+def run_tree(script, joint_mode="aligned", num_turns=2, transition=default_transition, examples=None, **overrides):
+    team = ScriptedTeam(script)
+    settings = dict(
+        agent_names=AGENTS,
+        num_generations=2,
+        num_turns=num_turns,
+        joint_mode=joint_mode,
+        discount=0.9,
+        termination_threshold=None,
+        reward_weights=torch.tensor([1.0]),
+        baseline="mean",
+        scale_rewards="group",
+        transition=transition,
+        agent_input=lambda agent, prompt: f"<{AGENTS[agent]}> {prompt}",
+    )
+    settings.update(overrides)
+    examples = examples or [{"prompt": "task", "level": 1}] * 2
+    rollout = TreeRollout(**settings).run(examples, first_copy=0, generate=team.generate, score=team.score)
+    assert not team.script, "the tree generated fewer completions than the script holds"
+    return rollout, team
+
+
+def advantages_by(rollout, turn):
+    """{(node, position, agent): advantage} of the samples of one turn."""
+    return {(s.node, s.position, AGENTS[s.agent]): s.advantage for s in rollout.samples if s.turn == turn}
+
+
+# ------------------------------------------------------------------ returns
+
+
+def test_tree_returns_leaf_is_reward_and_inner_node_adds_discounted_mean_of_children():
+    # 0 ─┬─ 2 ─┬─ 4
+    #    │     └─ 5
+    #    └─ 3
+    # 1 (leaf)
+    rewards = torch.tensor([1.0, 0.5, 2.0, 0.0, 1.0, 3.0])
+    parents = torch.tensor([-1, -1, 0, 0, 2, 2])
+    returns = tree_returns(rewards, parents, discount=0.5)
+    r2 = 2.0 + 0.5 * (1.0 + 3.0) / 2
+    r0 = 1.0 + 0.5 * (r2 + 0.0) / 2
+    assert returns.tolist() == approx([r0, 0.5, r2, 0.0, 1.0, 3.0])
+
+
+def test_tree_returns_rejects_a_child_before_its_parent():
+    with pytest.raises(ValueError, match="parents must come before their children"):
+        tree_returns(torch.tensor([1.0, 1.0]), torch.tensor([1, -1]), 1.0)
+
+
+# ------------------------------------------------------------------ hand-computed trees
+
+
+def test_aligned_two_turn_tree_returns_and_advantages_match_hand_computation():
+    # turn 0, slot g: (a, b) = (1, 0), (0, 0)  ->  rewards 1, 0
+    # children of joint action 0: (1, 1), (0, 1) -> 2, 1; children of joint action 1: (0, 0), (1, 1) -> 0, 2
+    rollout, _ = run_tree([1, 0, 0, 0] + [1, 1, 0, 1] + [0, 0, 1, 1])
+    by_turn = {t: [ja for ja in rollout.joint_actions if ja.turn == t] for t in (0, 1)}
+    assert [ja.reward for ja in by_turn[0]] == [1.0, 0.0]
+    assert [ja.reward for ja in by_turn[1]] == [2.0, 1.0, 0.0, 2.0]
+    root_returns = [1 + 0.9 * (2 + 1) / 2, 0 + 0.9 * (0 + 2) / 2]  # 2.35, 0.9
+    assert [ja.value for ja in by_turn[0]] == approx(root_returns)
+    assert [ja.value for ja in by_turn[1]] == approx([2.0, 1.0, 0.0, 2.0])  # leaves: R = r
+
+    root, child0, child1 = normalized(root_returns), normalized([2, 1]), normalized([0, 2])
+    assert [ja.advantage for ja in by_turn[0]] == approx(root)
+    assert [ja.advantage for ja in by_turn[1]] == approx(child0 + child1)
+    # Aligned credit: both agents' completion g gets A(g).
+    turn0 = advantages_by(rollout, 0)
+    for g in (0, 1):
+        assert turn0[((0, -1, 0), g, "a")] == approx(root[g])
+        assert turn0[((0, -1, 0), g, "b")] == approx(root[g])
+    turn1 = advantages_by(rollout, 1)
+    for node, expected in (((1, 0, 0), child0), ((1, 0, 1), child1)):
+        for g in (0, 1):
+            assert turn1[(node, g, "a")] == approx(expected[g])
+            assert turn1[(node, g, "b")] == approx(expected[g])
+    assert len(rollout.samples) == 2 * 2 + 2 * 2 * 2  # root: G slots x N agents; two children alike
+
+
+def test_cross_two_turn_tree_returns_and_per_agent_credit_match_hand_computation():
+    # turn 0: a = (1, 0), b = (0, 1); joint actions (g_a, g_b) in row-major order: rewards 1, 2, 0, 1
+    script = [1, 0, 0, 1]
+    # child nodes in the order of their parents; within one: slot 0 (a, b), slot 1 (a, b)
+    script += [1, 1, 1, 1]  # child of (0,0): every joint action 2
+    script += [0, 0, 0, 0]  # child of (0,1): every joint action 0
+    script += [1, 0, 0, 0]  # child of (1,0): a = (1, 0), b = (0, 0) -> rewards 1, 1, 0, 0
+    script += [0, 1, 0, 0]  # child of (1,1): a = (0, 0), b = (1, 0) -> rewards 1, 0, 1, 0
+    rollout, _ = run_tree(script, joint_mode="cross")
+    root = [ja for ja in rollout.joint_actions if ja.turn == 0]
+    assert [ja.index for ja in root] == [0, 1, 2, 3]
+    assert [ja.reward for ja in root] == [1.0, 2.0, 0.0, 1.0]
+    root_returns = [1 + 0.9 * 2, 2 + 0.9 * 0, 0 + 0.9 * 0.5, 1 + 0.9 * 0.5]  # 2.8, 2.0, 0.45, 1.45
+    assert [ja.value for ja in root] == approx(root_returns)
+    A = normalized(root_returns)
+    assert [ja.advantage for ja in root] == approx(A)
+
+    # An agent's completion gets the mean advantage of the joint actions it took part in.
+    turn0 = advantages_by(rollout, 0)
+    node = (0, -1, 0)
+    assert turn0[(node, 0, "a")] == approx((A[0] + A[1]) / 2)
+    assert turn0[(node, 1, "a")] == approx((A[2] + A[3]) / 2)
+    assert turn0[(node, 0, "b")] == approx((A[0] + A[2]) / 2)
+    assert turn0[(node, 1, "b")] == approx((A[1] + A[3]) / 2)
+
+    turn1 = advantages_by(rollout, 1)
+    # child of (0,0): all rewards equal -> zero advantages
+    assert all(turn1[((1, 0, 0), g, agent)] == 0.0 for g in (0, 1) for agent in AGENTS)
+    # child of (1,0): rewards 1, 1, 0, 0 -> agent a's first completion is the better one, b's do not matter
+    child = normalized([1, 1, 0, 0])
+    assert turn1[((1, 0, 2), 0, "a")] == approx((child[0] + child[1]) / 2)
+    assert turn1[((1, 0, 2), 1, "a")] == approx((child[2] + child[3]) / 2)
+    assert turn1[((1, 0, 2), 0, "b")] == approx(0.0, abs=1e-6)
+    assert turn1[((1, 0, 2), 1, "b")] == approx(0.0, abs=1e-6)
+    # child of (1,1): rewards 1, 0, 1, 0 -> b's first completion is the better one
+    child = normalized([1, 0, 1, 0])
+    assert turn1[((1, 0, 3), 0, "b")] == approx((child[0] + child[2]) / 2)
+    assert turn1[((1, 0, 3), 0, "a")] == approx(0.0, abs=1e-6)
+    assert len(rollout.samples) == 4 + 4 * 4
+
+
+def test_every_node_sees_its_own_prompt_group_only():
+    examples = [{"prompt": "first"}] * 2 + [{"prompt": "second"}] * 2
+    rollout, _ = run_tree([1, 0, 0, 0, 0, 0, 1, 1], num_turns=1, examples=examples)
+    nodes = {ja.node: ja.branch.example["prompt"] for ja in rollout.joint_actions}
+    assert nodes == {(0, -1, 0): "first", (0, -1, 1): "second"}
+    assert [s.group for s in rollout.samples] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+# ------------------------------------------------------------------ early termination and done
+
+
+def test_early_termination_prunes_exactly_the_nodes_whose_mean_reward_reached_the_threshold():
+    # T=3. Root rewards 1, 0 (mean 0.5 < 1.5): both expand. Child of 0: 2, 1 (mean 1.5): stops. Child of 1: 0, 2
+    # (mean 1.0): expands into two turn-2 nodes.
+    script = [1, 0, 0, 0] + [1, 1, 0, 1] + [0, 0, 1, 1] + [0, 0, 0, 0] + [1, 1, 1, 1]
+    rollout, _ = run_tree(script, num_turns=3, termination_threshold=1.5)
+    turn1 = [ja for ja in rollout.joint_actions if ja.turn == 1]
+    assert [ja.terminated for ja in turn1] == [True, True, False, False]
+    turn2_parents = {ja.branch.parent for ja in rollout.joint_actions if ja.turn == 2}
+    assert turn2_parents == {rollout.joint_actions.index(turn1[2]), rollout.joint_actions.index(turn1[3])}
+    assert [stats["num_nodes"] for stats in rollout.turn_stats] == [1.0, 2.0, 2.0]
+    # Terminated joint actions are leaves; the expanded ones add their children's mean.
+    assert [ja.value for ja in turn1] == approx([2.0, 1.0, 0.0 + 0.9 * 0.0, 2.0 + 0.9 * (2 + 2) / 2])
+    assert len(rollout.samples) == 4 + 8 + 8
+
+
+def test_a_node_below_the_threshold_is_expanded():
+    rollout, _ = run_tree([1, 0, 0, 0] + [1, 1, 0, 1] + [0, 0, 1, 1], termination_threshold=0.51)
+    assert not any(ja.terminated for ja in rollout.joint_actions if ja.turn == 0)
+    assert rollout.turn_stats[1]["num_nodes"] == 2.0
+
+
+def test_done_from_the_transition_ends_only_that_branch():
+    def stop_after_a_success(prompt, joint_action, history, turn, reward, **kwargs):
+        return NextTurn(done=True) if reward >= 1 else default_transition(prompt, joint_action, history, turn)
+
+    # Root rewards 1 (done) and 0 (continues): one child node only.
+    rollout, _ = run_tree([1, 0, 0, 0] + [0, 0, 1, 1], transition=stop_after_a_success)
+    root = [ja for ja in rollout.joint_actions if ja.turn == 0]
+    assert [ja.done for ja in root] == [True, False]
+    assert {ja.branch.parent for ja in rollout.joint_actions if ja.turn == 1} == {1}
+    assert root[0].value == approx(1.0)  # a leaf
+    assert root[1].value == approx(0.0 + 0.9 * (0 + 2) / 2)
+
+
+def test_transition_decides_what_each_agent_sees_next_turn():
+    seen = []
+
+    def private_feedback(prompt, joint_action, history, turn, observations, level, **kwargs):
+        seen.append((prompt, dict(joint_action), list(history), turn, dict(observations), level))
+        return {"b": f"b sees {joint_action['a']}", "a": f"a sees {joint_action['b']}"}
+
+    rollout, team = run_tree([1, 0, 0, 0] + [0] * 8, transition=private_feedback)
+    assert seen[0] == ("task", {"a": "1", "b": "0"}, [], 0, {"a": "task", "b": "task"}, 1)
+    assert seen[1][1] == {"a": "0", "b": "0"}
+    turn1_inputs = team.model_inputs[1]
+    # child of joint action 0: G copies of (a's view, b's view), then the child of joint action 1
+    assert turn1_inputs == ["<a> a sees 0", "<b> b sees 1"] * 2 + ["<a> a sees 0", "<b> b sees 0"] * 2
+    assert [s.model_input for s in rollout.samples if s.turn == 1] == turn1_inputs
+    child = [ja for ja in rollout.joint_actions if ja.turn == 1][0]
+    assert child.branch.history == [{"a": "1", "b": "0"}]
+
+
+def test_default_transition_shows_every_agent_all_answers_of_every_turn():
+    prompts = default_transition("Plan a trip.", {"a": "Rome", "b": "Paris"}, [{"a": "x", "b": "y"}], turn=1)
+    assert len(prompts) == 2 and prompts[0] == prompts[1]
+    assert prompts[0].startswith("Plan a trip.\n\n")
+    assert "Turn 1:\n[a] x\n[b] y" in prompts[0]
+    assert "Turn 2:\n[a] Rome\n[b] Paris" in prompts[0]
+    conversation = default_transition([{"role": "user", "content": "Plan."}], {"a": "Rome", "b": "Paris"}, [], 0)
+    assert conversation[0][-1]["role"] == "user" and "[b] Paris" in conversation[0][-1]["content"]
+
+
+@pytest.mark.parametrize(
+    ("returned", "message"),
+    [
+        (["only one"], "returned 1 prompts after turn 0; expected 2 prompts, one per agent ['a', 'b']"),
+        ({"a": "x", "c": "y"}, "returned prompts for agents ['a', 'c']"),
+        ("one string", "returned str after turn 0"),
+        ([3, "x"], "returned 3 as the prompt of agent 'a'"),
+    ],
+)
+def test_a_transition_with_the_wrong_prompts_is_an_error_naming_it(returned, message):
+    def bad_feedback(**kwargs):
+        return returned
+
+    with pytest.raises(TransitionError, match="Transition 'bad_feedback'") as error:
+        run_tree([1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], transition=bad_feedback)
+    assert message in str(error.value)
+
+
+def test_a_transition_that_raises_is_an_error_naming_it_and_the_turn():
+    def flaky_tests(**kwargs):
+        raise OSError("sandbox unavailable")
+
+    with pytest.raises(TransitionError, match="Transition 'flaky_tests' raised OSError after turn 0: sandbox"):
+        run_tree([1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], transition=flaky_tests)
+
+
+# ------------------------------------------------------------------ rows into micro-batches
+
+
+def test_split_rows_keeps_every_row_once_in_chunks_that_differ_by_at_most_one():
+    samples = {
+        "advantages": torch.arange(11.0),
+        "agent_index": torch.arange(11) % 2,
+        "num_items_in_batch": torch.tensor(42),
+        "old_per_token_logps": None,
+    }
+    chunks = split_rows(samples, 3)
+    assert [len(c["advantages"]) for c in chunks] == [3, 4, 4]
+    assert torch.cat([c["advantages"] for c in chunks]).tolist() == list(range(11))
+    assert all(c["num_items_in_batch"].item() == 42 and c["old_per_token_logps"] is None for c in chunks)
+
+
+def test_split_rows_refuses_to_make_an_empty_micro_batch():
+    with pytest.raises(ValueError, match="2 rows cannot fill 3 micro-batches"):
+        split_rows({"advantages": torch.zeros(2)}, 3)
