@@ -142,23 +142,28 @@ def test_non_positive_max_joint_actions_is_rejected(make_config):
 
 
 def test_aligned_joint_actions_per_prompt_is_num_generations(make_config):
-    config = make_config(agents=["a", "b", "c"], joint_mode="aligned", num_generations=4)
+    config = make_config(agents=["ann", "bob", "cy"], joint_mode="aligned", num_generations=4)
     assert config.joint_actions_per_prompt(config.num_generations) == 4
 
 
 def test_cross_joint_actions_per_prompt_is_num_generations_to_the_num_agents(make_config):
-    config = make_config(agents=["a", "b", "c"], joint_mode="cross", num_generations=4)
+    config = make_config(agents=["ann", "bob", "cy"], joint_mode="cross", num_generations=4)
     # 4**3
     assert config.joint_actions_per_prompt(config.num_generations) == 64
 
 
 def test_too_many_joint_actions_are_rejected_with_what_to_lower(make_config):
     # 3 agents, G=8, cross: 8**3 = 512 > 256
-    message = error_message(make_config, agents=["a", "b", "c"], joint_mode="cross", num_generations=8)
+    message = error_message(make_config, agents=["ann", "bob", "cy"], joint_mode="cross", num_generations=8)
     assert "512" in message
     assert "`max_joint_actions` (256)" in message
     assert "Lower `num_generations`" in message
     assert "joint_mode='aligned'" in message
+
+
+def test_an_agent_name_inside_the_lora_prefix_is_rejected(make_config):
+    message = error_message(make_config, agents=["a", "critic"])
+    assert "`agents[0]` has name 'a'" in message and "'lora_'" in message
 
 
 def test_the_bound_counts_every_turn_of_the_tree(make_config):
@@ -191,7 +196,7 @@ def test_bad_turn_settings_are_rejected_naming_the_field(make_config, field, val
 
 
 def test_raising_max_joint_actions_accepts_the_large_cross_team(make_config):
-    config = make_config(agents=["a", "b", "c"], joint_mode="cross", num_generations=8, max_joint_actions=512)
+    config = make_config(agents=["ann", "bob", "cy"], joint_mode="cross", num_generations=8, max_joint_actions=512)
     assert config.joint_actions_per_prompt(config.num_generations) == 512
 
 

@@ -5,6 +5,7 @@ from .config import MAGRPOConfig
 from .models import DEFAULT_MODEL_ID, default_model_path
 from .rewards import RewardFunctionError
 from .rollout import NextTurn, TransitionError, default_transition
+from .team import Team, TeamRun, load_team
 from .trainer import MAGRPOTrainer
 
 __version__ = "0.1.0.dev0"
@@ -15,6 +16,8 @@ __all__ = [
     "MAGRPOTrainer",
     "NextTurn",
     "RewardFunctionError",
+    "Team",
+    "TeamRun",
     "TransitionError",
     "aligned_credit",
     "baseline_values",
@@ -22,5 +25,6 @@ __all__ = [
     "default_model_path",
     "default_transition",
     "group_advantages",
+    "load_team",
     "team_rewards",
 ]

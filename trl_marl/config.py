@@ -53,6 +53,11 @@ def normalize_agents(agents: Any) -> list[dict[str, str]]:
                 f"it must start with a letter and contain only letters, digits, '_' and '-', and must not be one of "
                 f"{list(RESERVED_AGENT_NAMES)}."
             )
+        if name in "lora_":
+            raise ValueError(
+                f"`agents[{index}]` has name {name!r}, which is part of PEFT's parameter prefix 'lora_': PEFT may "
+                "re-initialise such an adapter when loading it. Choose a longer name."
+            )
         system_prompt = agent.get("system_prompt", agent.get("role")) or ""
         if not isinstance(system_prompt, str):
             raise ValueError(f"`agents[{index}]['system_prompt']` must be a string, got {system_prompt!r}.")

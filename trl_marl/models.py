@@ -104,6 +104,14 @@ def load_default_model(
     return AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs), AutoTokenizer.from_pretrained(path)
 
 
+def is_default_model(name_or_path: str | os.PathLike[str]) -> bool:
+    """Whether `name_or_path` is the default model: its Hub id, a Hub cache snapshot of it, or a converted copy."""
+    name = str(name_or_path)
+    if name == DEFAULT_MODEL_ID or "models--" + DEFAULT_MODEL_ID.replace("/", "--") in name:
+        return True
+    return os.path.isdir(name) and _is_converted(Path(name))
+
+
 def _hub_offline() -> bool:
     # huggingface_hub reads HF_HUB_OFFLINE once at import; the variable may have been set since.
     env = os.environ.get("HF_HUB_OFFLINE", "").strip().upper()

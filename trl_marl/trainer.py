@@ -41,6 +41,7 @@ from .config import MAGRPOConfig
 from .rewards import TeamRewardFunc, checked_team_reward
 from .rollout import JointAction, Rollout, TreeRollout, default_transition, split_rows
 from .routing import AdapterRouter
+from .team import base_model_name, team_spec, write_team_file
 
 
 class MAGRPOTrainer(GRPOTrainer):
@@ -199,6 +200,15 @@ class MAGRPOTrainer(GRPOTrainer):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         finally:
             self._clear_routing()
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """Each agent's adapter in PEFT format under `output_dir/<adapter>/`, the tokenizer, and `team.json` (agents,
+        roles, turn settings, base model), which `trl_marl.load_team` reads. Checkpoints get the same."""
+        super().save_model(output_dir, _internal_call=_internal_call)
+        if self.args.should_save:
+            base = self.accelerator.unwrap_model(self.model).get_base_model()
+            spec = team_spec(self.args, self.agent_adapters, base_model_name(base), self.transition)
+            write_team_file(output_dir or self.args.output_dir, spec)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model=model)

@@ -1,0 +1,165 @@
+"""The trained team as an artefact: `save_model` writes PEFT adapters and `team.json`; `load_team` rebuilds the team on
+a full-precision or 4-bit base and replays the trained agents' greedy episodes."""
+
+import json
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+from trl_marl import MAGRPOConfig, MAGRPOTrainer, default_transition, load_team
+from trl_marl.agents import agent_prompt
+
+AGENTS = [{"name": "planner", "system_prompt": "Plan briefly."}, {"name": "checker", "system_prompt": "Check."}]
+NEW_PROMPT = [{"role": "user", "content": "Suggest a name for a cat."}]
+
+
+def different_lengths(prompts, completions, **kwargs):
+    return [float(len(c["planner"]) - len(c["checker"])) for c in completions]
+
+
+def train_team(model_dir, tmp_path, **overrides):
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        agents=AGENTS,
+        num_turns=2,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=6,
+        max_steps=2,
+        learning_rate=5e-2,
+        lora_r=4,
+        lora_alpha=8,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=11,
+    )
+    quantization_config = overrides.pop("quantization_config", None)
+    values.update(overrides)
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in ["Say hi.", "Count."]]})
+    trainer = MAGRPOTrainer(
+        model_dir,
+        different_lengths,
+        args=MAGRPOConfig(**values),
+        train_dataset=dataset,
+        quantization_config=quantization_config,
+    )
+    # Fresh LoRA B is zero, so agents start equal to the base; make them differ so the replay tells them apart.
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator).to(param.dtype) * 0.5)
+    trainer.train()
+    trainer.save_model()
+    return trainer
+
+
+@torch.no_grad()
+def reference_episode(model, tokenizer, prompt, num_turns, max_new_tokens):
+    """The trained model replayed one agent at a time (`set_adapter`, batch of one), with training's prompt
+    building and the default transition, independently of `Team`."""
+    model.eval()
+    observations, history, turns = [prompt] * len(AGENTS), [], []
+    for turn in range(num_turns):
+        answers = {}
+        for index, agent in enumerate(AGENTS):
+            model.set_adapter(agent["name"])
+            conversation = agent_prompt(agent["system_prompt"], observations[index], use_chat_template=True)
+            inputs = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )
+            output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+            completion = output[0, inputs["input_ids"].shape[1] :].tolist()
+            if tokenizer.eos_token_id in completion:
+                completion = completion[: completion.index(tokenizer.eos_token_id) + 1]
+            answers[agent["name"]] = tokenizer.decode(completion, skip_special_tokens=True)
+        turns.append(answers)
+        observations = default_transition(prompt, answers, history, turn)
+        history.append(answers)
+    return turns
+
+
+def test_save_model_writes_peft_adapters_and_a_team_file(tiny_model_dir, tmp_path):
+    trainer = train_team(tiny_model_dir, tmp_path, num_turns=2, discount=0.8, termination_threshold=3.0)
+    out = tmp_path / "out"
+    for agent in AGENTS:
+        assert (out / agent["name"] / "adapter_config.json").is_file()
+        assert (out / agent["name"] / "adapter_model.safetensors").is_file()
+    spec = json.loads((out / "team.json").read_text())
+    assert spec["agents"] == [{**agent, "adapter": agent["name"]} for agent in AGENTS]
+    assert spec["base_model"] == tiny_model_dir
+    assert (spec["num_turns"], spec["discount"], spec["termination_threshold"]) == (2, 0.8, 3.0)
+    assert spec["transition"] == "trl_marl.rollout:default_transition"
+    assert spec["max_completion_length"] == 6
+
+    # Each adapter also loads with plain PEFT and computes what the trained agent computes.
+    inputs = torch.randint(100, 1000, (1, 7))
+    trainer.router.route(None)
+    for agent in AGENTS:
+        base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        plain = PeftModel.from_pretrained(base, str(out / agent["name"])).eval()
+        trainer.model.set_adapter(agent["name"])
+        with torch.no_grad():
+            expected = trainer.model.eval()(inputs).logits
+            torch.testing.assert_close(plain(inputs).logits, expected)
+
+
+def test_load_team_replays_the_trained_agents_greedy_episode(tiny_model_dir, tmp_path):
+    trainer = train_team(tiny_model_dir, tmp_path)
+    trainer.router.route(None)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    expected = reference_episode(trainer.model, tokenizer, NEW_PROMPT, num_turns=2, max_new_tokens=6)
+    assert expected[0]["planner"] != expected[0]["checker"], "the agents should differ"
+
+    team = load_team(tmp_path / "out")
+    run = team.run(NEW_PROMPT)
+    assert run.turns == expected
+    assert len(run.observations) == 2
+    # Turn 2 shows each agent the task and both answers of turn 1, as in training.
+    second = run.observations[1]["planner"][-1]["content"]
+    assert "[planner] " + expected[0]["planner"].strip() in second
+    assert "[checker] " + expected[0]["checker"].strip() in second
+
+
+def test_load_team_on_a_4bit_base_replays_the_4bit_trained_team(tiny_model_dir, tmp_path):
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is needed for 4-bit bases")
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+    trainer = train_team(tiny_model_dir, tmp_path, quantization_config=quantization)
+    trainer.router.route(None)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    expected = reference_episode(trainer.model, tokenizer, NEW_PROMPT, num_turns=2, max_new_tokens=6)
+
+    team = load_team(tmp_path / "out", load_in_4bit=True)
+    import bitsandbytes
+
+    assert any(isinstance(m, bitsandbytes.nn.Linear4bit) for m in team.model.modules())
+    assert team.run(NEW_PROMPT).turns == expected
+
+
+def test_a_team_trained_with_a_local_transition_needs_it_passed_to_load_team(tiny_model_dir, tmp_path):
+    def private_view(prompt, joint_action, **kwargs):
+        return [prompt, prompt]
+
+    values = dict(
+        output_dir=str(tmp_path / "out"), agents=["alpha", "beta"], num_turns=2, report_to="none", use_cpu=True
+    )
+    dataset = Dataset.from_dict({"prompt": ["Say hi."]})
+    trainer = MAGRPOTrainer(
+        tiny_model_dir, different_lengths, args=MAGRPOConfig(**values), train_dataset=dataset, transition=private_view
+    )
+    trainer.save_model()
+    with pytest.raises(ValueError, match="cannot be imported .* pass `transition=` to load_team"):
+        load_team(tmp_path / "out")
+    assert load_team(tmp_path / "out", transition=private_view).run("Say hi.", max_new_tokens=2).turns
+
+
+def test_load_team_on_a_folder_without_a_team_file_says_what_to_point_it_at(tmp_path):
+    with pytest.raises(FileNotFoundError, match="No team.json in .*MAGRPOTrainer.save_model"):
+        load_team(tmp_path)

@@ -1,0 +1,280 @@
+"""The trained team as an artefact: `team.json` beside the agents' PEFT adapters, and `load_team` to run it.
+
+`MAGRPOTrainer.save_model(out)` writes `out/<adapter>/` (PEFT format, one folder per agent, or `out/team/` when the
+agents share an adapter), the tokenizer, and `out/team.json`:
+
+```json
+{"format": "trl_marl.team/1", "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+ "agents": [{"name": "planner", "system_prompt": "...", "adapter": "planner"}, ...],
+ "num_turns": 2, "transition": "trl_marl.rollout:default_transition", "max_completion_length": 64, ...}
+```
+
+`load_team(out)` rebuilds the team on one base model (optionally 4-bit) and `Team.run(prompt)` plays an episode with
+the prompt building of training: each agent gets its role and what the transition shows it, nothing else.
+"""
+
+import importlib
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import PeftModel
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+from .agents import agent_prompt, keep_4bit_weights_trainable
+from .models import DEFAULT_MODEL_ID, default_model_path, is_default_model
+from .rollout import Prompt, TreeRollout, default_transition
+from .routing import AdapterRouter
+
+TEAM_FILE = "team.json"
+TEAM_FORMAT = "trl_marl.team/1"
+
+
+def importable_name(func: Callable) -> str | None:
+    """`"module:qualname"` when importing that gives back `func` (so another process can rebuild it), else None."""
+    module, qualname = getattr(func, "__module__", None), getattr(func, "__qualname__", "")
+    if not module or "<" in qualname:
+        return None
+    try:
+        found = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError):
+        return None
+    return f"{module}:{qualname}" if found is func else None
+
+
+def import_by_name(name: str) -> Callable:
+    module, _, qualname = name.partition(":")
+    found = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part)
+    return found
+
+
+def base_model_name(model: Any) -> str:
+    """The base model's Hub id or path, with the locally converted default model recorded as its Hub id."""
+    name = getattr(model.config, "_name_or_path", "") or ""
+    return DEFAULT_MODEL_ID if name and is_default_model(name) else name
+
+
+def team_spec(args: Any, adapters: list[str], base_model: str, transition: Callable) -> dict:
+    """The contents of `team.json` for a trainer's configuration."""
+    return {
+        "format": TEAM_FORMAT,
+        "base_model": base_model,
+        "agents": [{**agent, "adapter": adapter} for agent, adapter in zip(args.agents, adapters)],
+        "adapter_mode": args.adapter_mode,
+        "num_turns": args.num_turns,
+        "joint_mode": args.joint_mode,
+        "discount": args.discount,
+        "termination_threshold": args.termination_threshold,
+        "transition": importable_name(transition),
+        "max_completion_length": args.max_completion_length,
+        "chat_template_kwargs": dict(args.chat_template_kwargs or {}),
+    }
+
+
+def write_team_file(folder: str | os.PathLike, spec: dict) -> None:
+    path = Path(folder) / TEAM_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(spec, indent=2) + "\n")
+
+
+@dataclass
+class TeamRun:
+    """One episode: per turn, what each agent was shown and what it answered."""
+
+    observations: list[dict[str, Prompt]]
+    turns: list[dict[str, str]]
+
+    @property
+    def final(self) -> dict[str, str]:
+        return self.turns[-1]
+
+
+class Team:
+    """A trained team on one base model: `run(prompt)` plays one episode (greedy by default), every agent's rows in
+    one `generate` call per turn, each through its own adapter."""
+
+    def __init__(self, model: PeftModel, tokenizer: Any, spec: dict, transition: Callable):
+        self.model, self.tokenizer, self.spec, self.transition = model, tokenizer, spec, transition
+        self.agents = spec["agents"]
+        self.agent_names = [agent["name"] for agent in self.agents]
+        adapters = [agent["adapter"] for agent in self.agents]
+        if len(set(adapters)) > 1:
+            self.router = AdapterRouter(model, adapters)
+        else:
+            self.router = None
+            model.set_adapter(adapters[0])
+        self._adapters = adapters
+        self._use_chat_template = getattr(tokenizer, "chat_template", None) is not None
+
+    def run(
+        self,
+        prompt: Prompt,
+        num_turns: int | None = None,
+        max_new_tokens: int | None = None,
+        do_sample: bool = False,
+        **columns,
+    ) -> TeamRun:
+        """Play one episode on `prompt` (a string or chat messages, as in the training data) for `num_turns` turns
+        (default: as trained). `columns` are the extra dataset columns the transition reads (e.g. tests)."""
+        max_new_tokens = max_new_tokens or self.spec["max_completion_length"]
+        rollout = TreeRollout(
+            agent_names=self.agent_names,
+            num_generations=1,
+            num_turns=num_turns or self.spec["num_turns"],
+            joint_mode="aligned",
+            discount=1.0,
+            termination_threshold=None,
+            reward_weights=torch.ones(1),
+            baseline="none",
+            scale_rewards="none",
+            transition=self.transition,
+            agent_input=lambda agent, task: agent_prompt(
+                self.agents[agent]["system_prompt"], task, self._use_chat_template
+            ),
+        ).run(
+            [{**columns, "prompt": prompt}],
+            first_copy=0,
+            generate=lambda inputs, agent_index: self._generate(inputs, agent_index, max_new_tokens, do_sample),
+            score=lambda joint_actions: torch.full((len(joint_actions), 1), math.nan),
+        )
+        return TeamRun(
+            observations=[dict(zip(self.agent_names, ja.branch.observations)) for ja in rollout.joint_actions],
+            turns=[dict(ja.completions) for ja in rollout.joint_actions],
+        )
+
+    @torch.no_grad()
+    def _generate(self, model_inputs: list, agent_index: list[int], max_new_tokens: int, do_sample: bool):
+        tokenizer = self.tokenizer
+        if isinstance(model_inputs[0], list):  # conversations, rendered as TRL's `_tokenize_prompts` does
+            prompt_ids = tokenizer.apply_chat_template(
+                model_inputs,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
+                **self.spec.get("chat_template_kwargs", {}),
+            )["input_ids"]
+        else:
+            prompt_ids = tokenizer(text=model_inputs)["input_ids"]
+        width = max(len(ids) for ids in prompt_ids)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        device = next(self.model.parameters()).device
+        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + list(ids) for ids in prompt_ids], device=device)
+        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=device)
+        if self.router is not None:
+            self.router.route([self._adapters[a] for a in agent_index])
+        try:
+            output = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=do_sample,
+                pad_token_id=pad_id,
+            )
+        finally:
+            if self.router is not None:
+                self.router.route(None)
+        eos_ids = set(self._eos_token_ids())
+        completion_ids = []
+        for row in output[:, width:].tolist():
+            end = next((i + 1 for i, token in enumerate(row) if token in eos_ids), len(row))
+            completion_ids.append(row[:end])
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        return [list(ids) for ids in prompt_ids], completion_ids, texts
+
+    def _eos_token_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        return [*eos, self.tokenizer.eos_token_id]
+
+
+def keep_saved_dtype(model: PeftModel, adapter: str, folder: Path) -> None:
+    """Give an adapter's weights the dtype they were saved (trained) in. TRL trains adapters in bf16 on a quantized
+    base; PEFT loads them into weights of the base's dtype, and the replay would then round differently."""
+    weights = folder / "adapter_model.safetensors"
+    if not weights.is_file():
+        return
+    with safe_open(str(weights), framework="pt") as saved:
+        dtype = saved.get_slice(next(iter(saved.keys()))).get_dtype()
+    dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(dtype)
+    for name, param in model.named_parameters():
+        if dtype is not None and "lora_" in name and f".{adapter}." in name:
+            param.data = param.data.to(dtype)
+
+
+def read_team_file(path: str | os.PathLike) -> dict:
+    team_file = Path(path) / TEAM_FILE
+    if not team_file.is_file():
+        raise FileNotFoundError(
+            f"No {TEAM_FILE} in {path}: point `load_team` at a folder written by MAGRPOTrainer.save_model (the "
+            "output_dir or a checkpoint-N folder)."
+        )
+    spec = json.loads(team_file.read_text())
+    if spec.get("format") != TEAM_FORMAT:
+        raise ValueError(f"{team_file} has format {spec.get('format')!r}; this trl_marl reads {TEAM_FORMAT!r}.")
+    return spec
+
+
+def load_team(
+    path: str | os.PathLike,
+    *,
+    load_in_4bit: bool = False,
+    quantization_config: BitsAndBytesConfig | None = None,
+    base_model: str | None = None,
+    transition: Callable | None = None,
+    dtype: str | torch.dtype = "auto",
+    device_map: Any = None,
+) -> Team:
+    """Rebuild a team saved by `MAGRPOTrainer.save_model` on one base model.
+
+    Args:
+        path: the saved folder (`output_dir` or a `checkpoint-N` folder).
+        load_in_4bit: load the base in 4-bit NF4 (bitsandbytes); or pass `quantization_config`.
+        base_model: a Hub id or path overriding the recorded base model.
+        transition: overrides the recorded transition; needed when the training transition was not importable
+            (a lambda or a local function).
+        dtype, device_map: passed to `from_pretrained`.
+    """
+    path = Path(path)
+    spec = read_team_file(path)
+    if transition is None:
+        if spec["transition"] is None:
+            if spec["num_turns"] > 1:
+                raise ValueError(
+                    f"The team in {path} was trained with a transition that cannot be imported (a lambda or a local "
+                    "function), so its prompts between turns cannot be rebuilt: pass `transition=` to load_team."
+                )
+            transition = default_transition
+        else:
+            transition = import_by_name(spec["transition"])
+    if load_in_4bit and quantization_config is None:
+        compute_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        quantization_config = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype
+        )
+    base = base_model or spec["base_model"]
+    if base == DEFAULT_MODEL_ID:
+        base = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(
+        base, dtype=dtype, quantization_config=quantization_config, device_map=device_map
+    )
+    adapters = list(dict.fromkeys(agent["adapter"] for agent in spec["agents"]))
+    model = PeftModel.from_pretrained(model, str(path / adapters[0]), adapter_name=adapters[0])
+    for adapter in adapters[1:]:
+        model.load_adapter(str(path / adapter), adapter_name=adapter)
+    for adapter in adapters:
+        keep_saved_dtype(model, adapter, path / adapter)
+    model.eval()
+    keep_4bit_weights_trainable(model)  # the 4-bit kernel training used, so greedy episodes replay exactly
+    tokenizer_source = path if (path / "tokenizer_config.json").is_file() else base
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    return Team(model, tokenizer, spec, transition)
