@@ -12,18 +12,35 @@ import pytest
 SCRIPT = Path(__file__).parent / "scripts" / "two_process_train.py"
 
 
-@pytest.mark.parametrize(("joint_mode", "per_call"), [("aligned", 2), ("cross", 2 * 4)])
-def test_two_processes_train_with_groups_spanning_them(tiny_model_dir, tmp_path, joint_mode, per_call):
+def train_on_two_processes(model_dir, output_dir, joint_mode, num_turns):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     if torchrun is None:
         pytest.skip("torchrun is not installed next to this Python")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    command = [torchrun, "--nproc_per_node", "2", str(SCRIPT), tiny_model_dir, joint_mode, str(tmp_path)]
+    command = [torchrun, "--nproc_per_node", "2", str(SCRIPT), model_dir, joint_mode, str(output_dir), str(num_turns)]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    reports = [json.loads(line[len("REPORT ") :]) for line in result.stdout.splitlines() if line.startswith("REPORT ")]
+    reports = [json.loads(path.read_text()) for path in Path(output_dir).glob("report-*.json")]
     assert sorted(r["rank"] for r in reports) == [0, 1] and all(r["world"] == 2 for r in reports)
-    for report in reports:
+    return sorted(reports, key=lambda report: report["rank"])
+
+
+@pytest.mark.parametrize(("joint_mode", "per_call"), [("aligned", 2), ("cross", 2 * 4)])
+def test_two_processes_train_with_groups_spanning_them(tiny_model_dir, tmp_path, joint_mode, per_call):
+    for report in train_on_two_processes(tiny_model_dir, tmp_path, joint_mode, num_turns=1):
         # Each process scores the joint actions of its own 2 prompt copies: 2 aligned, 2 x G^(N-1) = 8 cross,
         # the latter built from completions gathered from both processes.
         assert report["joint_actions_per_call"] == [per_call, per_call]
+
+
+def test_two_processes_train_trees_of_different_sizes(tiny_model_dir, tmp_path):
+    rank0, rank1 = train_on_two_processes(tiny_model_dir, tmp_path, "aligned", num_turns=2)
+    # Per step: process 0 scores its 2 root joint actions, then 2 child nodes of G=4; process 1 stops after the root.
+    assert rank0["joint_actions_per_call"] == [2, 8, 2, 8]
+    assert rank1["joint_actions_per_call"] == [2, 2]
+    # [tree rows, rows with padding]: 2 copies x 2 agents at the root, plus 8 x 2 in the children on process 0;
+    # process 1 pads its 4 rows to process 0's 20, so TRL's loss gathers equal row counts.
+    assert rank0["generated_rows"] == [[20, 20], [20, 20]]
+    assert rank1["generated_rows"] == [[4, 20], [4, 20]]
+    for report in (rank0, rank1):
+        assert report["trained_rows"] == report["generated_rows"]  # one micro-batch per generation

@@ -1,5 +1,5 @@
 """The MAGRPO tree, without a model: returns, advantages and credit against hand-computed trees; early termination,
-`done` and transitions; the uneven split of rows into micro-batches."""
+`done` and transitions; the padding of rows for TRL's equal micro-batches."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trl_marl.advantages import tree_returns
-from trl_marl.rollout import NextTurn, TransitionError, TreeRollout, default_transition, split_rows
+from trl_marl.rollout import NextTurn, TransitionError, TreeRollout, default_transition, pad_rows
 
 EPS = 1e-4
 AGENTS = ["a", "b"]
@@ -268,19 +268,25 @@ def test_a_transition_that_raises_is_an_error_naming_it_and_the_turn():
 # ------------------------------------------------------------------ rows into micro-batches
 
 
-def test_split_rows_keeps_every_row_once_in_chunks_that_differ_by_at_most_one():
+def test_pad_rows_adds_loss_free_copies_of_a_real_row_up_to_the_requested_count():
     samples = {
-        "advantages": torch.arange(11.0),
-        "agent_index": torch.arange(11) % 2,
-        "num_items_in_batch": torch.tensor(42),
+        "prompt_ids": torch.tensor([[5, 6], [7, 8], [9, 10]]),
+        "completion_mask": torch.tensor([[1, 1], [1, 0], [1, 1]]),
+        "advantages": torch.tensor([0.5, -1.0, 0.25]),
+        "agent_index": torch.tensor([1, 0, 1]),
+        "num_items_in_batch": torch.tensor(5),
         "old_per_token_logps": None,
     }
-    chunks = split_rows(samples, 3)
-    assert [len(c["advantages"]) for c in chunks] == [3, 4, 4]
-    assert torch.cat([c["advantages"] for c in chunks]).tolist() == list(range(11))
-    assert all(c["num_items_in_batch"].item() == 42 and c["old_per_token_logps"] is None for c in chunks)
+    padded = pad_rows(samples, 5)
+    assert padded["prompt_ids"].tolist() == [[5, 6], [7, 8], [9, 10], [5, 6], [5, 6]]
+    assert padded["agent_index"].tolist() == [1, 0, 1, 1, 1]
+    assert padded["completion_mask"][3:].sum() == 0 and padded["advantages"][3:].tolist() == [0.0, 0.0]
+    assert padded["advantages"][:3].tolist() == [0.5, -1.0, 0.25]
+    assert padded["is_padding"].tolist() == [False, False, False, True, True]
+    assert padded["num_items_in_batch"].item() == 5 and padded["old_per_token_logps"] is None
 
 
-def test_split_rows_refuses_to_make_an_empty_micro_batch():
-    with pytest.raises(ValueError, match="2 rows cannot fill 3 micro-batches"):
-        split_rows({"advantages": torch.zeros(2)}, 3)
+def test_pad_rows_to_the_same_count_adds_nothing():
+    samples = {"advantages": torch.tensor([1.0, 2.0]), "completion_mask": torch.ones(2, 3)}
+    padded = pad_rows(samples, 2)
+    assert padded["advantages"].tolist() == [1.0, 2.0] and not padded["is_padding"].any()

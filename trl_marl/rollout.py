@@ -426,23 +426,26 @@ class TreeRollout:
         return turn_stats
 
 
-def split_rows(samples: dict, num_chunks: int) -> list[dict]:
-    """Split a batch of rows into `num_chunks` micro-batches whose sizes differ by at most one, keeping every row.
+def pad_rows(samples: dict, num_rows: int) -> dict:
+    """Pad a batch of rows to `num_rows` with copies of its first row that carry no loss: completion mask 0,
+    advantage 0, and `is_padding` True.
 
-    Tensors and lists with one entry per row are split; 0-dim tensors (`num_items_in_batch`) and `None` are copied to
-    every chunk. Raises `ValueError` when there are fewer rows than chunks (a micro-batch would be empty).
+    TRL splits a generation batch into `steps_per_generation` equal micro-batches, and its loss gathers per-row
+    metrics over processes, which needs equal row counts on every process; a tree yields a varying number of rows.
+    A copy of a real row (rather than an empty one) keeps every forward finite. Tensors with one entry per row are
+    padded; 0-dim tensors (`num_items_in_batch`, which counts real tokens only) and `None` are kept.
     """
-    num_rows = len(next(value for value in samples.values() if value is not None and getattr(value, "ndim", 1) > 0))
-    if num_rows < num_chunks:
-        raise ValueError(f"{num_rows} rows cannot fill {num_chunks} micro-batches (`steps_per_generation`).")
-    bounds = [num_rows * i // num_chunks for i in range(num_chunks + 1)]
-    chunks = []
-    for start, end in itertools.pairwise(bounds):
-        chunk = {}
-        for key, value in samples.items():
-            if value is None or isinstance(value, torch.Tensor) and value.ndim == 0:
-                chunk[key] = value
-            else:
-                chunk[key] = value[start:end]
-        chunks.append(chunk)
-    return chunks
+    num_real = len(samples["advantages"])
+    if num_rows < num_real:
+        raise ValueError(f"Cannot pad {num_real} rows down to {num_rows}.")
+    padded = dict(samples)
+    for key, value in samples.items():
+        if isinstance(value, torch.Tensor) and value.ndim > 0:
+            filler = value[:1].expand(num_rows - num_real, *value.shape[1:])
+            if key in ("completion_mask", "advantages"):
+                filler = torch.zeros_like(filler)
+            padded[key] = torch.cat([value, filler])
+    is_padding = torch.zeros(num_rows, dtype=torch.bool, device=samples["advantages"].device)
+    is_padding[num_real:] = True
+    padded["is_padding"] = is_padding
+    return padded

@@ -25,7 +25,6 @@ from trl.trainer.utils import (
     is_async_callable,
     nanstd,
     pad,
-    shuffle_sequence_dict,
     use_adapter,
 )
 
@@ -39,7 +38,7 @@ from .agents import (
 )
 from .config import MAGRPOConfig
 from .rewards import TeamRewardFunc, checked_team_reward
-from .rollout import JointAction, Rollout, TreeRollout, default_transition, split_rows
+from .rollout import JointAction, Rollout, TreeRollout, default_transition, pad_rows
 from .routing import AdapterRouter
 from .team import base_model_name, team_spec, write_team_file
 
@@ -218,18 +217,6 @@ class MAGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ rollout
 
-    def _prepare_inputs(self, generation_batch):
-        if not self.model.training:
-            return super()._prepare_inputs(generation_batch)
-        # As GRPOTrainer, except for the split: a tree yields a varying number of rows, and TRL's equal split would
-        # drop the remainder. Rows are split into `steps_per_generation` micro-batches whose sizes differ by at most
-        # one, so every sample reaches the loss exactly once per iteration.
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        if self._step % generate_every == 0 or self._buffered_inputs is None:
-            samples = shuffle_sequence_dict(self._generate_and_score_completions(generation_batch))
-            self._buffered_inputs = split_rows(samples, self.args.steps_per_generation)
-        return self._buffered_inputs[self._step % self.args.steps_per_generation]
-
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
@@ -263,7 +250,13 @@ class MAGRPOTrainer(GRPOTrainer):
         output.update(self._reference_logps(output, mode))
         self._log_rollout_metrics(mode, rollout)
         self._log_joint_actions(mode, rollout.joint_actions)
-        return output
+        # Trees differ in size; TRL needs equal micro-batches (train) and equal row counts on every process (its loss
+        # gathers per-row metrics). Rows are padded to the largest count over processes, rounded up to a multiple of
+        # `steps_per_generation`, with loss-free copies (see `pad_rows`).
+        split = self.args.steps_per_generation if mode == "train" else 1
+        local_rows = torch.tensor([len(samples)], device=device)
+        most_rows = self.accelerator.gather(local_rows).max().item()
+        return pad_rows(output, -(-most_rows // split) * split)
 
     def _agent_input(self, agent: int, prompt):
         return agent_prompt(self.args.agents[agent]["system_prompt"], prompt, self._use_chat_template)
