@@ -216,3 +216,30 @@ def test_a_failing_transition_stops_training_with_its_name_and_leaves_checkpoint
         resumed.train(resume_from_checkpoint=str(output_dir / "checkpoint-1"))
     assert message in str(error.value)
     assert file_hashes(output_dir) == before
+
+
+def test_evaluation_runs_trees_and_reports_per_turn_metrics(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, per_device_eval_batch_size=2, num_generations_eval=2)
+    trainer.eval_dataset = trainer.train_dataset.select(range(2))
+    metrics = trainer.evaluate()
+    assert metrics["eval_num_samples"] == 2 * 2 * (1 + 2)  # one prompt per batch: 4 root rows, 8 in 2 children
+    assert "eval_turns/1/reward" in metrics and "eval_turns/0/return" in metrics
+
+
+def test_two_turn_training_on_the_default_model_trains_every_row_of_every_tree(default_model_dir, tmp_path):
+    trainer = make_trainer(
+        default_model_dir, tmp_path, transition=stop_some_branches, max_completion_length=8, learning_rate=1e-3
+    )
+    before = {agent["name"]: lora_params(trainer.model, agent["name"]) for agent in AGENTS}
+    counter = RowCounter(trainer)
+    trainer.train()
+    for agent, params in before.items():
+        after = lora_params(trainer.model, agent)
+        assert any(not torch.equal(params[n], after[n]) for n in params), f"adapter {agent} did not change"
+    assert len(counter.trained) == len(counter.generated) == 2
+    for output, trained in zip(counter.generated, counter.trained):
+        tree_rows = int((~output["is_padding"]).sum())
+        assert int((~trained["is_padding"]).sum()) == tree_rows
+        assert set(output["turn_index"][~output["is_padding"]].tolist()) <= {0, 1}
+    logged = [entry["num_samples"] for entry in trainer.state.log_history if "num_samples" in entry]
+    assert logged == [float((~output["is_padding"]).sum()) for output in counter.generated]

@@ -133,6 +133,13 @@ class MAGRPOTrainer(GRPOTrainer):
             args.beta, args.model_init_kwargs = beta, model_init_kwargs
         self.beta = beta
 
+        deepspeed_plugin = self.accelerator.state.deepspeed_plugin
+        if args.num_turns > 1 and (self.is_fsdp_enabled or deepspeed_plugin and deepspeed_plugin.zero_stage == 3):
+            raise ValueError(
+                f"`num_turns={args.num_turns}` is not supported with FSDP or DeepSpeed ZeRO-3: trees differ between "
+                "processes, so they run different numbers of `generate` calls, which sharded parameters cannot serve. "
+                "Use DDP or ZeRO-1/2, or `num_turns=1`."
+            )
         self.num_agents = args.num_agents
         self.joint_mode = args.joint_mode
         self.baseline = args.baseline
