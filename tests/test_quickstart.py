@@ -1,4 +1,4 @@
-"""End to end on the real default model: the README's main job, run as a user runs it (a subprocess)."""
+"""End to end on the real default model: the recipes run as a user runs them (subprocesses)."""
 
 import json
 import os
@@ -46,3 +46,27 @@ def test_quickstart_default_run_improves_the_team_reward(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["team_reward_after"] > results["team_reward_before"]
+
+
+MULTITURN = REPO / "recipes" / "magrpo_multiturn.py"
+
+
+def test_multiturn_recipe_trains_saves_and_replays_the_team(tmp_path, default_model_dir):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    flags = ["--output_dir", str(tmp_path), "--max_steps", "1", "--eval_words", "2", "--max_completion_length", "6"]
+    result = subprocess.run(
+        [sys.executable, str(MULTITURN), *flags], capture_output=True, text=True, env=env, timeout=900, cwd=REPO
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Team reward per turn before training:" in result.stdout
+    assert "Team reward per turn after 1 steps:" in result.stdout
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert len(results["team_reward_per_turn_before"]) == len(results["team_reward_per_turn_after"]) == 2
+    assert all(0.0 <= r <= 1.0 for r in results["team_reward_per_turn_after"])
+    # The reloaded team played both turns, every agent once per turn, and the episode was printed.
+    assert [sorted(turn) for turn in results["episode"]["turns"]] == [["plain", "precise"]] * 2
+    assert "turn 2 [precise]" in result.stdout
+    team_file = json.loads((tmp_path / "team.json").read_text())
+    # A script's transition is recorded by the script's path, so another process can load the team.
+    assert team_file["transition"] == f"{MULTITURN}:word_count_feedback"
+    assert team_file["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -163,3 +163,21 @@ def test_a_team_trained_with_a_local_transition_needs_it_passed_to_load_team(tin
 def test_load_team_on_a_folder_without_a_team_file_says_what_to_point_it_at(tmp_path):
     with pytest.raises(FileNotFoundError, match="No team.json in .*MAGRPOTrainer.save_model"):
         load_team(tmp_path)
+
+
+def test_a_recorded_transition_that_no_longer_imports_is_an_error_saying_what_to_pass(tiny_model_dir, tmp_path):
+    values = dict(
+        output_dir=str(tmp_path / "out"), agents=["alpha", "beta"], num_turns=2, report_to="none", use_cpu=True
+    )
+    trainer = MAGRPOTrainer(
+        tiny_model_dir,
+        different_lengths,
+        args=MAGRPOConfig(**values),
+        train_dataset=Dataset.from_dict({"prompt": ["Hi."]}),
+    )
+    trainer.save_model()
+    spec = json.loads((tmp_path / "out" / "team.json").read_text())
+    spec["transition"] = str(tmp_path / "moved_script.py") + ":feedback"
+    (tmp_path / "out" / "team.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="moved_script.py:feedback.*cannot be imported here.*pass `transition=`"):
+        load_team(tmp_path / "out")

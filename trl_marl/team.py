@@ -14,9 +14,11 @@ the prompt building of training: each agent gets its role and what the transitio
 """
 
 import importlib
+import importlib.util
 import json
 import math
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,22 +39,36 @@ TEAM_FORMAT = "trl_marl.team/1"
 
 
 def importable_name(func: Callable) -> str | None:
-    """`"module:qualname"` when importing that gives back `func` (so another process can rebuild it), else None."""
+    """`"module:qualname"` when importing that gives back `func`, so another process can rebuild it; a function of a
+    script run as `__main__` is named by the script's path (`"/path/script.py:qualname"`). None otherwise (lambdas,
+    local functions)."""
     module, qualname = getattr(func, "__module__", None), getattr(func, "__qualname__", "")
     if not module or "<" in qualname:
         return None
-    try:
-        found = importlib.import_module(module)
+    if module == "__main__":
+        script = getattr(sys.modules["__main__"], "__file__", None)
+        found = sys.modules["__main__"]
         for part in qualname.split("."):
-            found = getattr(found, part)
+            found = getattr(found, part, None)
+        return f"{os.path.abspath(script)}:{qualname}" if script and found is func else None
+    try:
+        found = import_by_name(f"{module}:{qualname}")
     except (ImportError, AttributeError):
         return None
     return f"{module}:{qualname}" if found is func else None
 
 
 def import_by_name(name: str) -> Callable:
-    module, _, qualname = name.partition(":")
-    found = importlib.import_module(module)
+    """The object named `"module:qualname"` or `"/path/script.py:qualname"`."""
+    module_name, _, qualname = name.rpartition(":")
+    if module_name.endswith(".py"):
+        spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+        if spec is None or not Path(module_name).is_file():
+            raise ImportError(f"no script at {module_name}")
+        found = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(found)
+    else:
+        found = importlib.import_module(module_name)
     for part in qualname.split("."):
         found = getattr(found, part)
     return found
@@ -255,7 +271,13 @@ def load_team(
                 )
             transition = default_transition
         else:
-            transition = import_by_name(spec["transition"])
+            try:
+                transition = import_by_name(spec["transition"])
+            except (ImportError, AttributeError) as error:
+                raise ValueError(
+                    f"The team in {path} names its transition {spec['transition']!r}, which cannot be imported here "
+                    f"({error}): pass `transition=` to load_team."
+                ) from error
     if load_in_4bit and quantization_config is None:
         compute_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
         quantization_config = BitsAndBytesConfig(

@@ -1,10 +1,13 @@
 """`MAGRPOTrainer`: TRL's `GRPOTrainer` where each prompt is answered by a team of LoRA agents on one base model.
 
 What is multi-agent, and therefore overridden:
-- `_generate_and_score_completions`: every agent answers every prompt copy (one `generate` call for the team,
-  rows routed to their agent's adapter); joint actions get one team reward; advantages follow MAGRPO (§3 of
-  DESIGN.md); the result holds one row per (prompt copy, agent) with `agent_index`, `turn_index`, `group_index`.
+- `_generate_and_score_completions`: the MAGRPO tree of each prompt (`rollout.TreeRollout`; one turn unless
+  `num_turns > 1`): every agent answers at every node (one `generate` call per turn for the whole team, rows routed
+  to their agent's adapter); joint actions get one team reward; returns and advantages follow MAGRPO (§3 of
+  DESIGN.md); the result holds one row per agent completion with `agent_index`, `turn_index`, `group_index`, padded
+  with loss-free rows to what TRL's split needs.
 - `_get_per_token_logps_and_entropies` / `_compute_loss`: each row's log-probs come from its agent's adapter.
+- `save_model`: also writes `team.json`, which `trl_marl.load_team` reads.
 Everything else (loss types, clipping, KL to the base, gradient accumulation, logging, checkpoints) is TRL's.
 """
 
