@@ -60,7 +60,7 @@ def train_team(model_dir, tmp_path, **overrides):
 
 
 @torch.no_grad()
-def reference_episode(model, tokenizer, prompt, num_turns, max_new_tokens):
+def reference_episode(model, tokenizer, prompt, num_turns, max_new_tokens, adapters=None):
     """The trained model replayed one agent at a time (`set_adapter`, batch of one), with training's prompt
     building and the default transition, independently of `Team`."""
     model.eval()
@@ -68,7 +68,7 @@ def reference_episode(model, tokenizer, prompt, num_turns, max_new_tokens):
     for turn in range(num_turns):
         answers = {}
         for index, agent in enumerate(AGENTS):
-            model.set_adapter(agent["name"])
+            model.set_adapter((adapters or {}).get(agent["name"], agent["name"]))
             conversation = agent_prompt(agent["system_prompt"], observations[index], use_chat_template=True)
             inputs = tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=True, return_tensors="pt", return_dict=True
@@ -181,3 +181,19 @@ def test_a_recorded_transition_that_no_longer_imports_is_an_error_saying_what_to
     (tmp_path / "out" / "team.json").write_text(json.dumps(spec))
     with pytest.raises(ValueError, match="moved_script.py:feedback.*cannot be imported here.*pass `transition=`"):
         load_team(tmp_path / "out")
+
+
+def test_a_team_sharing_one_adapter_saves_it_once_and_replays(tiny_model_dir, tmp_path):
+    trainer = train_team(tiny_model_dir, tmp_path, adapter_mode="shared", max_steps=1)
+    assert trainer.router is None  # one adapter: nothing to route
+    out = tmp_path / "out"
+    assert (out / "team" / "adapter_model.safetensors").is_file()
+    assert not (out / "planner").exists()
+    spec = json.loads((out / "team.json").read_text())
+    assert [agent["adapter"] for agent in spec["agents"]] == ["team", "team"]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    # one adapter; the roles tell the agents apart
+    expected = reference_episode(
+        trainer.model, tokenizer, NEW_PROMPT, 2, 6, adapters={"planner": "team", "checker": "team"}
+    )
+    assert load_team(out).run(NEW_PROMPT).turns == expected
