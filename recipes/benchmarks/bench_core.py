@@ -209,9 +209,9 @@ def bench_generate(model_path, s, num_agents):
                 param.copy_(0.02 * torch.randn(param.shape, generator=generator))
     prompts = [[{"role": "user", "content": p}] for p in PROMPTS[: s["gen_prompts"]]]
 
-    def routed():  # one call, row r * N + a is agent a's answer to prompt r (the trainer's layout)
-        trainer._route_rows(list(range(num_agents)) * len(prompts))
-        return trainer._generate([p for p in prompts for _ in names])[1]
+    def routed():  # the trainer's team call: row r * N + a is agent a's answer to prompt r
+        agent_index = list(range(num_agents)) * len(prompts)
+        return trainer._generate_team([p for p in prompts for _ in names], agent_index, num_generations=G)[1]
 
     def per_agent():  # one call per agent
         trainer.router.route(None)
