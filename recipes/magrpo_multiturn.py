@@ -2,10 +2,11 @@
 is loaded with `trl_marl.load_team` and plays a new prompt.
 
 The task: describe a word in at most `--word_limit` words. Both agents answer at turn 1; between turns a checker (the
-transition) tells each agent, privately, how many words *its own* answer had and whether it named the word; at turn 2
-each agent answers again, seeing only its own answer and that feedback. The team reward of a joint action is the
-share of agents whose answer is non-empty, within the limit and free of the word itself (describe, don't repeat).
-Returns are Monte-Carlo over the tree (`--discount`), so a turn-1 answer is also credited for what it led to.
+transition) tells each agent, privately, what was wrong with *its own* answer (too many words, the word itself); at
+turn 2 each agent answers again, shown that feedback and, by the `parallel` scheduler, both answers of turn 1.
+The team reward of a joint action is the share of agents whose answer is non-empty, within the limit and free of
+the word itself (describe, don't repeat). Returns are Monte-Carlo over the tree (`--discount`), so a turn-1 answer
+is also credited for what it led to.
 
     python recipes/magrpo_multiturn.py                        # defaults below, ~10 min on 2 CPU cores
     python recipes/magrpo_multiturn.py --num_turns 3 --max_steps 30 --output_dir outputs/mt
@@ -54,9 +55,9 @@ def brief_description_reward(prompts, completions, word, word_limit, **kwargs):
 
 
 def word_count_feedback(prompt, joint_action, history, turn, word, word_limit, **kwargs):
-    """External feedback between turns, private to each agent: its own answer, its length and what to fix."""
+    """External feedback between turns, private to each agent: what its own answer did wrong."""
     prompts = []
-    for text in joint_action.values():
+    for name, text in joint_action.items():
         problems = []
         if word_count(text) > word_limit:
             problems.append(f"it has {word_count(text)} words, more than {word_limit}")
@@ -64,8 +65,8 @@ def word_count_feedback(prompt, joint_action, history, turn, word, word_limit, *
             problems.append(f"it uses the word '{word}' itself")
         if word_count(text) == 0:
             problems.append("it is empty")
-        verdict = "It breaks the rules: " + "; ".join(problems) + "." if problems else "It follows the rules."
-        feedback = f'Your previous answer was: "{text.strip()}"\n{verdict} Answer again.'
+        verdict = "it breaks the rules: " + "; ".join(problems) if problems else "it follows the rules"
+        feedback = f"Checker: your answer ([{name}]) {verdict}."
         prompts.append([*prompt[:-1], {"role": "user", "content": f"{prompt[-1]['content']}\n\n{feedback}"}])
     return prompts
 

@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, NextTurn, TransitionError
 from trl_marl.agents import agent_prompt
+from trl_marl.scheduling import parallel
 
 AGENTS = [{"name": "planner", "system_prompt": "Plan briefly."}, {"name": "checker"}]
 PROMPTS = ["Name a colour.", "Name a fruit.", "Count to three.", "Say hello."]
@@ -155,7 +156,7 @@ def test_each_sample_was_prompted_with_what_its_agent_saw_at_that_node(tiny_mode
         prompts = [
             f"{agent['name']} reads {joint_action[other['name']]!r}" for agent, other in zip(AGENTS, AGENTS[::-1])
         ]
-        shown.append(prompts)
+        shown.append((prompts, dict(joint_action)))
         return prompts
 
     trainer = make_trainer(tiny_model_dir, tmp_path, transition=recording_transition, max_steps=1)
@@ -179,7 +180,14 @@ def test_each_sample_was_prompted_with_what_its_agent_saw_at_that_node(tiny_mode
     prompt = [{"role": "user", "content": next(p for p in PROMPTS if p in task)}]  # the sampler picks the prompt
     assert sorted(seen[0]) == sorted((a, rendered(a, prompt)) for a in (0, 1) for _ in range(2))
     # Turn 1: G rows per child node and agent, each with exactly the prompt the transition gave that agent.
-    expected = sorted((a, rendered(a, prompts[a])) for prompts in shown for a in (0, 1) for _ in range(2))
+    # The parallel scheduler shows the transition's prompt followed by what the team said at turn 1.
+    names = [agent["name"] for agent in AGENTS]
+    expected = sorted(
+        (a, rendered(a, parallel.observe(a, prompts[a], [said], {}, names)))
+        for prompts, said in shown
+        for a in (0, 1)
+        for _ in range(2)
+    )
     assert sorted(seen[1]) == expected
     assert len(shown) == 2
 

@@ -9,8 +9,9 @@ from datasets import Dataset
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-from trl_marl import MAGRPOConfig, MAGRPOTrainer, default_transition, load_team
+from trl_marl import MAGRPOConfig, MAGRPOTrainer, load_team
 from trl_marl.agents import agent_prompt
+from trl_marl.scheduling import parallel
 
 AGENTS = [{"name": "planner", "system_prompt": "Plan briefly."}, {"name": "checker", "system_prompt": "Check."}]
 NEW_PROMPT = [{"role": "user", "content": "Suggest a name for a cat."}]
@@ -64,12 +65,13 @@ def reference_episode(model, tokenizer, prompt, num_turns, max_new_tokens, adapt
     """The trained model replayed one agent at a time (`set_adapter`, batch of one), with training's prompt
     building and the default transition, independently of `Team`."""
     model.eval()
-    observations, history, turns = [prompt] * len(AGENTS), [], []
-    for turn in range(num_turns):
+    names, history = [agent["name"] for agent in AGENTS], []
+    for _ in range(num_turns):
         answers = {}
         for index, agent in enumerate(AGENTS):
             model.set_adapter((adapters or {}).get(agent["name"], agent["name"]))
-            conversation = agent_prompt(agent["system_prompt"], observations[index], use_chat_template=True)
+            observed = parallel.observe(index, prompt, history, {}, names)  # the default scheduler
+            conversation = agent_prompt(agent["system_prompt"], observed, use_chat_template=True)
             inputs = tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=True, return_tensors="pt", return_dict=True
             )
@@ -78,10 +80,8 @@ def reference_episode(model, tokenizer, prompt, num_turns, max_new_tokens, adapt
             if tokenizer.eos_token_id in completion:
                 completion = completion[: completion.index(tokenizer.eos_token_id) + 1]
             answers[agent["name"]] = tokenizer.decode(completion, skip_special_tokens=True)
-        turns.append(answers)
-        observations = default_transition(prompt, answers, history, turn)
         history.append(answers)
-    return turns
+    return history
 
 
 def test_save_model_writes_peft_adapters_and_a_team_file(tiny_model_dir, tmp_path):
@@ -95,6 +95,7 @@ def test_save_model_writes_peft_adapters_and_a_team_file(tiny_model_dir, tmp_pat
     assert spec["base_model"] == tiny_model_dir
     assert (spec["num_turns"], spec["discount"], spec["termination_threshold"]) == (2, 0.8, 3.0)
     assert spec["transition"] == "trl_marl.rollout:default_transition"
+    assert spec["scheduler"] == "parallel"
     assert spec["max_completion_length"] == 6
 
     # Each adapter also loads with plain PEFT and computes what the trained agent computes.

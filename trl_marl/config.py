@@ -108,6 +108,11 @@ class MAGRPOConfig(GRPOConfig):
         termination_threshold (`float` or `None`, *optional*, defaults to `None`):
             Early termination: a node whose mean team reward reaches this value is not expanded (its joint actions are
             leaves). `None` expands every node until `num_turns` or until the transition says the episode is done.
+        scheduler (`str`, *optional*, defaults to `"parallel"`):
+            Name of the turn scheduler plugin that says which agents act at each turn and what each sees: `parallel`
+            (all act; each sees the earlier turns), `sequential` (in order within a turn; each also sees the agents
+            before it this turn), `round_robin` (one agent per turn), `debate` (all act; each sees the others'
+            previous answers), or one registered by an installed package (`trl-marl list schedulers`).
 
         > Parameters that control the adapters
 
@@ -149,6 +154,10 @@ class MAGRPOConfig(GRPOConfig):
     termination_threshold: float | None = field(
         default=None,
         metadata={"help": "A node whose mean team reward reaches this value is not expanded (None: no early stop)."},
+    )
+    scheduler: str = field(
+        default="parallel",
+        metadata={"help": "Turn scheduler plugin: parallel, sequential, round_robin, debate, or an installed one."},
     )
 
     # Parameters that control the adapters

@@ -82,3 +82,24 @@ def checked_team_reward(func: TeamRewardFunc) -> TeamRewardFunc:
 
     checked.__name__ = checked.__qualname__ = name
     return checked
+
+
+def for_agent(reward_func: Callable[..., list[float | None]], agent: str) -> TeamRewardFunc:
+    """A team reward that applies a plain TRL reward function to one agent's completions.
+
+    TRL reward functions take completions as strings (standard datasets) or as assistant message lists
+    (conversational ones); the team reward hands them `agent`'s completions in the format matching the prompts, and
+    that agent's `completion_ids`. Its name is `"<function>[<agent>]"`, under which TRL logs it.
+    """
+    name = f"{get_callable_name(reward_func)}[{agent}]"
+
+    def agent_reward(prompts, completions, completion_ids=None, **kwargs):
+        conversational = bool(prompts) and isinstance(prompts[0], list)
+        texts = [completion[agent] for completion in completions]
+        if conversational:
+            texts = [[{"role": "assistant", "content": text}] for text in texts]
+        ids = [row[agent] for row in completion_ids] if completion_ids is not None else None
+        return reward_func(prompts=prompts, completions=texts, completion_ids=ids, **kwargs)
+
+    agent_reward.__name__ = agent_reward.__qualname__ = name
+    return agent_reward

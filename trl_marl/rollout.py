@@ -23,9 +23,9 @@ import torch
 from trl.trainer.utils import get_callable_name
 
 from .advantages import node_credit, team_rewards, tree_returns
+from .scheduling import Prompt, Said, parallel
 
 NodeKey = tuple[int, int, int]
-Prompt = str | list[dict]
 
 
 class TransitionError(RuntimeError):
@@ -46,9 +46,10 @@ class Branch:
     """One path from the root: the dataset row, what each agent is shown at this turn, and the earlier turns."""
 
     example: dict
-    observations: list[Prompt]  # per agent: the task prompt of this turn, before the agent's role is added
-    history: list[dict[str, str]]  # joint actions of the earlier turns, agent name -> text
+    observations: list[Prompt]  # per agent: the task prompt of this turn (transition's), before scheduler and role
+    history: list[Said]  # what was said at each earlier turn: acting agent name -> text
     parent: int  # index (in this process's joint actions) of the joint action this branch continues; -1 at the root
+    latest: dict[str, str] = field(default_factory=dict)  # every agent's latest answer (the team's state)
 
 
 @dataclass
@@ -80,8 +81,9 @@ class JointAction:
     node: NodeKey
     index: int  # k within the node
     branch: Branch
-    completions: dict[str, str]
+    completions: dict[str, str]  # every agent's latest answer: what the team reward scores
     completion_ids: dict[str, list[int]]
+    said: Said = field(default_factory=dict)  # the acting agents' answers of this turn
     rewards_per_func: list[float] = field(default_factory=list)
     reward: float = math.nan
     value: float = math.nan  # the return R
@@ -105,33 +107,10 @@ def _local(items: list) -> list:
     return list(items)
 
 
-def with_feedback(prompt: Prompt, text: str) -> Prompt:
-    """`prompt` followed by `text`: appended to a string prompt, or to the last user message of a conversation."""
-    if isinstance(prompt, str):
-        return f"{prompt}\n\n{text}"
-    messages = [dict(message) for message in prompt]
-    if messages and messages[-1]["role"] == "user" and isinstance(messages[-1]["content"], str):
-        messages[-1]["content"] = f"{messages[-1]['content']}\n\n{text}"
-    else:
-        messages.append({"role": "user", "content": text})
-    return messages
-
-
-def transcript(turns: Sequence[dict[str, str]]) -> str:
-    """The team's answers of the given turns, one block per turn, one `[agent] text` line per agent."""
-    return "\n\n".join(
-        f"Turn {turn + 1}:\n" + "\n".join(f"[{name}] {text.strip()}" for name, text in joint_action.items())
-        for turn, joint_action in enumerate(turns)
-    )
-
-
-def default_transition(
-    prompt: Prompt, joint_action: dict[str, str], history: list[dict[str, str]], turn: int, **kwargs
-) -> list[Prompt]:
-    """Every agent sees the task prompt followed by all agents' answers of every turn so far."""
-    so_far = transcript([*history, joint_action])
-    block = f"Your team's answers so far:\n\n{so_far}\n\nGive your answer for turn {turn + 2}."
-    return [with_feedback(prompt, block)] * len(joint_action)
+def default_transition(prompt: Prompt, observations: dict[str, Prompt], **kwargs) -> list[Prompt]:
+    """No feedback: every agent gets the task prompt again. What was said reaches it through the scheduler (by
+    default `parallel`: the task followed by every earlier turn's answers)."""
+    return [prompt] * len(observations)
 
 
 def transition_name(transition: Callable) -> str:
@@ -192,6 +171,7 @@ class TreeRollout:
             prompt (see [`checked_next_turn`]).
         agent_input: `f(agent_index, prompt)` → the model input of that agent (its role added).
         process_index: this process's rank; part of child node keys.
+        scheduler: which agents act at each turn and what each sees (`trl_marl.scheduling`); `parallel` by default.
     """
 
     def __init__(
@@ -208,6 +188,7 @@ class TreeRollout:
         transition: Callable,
         agent_input: Callable[[int, Prompt], Any],
         process_index: int = 0,
+        scheduler: Any = parallel,
     ):
         self.agent_names = agent_names
         self.num_agents = len(agent_names)
@@ -222,6 +203,15 @@ class TreeRollout:
         self.transition = transition
         self.agent_input = agent_input
         self.process_index = process_index
+        self.scheduler = scheduler
+        self.phases = [scheduler.phases(turn, self.num_agents) for turn in range(num_turns)]
+        everyone_at_once = [list(range(self.num_agents))]
+        if joint_mode == "cross" and any(phases != everyone_at_once for phases in self.phases):
+            raise ValueError(
+                f"`joint_mode='cross'` needs every agent to act at once at every turn, but the scheduler "
+                f"{getattr(scheduler, 'name', scheduler)!r} schedules {self.phases}: a later agent's answers are "
+                "conditioned on one earlier answer each, so they cannot be recombined. Use `joint_mode='aligned'`."
+            )
         self.joint_actions_per_node = num_generations if joint_mode == "aligned" else num_generations**self.num_agents
 
     def run(
@@ -256,8 +246,9 @@ class TreeRollout:
             if turn > 0 and not slots:  # turn 0 runs on every process: its groups may span them
                 break
             root = turn == 0
-            turn_samples = self._sample(turn, slots, generate)
-            turn_joint_actions = self._joint_actions(turn, slots, turn_samples, gather if root else _local)
+            per_slot = self._sample(turn, slots, generate)
+            turn_samples = [sample for samples in per_slot for _, sample in sorted(samples.items())]
+            turn_joint_actions = self._joint_actions(turn, slots, per_slot, gather if root else _local)
             self._score(turn_joint_actions, score)
             first = len(joint_actions)
             samples += turn_samples
@@ -283,49 +274,55 @@ class TreeRollout:
 
     # ------------------------------------------------------------------ one turn
 
-    def _sample(self, turn: int, slots: list[Slot], generate: Callable) -> list[Sample]:
-        model_inputs, agent_index = [], []
-        for slot in slots:
-            for agent in range(self.num_agents):
-                model_inputs.append(self.agent_input(agent, slot.branch.observations[agent]))
-                agent_index.append(agent)
-        prompt_ids, completion_ids, texts = generate(model_inputs, agent_index)
-        return [
-            Sample(turn, slots[row // self.num_agents].node, slots[row // self.num_agents].position, agent, *values)
-            for row, (agent, *values) in enumerate(zip(agent_index, model_inputs, prompt_ids, completion_ids, texts))
-        ]
+    def _sample(self, turn: int, slots: list[Slot], generate: Callable) -> list[dict[int, Sample]]:
+        """Every acting agent's completion in every slot, phase by phase (one `generate` call per phase); a later
+        phase is shown what earlier phases said in its slot. Returns, per slot, agent index -> sample."""
+        per_slot = [{} for _ in slots]
+        for phase in self.phases[turn]:
+            model_inputs, rows = [], []
+            for i, slot in enumerate(slots):
+                current = {self.agent_names[a]: sample.text for a, sample in per_slot[i].items()}
+                for agent in phase:
+                    observed = self.scheduler.observe(
+                        agent, slot.branch.observations[agent], slot.branch.history, current, self.agent_names
+                    )
+                    model_inputs.append(self.agent_input(agent, observed))
+                    rows.append((i, agent))
+            prompt_ids, completion_ids, texts = generate(model_inputs, [agent for _, agent in rows])
+            for (i, agent), *values in zip(rows, model_inputs, prompt_ids, completion_ids, texts):
+                per_slot[i][agent] = Sample(turn, slots[i].node, slots[i].position, agent, *values)
+        return per_slot
 
     def _joint_actions(
-        self, turn: int, slots: list[Slot], samples: list[Sample], gather: Callable
+        self, turn: int, slots: list[Slot], per_slot: list[dict[int, Sample]], gather: Callable
     ) -> list[JointAction]:
-        num_agents, names = self.num_agents, self.agent_names
-        per_slot = [samples[i * num_agents : (i + 1) * num_agents] for i in range(len(slots))]
+        names = self.agent_names
 
-        def joint_action(slot, index, members):
-            completions = {names[a]: text for a, (text, _) in enumerate(members)}
-            completion_ids = {names[a]: ids for a, (_, ids) in enumerate(members)}
-            return JointAction(turn, slot.node, index, slot.branch, completions, completion_ids)
+        def joint_action(slot, index, members: dict[int, Sample | tuple[str, list[int]]]):
+            members = {a: (m.text, m.completion_ids) if isinstance(m, Sample) else m for a, m in members.items()}
+            said = {names[a]: text for a, (text, _) in sorted(members.items())}
+            latest = {**{name: slot.branch.latest.get(name, "") for name in names}, **said}
+            completion_ids = {names[a]: ids for a, (_, ids) in members.items()}
+            return JointAction(turn, slot.node, index, slot.branch, latest, completion_ids, said)
 
         if self.joint_mode == "aligned":
-            return [
-                joint_action(slot, slot.position, [(s.text, s.completion_ids) for s in slot_samples])
-                for slot, slot_samples in zip(slots, per_slot)
-            ]
-        # Cross: the other agents' completions of a root group may live on other processes.
+            return [joint_action(slot, slot.position, samples) for slot, samples in zip(slots, per_slot)]
+        # Cross (every agent acts at once): the other agents' completions of a root group may be on other processes.
         completions_at = dict(
             gather(
                 [
-                    ((slot.node, slot.position), [(s.text, s.completion_ids) for s in slot_samples])
-                    for slot, slot_samples in zip(slots, per_slot)
+                    ((slot.node, slot.position), [(s.text, s.completion_ids) for _, s in sorted(samples.items())])
+                    for slot, samples in zip(slots, per_slot)
                 ]
             )
         )
-        num_generations = self.num_generations
+        num_generations, num_agents = self.num_generations, self.num_agents
         result = []
-        for slot, slot_samples in zip(slots, per_slot):
-            first = (slot_samples[0].text, slot_samples[0].completion_ids)
+        for slot, samples in zip(slots, per_slot):
             for rest, others in enumerate(itertools.product(range(num_generations), repeat=num_agents - 1)):
-                members = [first] + [completions_at[(slot.node, g)][a + 1] for a, g in enumerate(others)]
+                members = {0: samples[0]} | {
+                    a + 1: completions_at[(slot.node, g)][a + 1] for a, g in enumerate(others)
+                }
                 index = slot.position * num_generations ** (num_agents - 1) + rest
                 result.append(joint_action(slot, index, members))
         return result
@@ -356,8 +353,8 @@ class TreeRollout:
                 joint_action.done = True
                 continue
             node = (turn + 1, self.process_index, first + offset)  # unique: one child node per joint action
-            history = [*joint_action.branch.history, joint_action.completions]
-            branch = Branch(joint_action.branch.example, prompts, history, parent=first + offset)
+            history = [*joint_action.branch.history, joint_action.said]
+            branch = Branch(joint_action.branch.example, prompts, history, first + offset, joint_action.completions)
             slots += [Slot(node, g, branch) for g in range(self.num_generations)]
         return slots
 
@@ -369,7 +366,7 @@ class TreeRollout:
             result = self.transition(
                 **columns,
                 prompt=example["prompt"],
-                joint_action=dict(joint_action.completions),
+                joint_action=dict(joint_action.said),
                 history=list(joint_action.branch.history),
                 turn=joint_action.turn,
                 observations=dict(zip(self.agent_names, joint_action.branch.observations)),

@@ -33,6 +33,7 @@ from .agents import agent_prompt, keep_4bit_weights_trainable
 from .models import DEFAULT_MODEL_ID, default_model_path, is_default_model
 from .rollout import Prompt, TreeRollout, default_transition
 from .routing import AdapterRouter
+from .scheduling import resolve_scheduler
 
 TEAM_FILE = "team.json"
 TEAM_FORMAT = "trl_marl.team/1"
@@ -80,7 +81,7 @@ def base_model_name(model: Any) -> str:
     return DEFAULT_MODEL_ID if name and is_default_model(name) else name
 
 
-def team_spec(args: Any, adapters: list[str], base_model: str, transition: Callable) -> dict:
+def team_spec(args: Any, adapters: list[str], base_model: str, transition: Callable, scheduler: Any) -> dict:
     """The contents of `team.json` for a trainer's configuration."""
     return {
         "format": TEAM_FORMAT,
@@ -92,6 +93,7 @@ def team_spec(args: Any, adapters: list[str], base_model: str, transition: Calla
         "discount": args.discount,
         "termination_threshold": args.termination_threshold,
         "transition": importable_name(transition),
+        "scheduler": getattr(scheduler, "name", None) or args.scheduler,
         "max_completion_length": args.max_completion_length,
         "chat_template_kwargs": dict(args.chat_template_kwargs or {}),
     }
@@ -105,7 +107,7 @@ def write_team_file(folder: str | os.PathLike, spec: dict) -> None:
 
 @dataclass
 class TeamRun:
-    """One episode: per turn, what each agent was shown and what it answered."""
+    """One episode: per turn, what each acting agent was shown (its role included) and what it answered."""
 
     observations: list[dict[str, Prompt]]
     turns: list[dict[str, str]]
@@ -119,8 +121,9 @@ class Team:
     """A trained team on one base model: `run(prompt)` plays one episode (greedy by default), every agent's rows in
     one `generate` call per turn, each through its own adapter."""
 
-    def __init__(self, model: PeftModel, tokenizer: Any, spec: dict, transition: Callable):
+    def __init__(self, model: PeftModel, tokenizer: Any, spec: dict, transition: Callable, scheduler: Any):
         self.model, self.tokenizer, self.spec, self.transition = model, tokenizer, spec, transition
+        self.scheduler = scheduler
         self.agents = spec["agents"]
         self.agent_names = [agent["name"] for agent in self.agents]
         adapters = [agent["adapter"] for agent in self.agents]
@@ -154,6 +157,7 @@ class Team:
             baseline="none",
             scale_rewards="none",
             transition=self.transition,
+            scheduler=self.scheduler,
             agent_input=lambda agent, task: agent_prompt(
                 self.agents[agent]["system_prompt"], task, self._use_chat_template
             ),
@@ -163,10 +167,10 @@ class Team:
             generate=lambda inputs, agent_index: self._generate(inputs, agent_index, max_new_tokens, do_sample),
             score=lambda joint_actions: torch.full((len(joint_actions), 1), math.nan),
         )
-        return TeamRun(
-            observations=[dict(zip(self.agent_names, ja.branch.observations)) for ja in rollout.joint_actions],
-            turns=[dict(ja.completions) for ja in rollout.joint_actions],
-        )
+        observations = [{} for _ in rollout.joint_actions]
+        for sample in rollout.samples:
+            observations[sample.turn][self.agent_names[sample.agent]] = sample.model_input
+        return TeamRun(observations=observations, turns=[dict(ja.said) for ja in rollout.joint_actions])
 
     @torch.no_grad()
     def _generate(self, model_inputs: list, agent_index: list[int], max_new_tokens: int, do_sample: bool):
@@ -247,6 +251,7 @@ def load_team(
     quantization_config: BitsAndBytesConfig | None = None,
     base_model: str | None = None,
     transition: Callable | None = None,
+    scheduler: Any = None,
     dtype: str | torch.dtype = "auto",
     device_map: Any = None,
 ) -> Team:
@@ -258,6 +263,7 @@ def load_team(
         base_model: a Hub id or path overriding the recorded base model.
         transition: overrides the recorded transition; needed when the training transition was not importable
             (a lambda or a local function).
+        scheduler: overrides the recorded scheduler (a plugin name or object); training's is used by default.
         dtype, device_map: passed to `from_pretrained`.
     """
     path = Path(path)
@@ -299,4 +305,5 @@ def load_team(
     keep_4bit_weights_trainable(model)  # the 4-bit kernel training used, so greedy episodes replay exactly
     tokenizer_source = path if (path / "tokenizer_config.json").is_file() else base
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
-    return Team(model, tokenizer, spec, transition)
+    scheduler = resolve_scheduler(scheduler or spec.get("scheduler", "parallel"))
+    return Team(model, tokenizer, spec, transition, scheduler)

@@ -43,6 +43,7 @@ from .config import MAGRPOConfig
 from .rewards import TeamRewardFunc, checked_team_reward
 from .rollout import JointAction, Rollout, TreeRollout, default_transition, pad_rows
 from .routing import AdapterRouter
+from .scheduling import resolve_scheduler
 from .team import base_model_name, team_spec, write_team_file
 
 
@@ -62,7 +63,8 @@ class MAGRPOTrainer(GRPOTrainer):
         transition: with `num_turns > 1`, what each agent sees at the next turn of one branch:
             `f(prompt, joint_action, history, turn, observations, reward, **columns)` returns one prompt per agent (a
             list, or a dict agent name -> prompt) or `NextTurn(prompts, done)`; see [`~trl_marl.rollout`]. Defaults to
-            [`~trl_marl.rollout.default_transition`]: every agent sees the task and all agents' earlier answers.
+            [`~trl_marl.rollout.default_transition`]: the task prompt again (the scheduler adds what was said).
+        scheduler: a scheduler object or plugin name overriding `args.scheduler` (see `trl_marl.scheduling`).
         The other arguments are TRL's.
     """
 
@@ -82,6 +84,7 @@ class MAGRPOTrainer(GRPOTrainer):
         quantization_config=None,
         peft_config=None,
         transition: Callable | None = None,
+        scheduler=None,
     ):
         if not isinstance(args, MAGRPOConfig):
             raise TypeError(
@@ -95,6 +98,8 @@ class MAGRPOTrainer(GRPOTrainer):
         if transition is not None and not callable(transition):
             raise TypeError(f"`transition` must be callable, got {transition!r}.")
         self.transition = transition or default_transition
+        # Resolved before any model loads: an unknown or broken scheduler plugin fails here.
+        self.scheduler = resolve_scheduler(scheduler if scheduler is not None else args.scheduler)
 
         if isinstance(model, str):
             model_init_kwargs = dict(args.model_init_kwargs or {})
@@ -216,7 +221,7 @@ class MAGRPOTrainer(GRPOTrainer):
         super().save_model(output_dir, _internal_call=_internal_call)
         if self.args.should_save:
             base = self.accelerator.unwrap_model(self.model).get_base_model()
-            spec = team_spec(self.args, self.agent_adapters, base_model_name(base), self.transition)
+            spec = team_spec(self.args, self.agent_adapters, base_model_name(base), self.transition, self.scheduler)
             write_team_file(output_dir or self.args.output_dir, spec)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
@@ -243,6 +248,7 @@ class MAGRPOTrainer(GRPOTrainer):
             transition=self.transition,
             agent_input=self._agent_input,
             process_index=self.accelerator.process_index,
+            scheduler=self.scheduler,
         ).run(
             inputs,
             first_copy=self.accelerator.process_index * len(inputs),

@@ -6,7 +6,7 @@ import sys
 
 from datasets import Dataset
 
-from trl_marl import MAGRPOConfig, MAGRPOTrainer, NextTurn, default_transition
+from trl_marl import MAGRPOConfig, MAGRPOTrainer, NextTurn
 
 scored = []
 
@@ -20,7 +20,7 @@ def rank_zero_continues(prompt, joint_action, history, turn, **kwargs):
     """Only process 0's branches get a second turn: the processes' trees, and row counts, differ."""
     if os.environ["RANK"] != "0":
         return NextTurn(done=True)
-    return default_transition(prompt, joint_action, history, turn)
+    return [prompt, prompt]
 
 
 model_dir, joint_mode, output_dir, num_turns = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])

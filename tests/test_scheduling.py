@@ -1,0 +1,93 @@
+"""Turn schedulers: for a 3-agent, 2-turn episode, who acts and the exact prompt each agent sees at each turn."""
+
+import pytest
+import torch
+
+from trl_marl.registry import load_plugin
+from trl_marl.rollout import TreeRollout, default_transition
+
+NAMES = ["ann", "bob", "cy"]
+TASK = "Plan a picnic."
+
+
+def episode(scheduler_name, joint_mode="aligned"):
+    """One greedy-style episode (G=1) where each completion names its author and turn, e.g. 'ann@1'; returns the
+    prompt every agent was shown at every turn, in the order the agents acted."""
+    seen = []
+
+    def generate(model_inputs, agent_index):
+        texts = []
+        for prompt, agent in zip(model_inputs, agent_index):
+            turn = 1 if "turn 2" in prompt else 0
+            seen.append((turn, NAMES[agent], prompt))
+            texts.append(f"{NAMES[agent]}@{turn}")
+        return [[0]] * len(texts), [[1]] * len(texts), texts
+
+    rollout = TreeRollout(
+        agent_names=NAMES,
+        num_generations=1,
+        num_turns=2,
+        joint_mode=joint_mode,
+        discount=1.0,
+        termination_threshold=None,
+        reward_weights=torch.ones(1),
+        baseline="none",
+        scale_rewards="none",
+        transition=default_transition,
+        agent_input=lambda agent, prompt: prompt,
+        scheduler=load_plugin("schedulers", scheduler_name),
+    ).run([{"prompt": TASK}], first_copy=0, generate=generate, score=lambda jas: torch.zeros(len(jas), 1))
+    return seen, rollout
+
+
+def shown(said: str, turn: int) -> str:
+    """The task followed by what the agent may see of the team's answers, as the built-in schedulers write it."""
+    return f"{TASK}\n\nYour team's answers so far:\n\n{said}\n\nGive your answer for turn {turn}."
+
+
+def test_parallel_all_act_and_each_sees_every_earlier_answer():
+    seen, _ = episode("parallel")
+    after_turn_1 = shown("Turn 1:\n[ann] ann@0\n[bob] bob@0\n[cy] cy@0", 2)
+    assert seen == [(0, name, TASK) for name in NAMES] + [(1, name, after_turn_1) for name in NAMES]
+
+
+def test_sequential_agents_act_in_order_and_see_this_turns_earlier_answers():
+    seen, _ = episode("sequential")
+    assert seen[:3] == [
+        (0, "ann", TASK),
+        (0, "bob", shown("Turn 1:\n[ann] ann@0", 1)),
+        (0, "cy", shown("Turn 1:\n[ann] ann@0\n[bob] bob@0", 1)),
+    ]
+    turn_1 = "Turn 1:\n[ann] ann@0\n[bob] bob@0\n[cy] cy@0"
+    assert seen[3:] == [
+        (1, "ann", shown(turn_1, 2)),
+        (1, "bob", shown(f"{turn_1}\n\nTurn 2:\n[ann] ann@1", 2)),
+        (1, "cy", shown(f"{turn_1}\n\nTurn 2:\n[ann] ann@1\n[bob] bob@1", 2)),
+    ]
+
+
+def test_round_robin_one_agent_per_turn_and_the_reward_sees_every_latest_answer():
+    seen, rollout = episode("round_robin")
+    assert seen == [(0, "ann", TASK), (1, "bob", shown("Turn 1:\n[ann] ann@0", 2))]
+    # the team's state: everyone's latest answer, empty before an agent's first turn
+    assert [ja.completions for ja in rollout.joint_actions] == [
+        {"ann": "ann@0", "bob": "", "cy": ""},
+        {"ann": "ann@0", "bob": "bob@1", "cy": ""},
+    ]
+    assert [s.agent for s in rollout.samples] == [0, 1]
+
+
+def test_debate_each_sees_the_others_previous_answers_not_its_own():
+    seen, _ = episode("debate")
+    assert seen[:3] == [(0, name, TASK) for name in NAMES]
+
+    def others(me):
+        lines = "\n".join(f"[{n}] {n}@0" for n in NAMES if n != me)
+        return f"{TASK}\n\nThe other agents answered:\n{lines}\n\nGive your answer for turn 2."
+
+    assert seen[3:] == [(1, name, others(name)) for name in NAMES]
+
+
+def test_cross_joint_actions_need_every_agent_to_act_at_once():
+    with pytest.raises(ValueError, match="`joint_mode='cross'` needs every agent to act at once.*'sequential'"):
+        episode("sequential", joint_mode="cross")

@@ -1,0 +1,116 @@
+"""Turn schedulers: which agents act at each turn, in which order, and what each one sees (DESIGN.md §5).
+
+A scheduler has two methods:
+
+- `phases(turn, num_agents) -> list[list[int]]`: the acting agents of a turn, grouped in phases; the agents of one
+  phase act at once (one `generate` call), a later phase sees what earlier phases said this turn.
+- `observe(agent, prompt, history, current, names) -> prompt`: what `agent` is shown, given its task prompt for this
+  turn (the dataset prompt at turn 0, then the transition's), `history` (what was said at each earlier turn: agent
+  name -> text, acting agents only) and `current` (what earlier phases said this turn).
+
+The built-ins are registered as entry points of the group `trl_marl.schedulers`; a scheduler plugin is an object (or
+class) with these two methods.
+"""
+
+from collections.abc import Sequence
+
+Prompt = str | list[dict]
+Said = dict[str, str]
+
+
+def with_feedback(prompt: Prompt, text: str) -> Prompt:
+    """`prompt` followed by `text`: appended to a string prompt, or to the last user message of a conversation."""
+    if isinstance(prompt, str):
+        return f"{prompt}\n\n{text}"
+    messages = [dict(message) for message in prompt]
+    if messages and messages[-1]["role"] == "user" and isinstance(messages[-1]["content"], str):
+        messages[-1]["content"] = f"{messages[-1]['content']}\n\n{text}"
+    else:
+        messages.append({"role": "user", "content": text})
+    return messages
+
+
+def transcript(turns: Sequence[Said], first_turn: int = 0) -> str:
+    """What was said, one block per turn (`Turn k:`), one `[agent] text` line per speaker."""
+    return "\n\n".join(
+        f"Turn {first_turn + index + 1}:\n" + "\n".join(f"[{name}] {text.strip()}" for name, text in said.items())
+        for index, said in enumerate(turns)
+    )
+
+
+class Parallel:
+    """All agents act at once; each sees the task and everything said at earlier turns."""
+
+    name = "parallel"
+
+    def phases(self, turn: int, num_agents: int) -> list[list[int]]:
+        return [list(range(num_agents))]
+
+    def observe(self, agent: int, prompt: Prompt, history: list[Said], current: Said, names: list[str]) -> Prompt:
+        if not history:
+            return prompt
+        so_far = transcript(history)
+        return with_feedback(
+            prompt, f"Your team's answers so far:\n\n{so_far}\n\nGive your answer for turn {len(history) + 1}."
+        )
+
+
+class Sequential(Parallel):
+    """Agents act one after another within a turn, in agent order; each sees earlier turns and what the agents
+    before it said this turn."""
+
+    name = "sequential"
+
+    def phases(self, turn: int, num_agents: int) -> list[list[int]]:
+        return [[agent] for agent in range(num_agents)]
+
+    def observe(self, agent: int, prompt: Prompt, history: list[Said], current: Said, names: list[str]) -> Prompt:
+        if not history and not current:
+            return prompt
+        so_far = transcript([*history, current] if current else history)
+        return with_feedback(
+            prompt, f"Your team's answers so far:\n\n{so_far}\n\nGive your answer for turn {len(history) + 1}."
+        )
+
+
+class RoundRobin(Parallel):
+    """One agent per turn, in agent order (turn t: agent t mod N); it sees the task and everything said before. The
+    team reward sees every agent's latest answer (empty before its first turn)."""
+
+    name = "round_robin"
+
+    def phases(self, turn: int, num_agents: int) -> list[list[int]]:
+        return [[turn % num_agents]]
+
+
+class Debate(Parallel):
+    """All agents act at once; from the second turn each sees the task and the *other* agents' answers of the
+    previous turn, not its own earlier answers."""
+
+    name = "debate"
+
+    def observe(self, agent: int, prompt: Prompt, history: list[Said], current: Said, names: list[str]) -> Prompt:
+        if not history:
+            return prompt
+        others = {name: text for name, text in history[-1].items() if name != names[agent]}
+        lines = "\n".join(f"[{name}] {text.strip()}" for name, text in others.items())
+        return with_feedback(
+            prompt, f"The other agents answered:\n{lines}\n\nGive your answer for turn {len(history) + 1}."
+        )
+
+
+parallel, sequential, round_robin, debate = Parallel(), Sequential(), RoundRobin(), Debate()
+SCHEDULERS = {s.name: s for s in (parallel, sequential, round_robin, debate)}
+
+
+def resolve_scheduler(scheduler) -> object:
+    """A scheduler object from a name (a registered plugin), a class, or an object with `phases` and `observe`."""
+    if isinstance(scheduler, str):
+        from .registry import load_plugin
+
+        scheduler = load_plugin("schedulers", scheduler)
+    if isinstance(scheduler, type):
+        scheduler = scheduler()
+    if not (callable(getattr(scheduler, "phases", None)) and callable(getattr(scheduler, "observe", None))):
+        raise TypeError(f"Scheduler {scheduler!r} needs `phases(turn, num_agents)` and `observe(...)` methods.")
+    return scheduler
