@@ -22,66 +22,18 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from datasets import Dataset
 from trl import TrlParser
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, default_model_path, load_team
+from trl_marl.plugins.tasks import (  # the `describe_word` task
+    DESCRIBE_AGENTS,
+    WORDS,
+    brief_description_reward,
+    word_count_feedback,
+    word_dataset,
+)
 
-AGENTS = [
-    {"name": "plain", "system_prompt": "Describe the word simply, as for a child."},
-    {"name": "precise", "system_prompt": "Describe the word precisely, like a dictionary."},
-]
-WORDS = (
-    "apple bridge candle desert engine feather garden harbor island jacket kettle ladder magnet needle ocean pencil "
-    "planet river saddle tunnel umbrella violin window yogurt zipper anchor basket castle dolphin forest glacier "
-    "hammer lantern mirror orchard pillow rocket shovel tiger volcano wallet"
-).split()
-
-
-def word_count(text: str) -> int:
-    return len(text.split())
-
-
-def follows_the_rules(text: str, word: str, limit: int) -> bool:
-    return 0 < word_count(text) <= limit and word.lower() not in text.lower()
-
-
-def brief_description_reward(prompts, completions, word, word_limit, **kwargs):
-    """Share of agents whose answer is non-empty, has at most `word_limit` words and does not contain `word`."""
-    return [
-        sum(follows_the_rules(text, w, limit) for text in completion.values()) / len(completion)
-        for completion, w, limit in zip(completions, word, word_limit)
-    ]
-
-
-def word_count_feedback(prompt, joint_action, history, turn, word, word_limit, **kwargs):
-    """External feedback between turns, private to each agent: what its own answer did wrong."""
-    prompts = []
-    for name, text in joint_action.items():
-        problems = []
-        if word_count(text) > word_limit:
-            problems.append(f"it has {word_count(text)} words, more than {word_limit}")
-        if word.lower() in text.lower():
-            problems.append(f"it uses the word '{word}' itself")
-        if word_count(text) == 0:
-            problems.append("it is empty")
-        verdict = "it breaks the rules: " + "; ".join(problems) if problems else "it follows the rules"
-        feedback = f"Checker: your answer ([{name}]) {verdict}."
-        prompts.append([*prompt[:-1], {"role": "user", "content": f"{prompt[-1]['content']}\n\n{feedback}"}])
-    return prompts
-
-
-def word_dataset(words: list[str], limit: int) -> Dataset:
-    return Dataset.from_dict(
-        {
-            "prompt": [
-                [{"role": "user", "content": f"Describe '{w}' in at most {limit} words, without using the word."}]
-                for w in words
-            ],
-            "word": words,
-            "word_limit": [limit] * len(words),
-        }
-    )
+AGENTS = DESCRIBE_AGENTS
 
 
 @dataclass

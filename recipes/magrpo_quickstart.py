@@ -14,56 +14,16 @@ and after training and where the agents' adapters were saved; writes the same to
 
 import json
 import os
-import random
 import time
 from dataclasses import dataclass, field
 
 import torch
-from datasets import Dataset
 from trl import TrlParser
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, default_model_path
+from trl_marl.plugins.tasks import EXPLAIN_AGENTS, explain_ratio_reward, question_dataset  # the `explain` task
 
-AGENTS = [
-    {"name": "concise", "system_prompt": "Give only the short answer, in a few words."},
-    {"name": "detailed", "system_prompt": "Explain the answer in two or three sentences."},
-]
-TARGET_RATIO = 3.0
-
-
-def explain_ratio_reward(prompts, completions, **kwargs):
-    """Team reward in [0, 1]: 0 when either agent is silent, else `clip((w_detailed / w_concise - 1) / 2, 0, 1)`
-    with `w` the word counts, so 1 once the explanation is three times as long as the answer."""
-    rewards = []
-    for completion in completions:
-        concise, detailed = len(completion["concise"].split()), len(completion["detailed"].split())
-        if concise == 0 or detailed == 0:
-            rewards.append(0.0)
-            continue
-        rewards.append(min(1.0, max(0.0, (detailed / concise - 1.0) / (TARGET_RATIO - 1.0))))
-    return rewards
-
-
-def question_dataset(seed: int = 0) -> Dataset:
-    """Short factual questions, generated offline (arithmetic, opposites, colours, counts), shuffled with `seed`."""
-    opposites = ["hot", "big", "fast", "happy", "early", "light", "open", "full", "strong", "old", "up", "wet"]
-    colours = ["grass", "snow", "the sky", "a banana", "coal", "a tomato", "milk", "an orange", "blood", "the sun"]
-    counts = [
-        ("days", "week"),
-        ("months", "year"),
-        ("minutes", "hour"),
-        ("hours", "day"),
-        ("legs", "spider"),
-        ("wheels", "bicycle"),
-        ("sides", "triangle"),
-        ("seconds", "minute"),
-    ]
-    questions = [f"What is {a} plus {b}?" for a in (3, 7, 12, 25) for b in (4, 9, 16)]
-    questions += [f"What is the opposite of {word}?" for word in opposites]
-    questions += [f"What colour is {thing}?" for thing in colours]
-    questions += [f"How many {small} are in a {big}?" for small, big in counts]
-    random.Random(seed).shuffle(questions)
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q in questions]})
+AGENTS = EXPLAIN_AGENTS
 
 
 @dataclass

@@ -3,8 +3,10 @@
 from .advantages import aligned_credit, baseline_values, cross_credit, group_advantages, team_rewards
 from .config import MAGRPOConfig
 from .models import DEFAULT_MODEL_ID, default_model_path
-from .rewards import RewardFunctionError
+from .registry import PluginError, register_reward, register_scheduler, register_task
+from .rewards import RewardFunctionError, for_agent
 from .rollout import NextTurn, TransitionError, default_transition
+from .tasks import Task
 from .team import Team, TeamRun, load_team
 from .trainer import MAGRPOTrainer
 
@@ -15,6 +17,8 @@ __all__ = [
     "MAGRPOConfig",
     "MAGRPOTrainer",
     "NextTurn",
+    "PluginError",
+    "Task",
     "RewardFunctionError",
     "Team",
     "TeamRun",
@@ -24,7 +28,11 @@ __all__ = [
     "cross_credit",
     "default_model_path",
     "default_transition",
+    "for_agent",
     "group_advantages",
     "load_team",
+    "register_reward",
+    "register_scheduler",
+    "register_task",
     "team_rewards",
 ]

@@ -226,6 +226,14 @@ class MAGRPOConfig(GRPOConfig):
             if size > self.max_joint_actions:
                 raise ValueError(self._tree_too_large_message(field_name, num_generations, size))
 
+    @classmethod
+    def for_task(cls, task, **kwargs) -> "MAGRPOConfig":
+        """A config taking the task's agents, turns and scheduler (a `Task` or task plugin name), overridable by
+        `kwargs`."""
+        from .tasks import resolve_task, task_defaults
+
+        return cls(**{**task_defaults(resolve_task(task)), **kwargs})
+
     @property
     def num_agents(self) -> int:
         return len(self.agents)

@@ -59,13 +59,13 @@ class Plugin:
 
     @property
     def description(self) -> str:
-        """The first line of the plugin's docstring (imports it), or what broke."""
+        """The first sentence of the plugin's docstring (imports it), or what broke."""
         try:
             obj = self.load()
         except PluginError:
             return f"BROKEN: {type(self.error).__name__}: {self.error}"
-        doc = getattr(obj, "__doc__", None) or ""
-        return doc.strip().splitlines()[0] if doc.strip() else ""
+        paragraph = " ".join((getattr(obj, "__doc__", None) or "").strip().split("\n\n")[0].split())
+        return paragraph.split(". ")[0].rstrip(".") + "." if paragraph else ""
 
 
 def _distribution_name(entry_point: EntryPoint) -> str:

@@ -40,10 +40,12 @@ from .agents import (
     lora_config_from_args,
 )
 from .config import MAGRPOConfig
+from .registry import load_plugin
 from .rewards import TeamRewardFunc, checked_team_reward
 from .rollout import JointAction, Rollout, TreeRollout, default_transition, pad_rows
 from .routing import AdapterRouter
 from .scheduling import resolve_scheduler
+from .tasks import resolve_task
 from .team import base_model_name, team_spec, write_team_file
 
 
@@ -53,7 +55,8 @@ class MAGRPOTrainer(GRPOTrainer):
     Args:
         model: a model id or local path, a loaded `PreTrainedModel` (adapters are added, one per agent), or a
             `PeftModel` that already carries one adapter per agent (named after the agents).
-        reward_funcs: team reward function(s) `f(prompts, completions, **kwargs) -> list[float | None]`, where each
+        reward_funcs: team reward function(s) or reward plugin names; a function is
+            `f(prompts, completions, **kwargs) -> list[float | None]`, where each
             completion is a mapping agent name -> text and kwargs carry the dataset columns, `completion_ids` (a
             mapping agent name -> token ids), `turn`, `history` (the branch's earlier joint actions) and TRL's
             `trainer_state`, `log_extra`, `log_metric`.
@@ -65,6 +68,8 @@ class MAGRPOTrainer(GRPOTrainer):
             list, or a dict agent name -> prompt) or `NextTurn(prompts, done)`; see [`~trl_marl.rollout`]. Defaults to
             [`~trl_marl.rollout.default_transition`]: the task prompt again (the scheduler adds what was said).
         scheduler: a scheduler object or plugin name overriding `args.scheduler` (see `trl_marl.scheduling`).
+        task: a [`~trl_marl.Task`] or task plugin name; it supplies the reward functions, training data and transition
+            when those are not given (build `args` with `MAGRPOConfig.for_task` to take its agents and turns too).
         The other arguments are TRL's.
     """
 
@@ -74,7 +79,7 @@ class MAGRPOTrainer(GRPOTrainer):
     def __init__(
         self,
         model,
-        reward_funcs: TeamRewardFunc | list[TeamRewardFunc],
+        reward_funcs: TeamRewardFunc | str | list[TeamRewardFunc | str] | None = None,
         args: MAGRPOConfig | None = None,
         train_dataset: Dataset | IterableDataset | None = None,
         eval_dataset: Dataset | IterableDataset | dict | None = None,
@@ -85,18 +90,28 @@ class MAGRPOTrainer(GRPOTrainer):
         peft_config=None,
         transition: Callable | None = None,
         scheduler=None,
+        task=None,
     ):
         if not isinstance(args, MAGRPOConfig):
             raise TypeError(
                 f"`args` must be a MAGRPOConfig naming the agents, got {type(args).__name__}, e.g. "
                 "MAGRPOConfig(output_dir='out', agents=['concise', 'detailed'])."
             )
+        # A task supplies what was not given: team rewards, training data, transition.
+        task = resolve_task(task) if task is not None else None
+        if task is not None:
+            reward_funcs = reward_funcs if reward_funcs is not None else list(task.reward_funcs)
+            train_dataset = train_dataset if train_dataset is not None else task.dataset("train")
+            transition = transition or task.transition
         reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
-        if not reward_funcs:
-            raise ValueError("`reward_funcs` is empty: give at least one team reward function.")
+        if not reward_funcs or reward_funcs == [None]:
+            raise ValueError("`reward_funcs` is empty: give at least one team reward function (or a task).")
+        # A name is a reward plugin (`trl-marl list rewards`).
+        reward_funcs = [load_plugin("rewards", f) if isinstance(f, str) else f for f in reward_funcs]
         reward_funcs = [checked_team_reward(func) for func in reward_funcs]
         if transition is not None and not callable(transition):
             raise TypeError(f"`transition` must be callable, got {transition!r}.")
+        self.task = task
         self.transition = transition or default_transition
         # Resolved before any model loads: an unknown or broken scheduler plugin fails here.
         self.scheduler = resolve_scheduler(scheduler if scheduler is not None else args.scheduler)

@@ -1,0 +1,124 @@
+"""The `trl-marl` command.
+
+    trl-marl list [rewards|tasks|schedulers]      the installed plugins: name, source distribution, one-line doc
+    trl-marl train CONFIG.yaml [--key value ...]  train a team; CONFIG.yaml holds MAGRPOConfig fields plus `task`,
+                                                  `rewards` and `model_name_or_path`; flags override the file
+
+`train` parses with TRL's `TrlParser`, as `trl grpo --config ...` does: a key that is no field fails before any
+model loads, naming the key.
+"""
+
+import argparse
+import dataclasses
+import difflib
+import sys
+from dataclasses import dataclass, field
+
+import yaml
+
+from .registry import GROUPS, discover
+
+
+@dataclass
+class TrainArguments:
+    """What `trl-marl train` needs besides `MAGRPOConfig`."""
+
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Base model (Hub id or path); defaults to the embedded SmolLM2-135M-Instruct."}
+    )
+    task: str | None = field(default=None, metadata={"help": "Task plugin name (`trl-marl list tasks`)."})
+    rewards: list[str] | None = field(
+        default=None,
+        metadata={"help": "Team reward plugin names (`trl-marl list rewards`); default: the task's rewards."},
+    )
+
+
+def list_plugins(kinds: list[str]) -> int:
+    """Print the plugins of `kinds`; broken ones are marked, never hidden. Returns the exit status (0)."""
+    for kind in kinds:
+        plugins = discover(kind)
+        print(f"{kind} ({GROUPS[kind]}):")
+        if not plugins:
+            print("  (none)")
+        names = [plugin.name for plugin in plugins]
+        width = max((len(name) for name in names), default=0)
+        for plugin in plugins:
+            clash = "  [NAME CLASH: another plugin has this name]" if names.count(plugin.name) > 1 else ""
+            print(f"  {plugin.name:<{width}}  {plugin.source:<24}  {plugin.description}{clash}")
+    return 0
+
+
+def train(config_path: str, overrides: list[str]) -> int:
+    from trl import TrlParser
+
+    from .config import MAGRPOConfig
+    from .models import default_model_path
+    from .tasks import resolve_task, task_defaults
+    from .trainer import MAGRPOTrainer
+
+    with open(config_path) as file:
+        values = yaml.safe_load(file) or {}
+    if not isinstance(values, dict):
+        raise SystemExit(f"{config_path} must hold a YAML mapping of MAGRPOConfig fields, `task` and `rewards`.")
+    _check_keys(config_path, values, (TrainArguments, MAGRPOConfig))
+    task_name = _flag_value(overrides, "--task") or values.get("task")
+    parser = TrlParser((TrainArguments, MAGRPOConfig))
+    if task_name:  # the task's agents, turns and scheduler are defaults the file and flags may override
+        parser.set_defaults(**task_defaults(resolve_task(task_name)))
+    script_args, args = parser.parse_args_and_config(["--config", config_path, *overrides])
+    trainer = MAGRPOTrainer(
+        script_args.model_name_or_path or default_model_path(),
+        script_args.rewards,
+        args=args,
+        task=script_args.task,
+    )
+    trainer.train()
+    trainer.save_model(args.output_dir)
+    print(f"Team saved in {args.output_dir} (load it with trl_marl.load_team)")
+    return 0
+
+
+def _check_keys(config_path: str, values: dict, dataclass_types: tuple) -> None:
+    """Fail on a key that is no field, before anything is built (TRL's parser would first build the config, whose
+    own checks could hide the misspelt key)."""
+    known = {f.name for cls in dataclass_types for f in dataclasses.fields(cls)} | {"env"}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        hints = [
+            f"'{key}' (did you mean '{close[0]}'?)"
+            if (close := difflib.get_close_matches(key, known, 1))
+            else f"'{key}'"
+            for key in unknown
+        ]
+        raise SystemExit(
+            f"{config_path}: unknown key(s) {', '.join(hints)}. Keys are MAGRPOConfig / GRPOConfig fields, `task`, "
+            "`rewards`, `model_name_or_path` and `env`."
+        )
+
+
+def _flag_value(arguments: list[str], flag: str) -> str | None:
+    return arguments[arguments.index(flag) + 1] if flag in arguments[:-1] else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="trl-marl", description="Train teams of LLM agents with TRL.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    listing = commands.add_parser("list", help="list installed plugins", description="List installed plugins.")
+    listing.add_argument("kind", nargs="?", choices=list(GROUPS), help="only this kind of plugin")
+    training = commands.add_parser(
+        "train",
+        help="train a team from a YAML config",
+        description="Train a team: CONFIG holds MAGRPOConfig fields plus `task`, `rewards` and `model_name_or_path`; "
+        "any field can also be given as --field value after it.",
+    )
+    training.add_argument("config", help="YAML file")
+    arguments, overrides = parser.parse_known_args(argv)
+    if arguments.command == "list":
+        if overrides:
+            parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+        return list_plugins([arguments.kind] if arguments.kind else list(GROUPS))
+    return train(arguments.config, overrides)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Task plugins: everything a team needs to train on one problem family (DESIGN.md §5).
+
+A task bundles the agents' roles, its dataset (with an offline default), how the prompt reaches each agent between
+turns (its `transition`: feedback and termination), the turn scheduler, and its default team rewards. Subclass
+`Task`, set the class attributes, implement `dataset`, and register it under the entry-point group `trl_marl.tasks`
+(or with `trl_marl.register_task`). `MAGRPOTrainer(task=...)` and `trl-marl train` accept a task by name or object.
+"""
+
+from typing import Any
+
+from datasets import Dataset
+
+from .rollout import default_transition
+
+
+class Task:
+    """Base class of task plugins; a subclass sets the attributes and implements `dataset`."""
+
+    name: str = ""
+    agents: list[dict] = []  # {"name", "system_prompt"} per agent, in order
+    num_turns: int = 1
+    scheduler: str = "parallel"
+    reward_funcs: list = []  # default team rewards: callables or reward plugin names
+
+    def dataset(self, split: str = "train") -> Dataset:
+        """The task's data, available offline; `split` is "train" or "eval"."""
+        raise NotImplementedError(f"Task {type(self).__name__} must implement `dataset(split)`.")
+
+    def transition(self, **kwargs) -> Any:
+        """Each agent's next prompt (feedback) or `NextTurn(done=True)`; see `trl_marl.rollout`. Default: the task
+        prompt again."""
+        return default_transition(**kwargs)
+
+
+def resolve_task(task: "str | Task | type[Task]") -> Task:
+    """A task object from a plugin name, a `Task` subclass or instance."""
+    if isinstance(task, str):
+        from .registry import load_plugin
+
+        task = load_plugin("tasks", task)
+    if isinstance(task, type):
+        task = task()
+    if not isinstance(task, Task):
+        raise TypeError(f"{task!r} is not a trl_marl Task: subclass trl_marl.Task and implement `dataset(split)`.")
+    return task
+
+
+def task_defaults(task: Task) -> dict:
+    """The `MAGRPOConfig` fields a task sets: its agents, turns and scheduler."""
+    return {"agents": [dict(agent) for agent in task.agents], "num_turns": task.num_turns, "scheduler": task.scheduler}
