@@ -1,4 +1,5 @@
-"""Specification of `checked_team_reward`: a bad team reward becomes a `RewardFunctionError` naming the function.
+"""Specification of `checked_team_reward` (a bad team reward becomes a `RewardFunctionError` naming the function), of
+the built-in team rewards, and of `for_agent` (a TRL reward applied to one agent).
 
 Wrappers are called as TRL's GRPOTrainer calls reward functions: keyword arguments `prompts`, `completions` (here one
 mapping agent name -> completion per joint action) and `completion_ids`.
@@ -165,3 +166,47 @@ def test_reward_model_is_rejected_because_team_rewards_take_a_mapping(reward_mod
 def test_non_callable_is_rejected():
     with pytest.raises(TypeError, match="not callable"):
         checked_team_reward(3.0)
+
+
+# built-in team rewards and the TRL adapter
+
+
+def test_answer_match_is_the_share_of_agents_naming_the_answer_as_a_word():
+    from trl_marl.plugins.rewards import answer_match
+
+    completions = [{"a": "It is 12.", "b": "112"}, {"a": "twelve", "b": "Twelve!"}]
+    # "112" does not contain 12 as a whole word; matching ignores case
+    assert answer_match(["q1", "q2"], completions, answer=["12", "twelve"]) == [0.5, 1.0]
+
+
+def test_word_budget_is_the_share_of_non_empty_answers_within_the_limit():
+    from trl_marl.plugins.rewards import word_budget
+
+    completions = [{"a": "one two three", "b": ""}, {"a": "one two", "b": "one two three four"}]
+    assert word_budget(["q", "q"], completions, word_limit=[3, 3]) == [0.5, 0.5]
+
+
+def test_for_agent_applies_a_trl_reward_to_one_agents_completions_in_the_prompts_format():
+    from trl_marl import for_agent
+
+    seen = {}
+
+    def trl_length_reward(prompts, completions, completion_ids, **kwargs):  # a plain TRL reward function
+        seen.update(completions=completions, completion_ids=completion_ids, kwargs=kwargs)
+        return [float(len(c if isinstance(c, str) else c[0]["content"])) for c in completions]
+
+    reward = for_agent(trl_length_reward, "b")
+    assert reward.__name__ == "trl_length_reward[b]"
+    prompts = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "bye"}]]
+    ids = [{"a": [1], "b": [2, 5]}, {"a": [3], "b": [4]}]  # per joint action: agent name -> token ids
+    values = reward(prompts=prompts, completions=COMPLETIONS, completion_ids=ids, topic=["x", "y"])
+    assert values == [5.0, 8.0]  # len("hello"), len("farewell")
+    assert seen["completions"] == [
+        [{"role": "assistant", "content": "hello"}],
+        [{"role": "assistant", "content": "farewell"}],
+    ]
+    assert seen["completion_ids"] == [[2, 5], [4]]
+    assert seen["kwargs"] == {"topic": ["x", "y"]}
+    # standard (string) prompts get string completions
+    assert reward(prompts=["hi", "bye"], completions=COMPLETIONS, completion_ids=None) is not None
+    assert seen["completions"] == ["hello", "farewell"]
