@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trl_marl import MAGRPOConfig, MAGRPOTrainer, PluginError, register_reward
+from trl_marl import MAGRPOConfig, MAGRPOTrainer, PluginError, load_team, register_reward
 from trl_marl.registry import discover, get_plugin, load_plugin, unregister
 
 PLUGINS = Path(__file__).parent / "plugins"
@@ -150,7 +150,8 @@ def test_cli_help_is_available_for_every_command(plugin_site):
         assert result.returncode == 0 and "usage: trl-marl" in result.stdout, arguments
 
 
-def test_cli_train_trains_from_a_yaml_recipe_on_the_default_model(plugin_site, default_model_dir, tmp_path):
+def test_cli_train_trains_from_a_yaml_recipe_on_the_default_model(installed, default_model_dir, tmp_path):
+    plugin_site = installed
     config = tmp_path / "team.yaml"
     config.write_text(
         "task: greetings\n"
@@ -163,6 +164,12 @@ def test_cli_train_trains_from_a_yaml_recipe_on_the_default_model(plugin_site, d
     assert "Team saved in" in result.stdout
     assert (tmp_path / "out" / "host" / "adapter_model.safetensors").is_file()
     assert '"scheduler": "reverse_order"' in (tmp_path / "out" / "team.json").read_text()
+    # the saved team plays with the scheduler it trained with: the guest first, then the host, who sees its answer
+    team = load_team(tmp_path / "out")
+    assert team.scheduler.name == "reverse_order"
+    first_turn = team.run([{"role": "user", "content": "Say hello to E."}], max_new_tokens=4).observations[0]
+    assert "[guest] " in first_turn["host"][-1]["content"]
+    assert "[host]" not in first_turn["guest"][-1]["content"]
 
 
 def test_cli_train_with_a_wrong_key_fails_before_loading_the_model_naming_it(plugin_site, tmp_path):

@@ -34,6 +34,7 @@ from .models import DEFAULT_MODEL_ID, default_model_path, is_default_model
 from .rollout import Prompt, TreeRollout, default_transition
 from .routing import AdapterRouter
 from .scheduling import resolve_scheduler
+from .tasks import resolve_task
 
 TEAM_FILE = "team.json"
 TEAM_FORMAT = "trl_marl.team/1"
@@ -81,7 +82,9 @@ def base_model_name(model: Any) -> str:
     return DEFAULT_MODEL_ID if name and is_default_model(name) else name
 
 
-def team_spec(args: Any, adapters: list[str], base_model: str, transition: Callable, scheduler: Any) -> dict:
+def team_spec(
+    args: Any, adapters: list[str], base_model: str, transition: Callable, scheduler: Any, task: Any = None
+) -> dict:
     """The contents of `team.json` for a trainer's configuration."""
     return {
         "format": TEAM_FORMAT,
@@ -92,6 +95,7 @@ def team_spec(args: Any, adapters: list[str], base_model: str, transition: Calla
         "joint_mode": args.joint_mode,
         "discount": args.discount,
         "termination_threshold": args.termination_threshold,
+        "task": getattr(task, "name", None) or None,  # a task plugin: its transition is rebuilt from it
         "transition": importable_name(transition),
         "scheduler": getattr(scheduler, "name", None) or args.scheduler,
         "max_completion_length": args.max_completion_length,
@@ -268,6 +272,8 @@ def load_team(
     """
     path = Path(path)
     spec = read_team_file(path)
+    if transition is None and spec["transition"] is None and spec.get("task"):
+        transition = resolve_task(spec["task"]).transition
     if transition is None:
         if spec["transition"] is None:
             if spec["num_turns"] > 1:

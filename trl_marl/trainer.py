@@ -236,7 +236,9 @@ class MAGRPOTrainer(GRPOTrainer):
         super().save_model(output_dir, _internal_call=_internal_call)
         if self.args.should_save:
             base = self.accelerator.unwrap_model(self.model).get_base_model()
-            spec = team_spec(self.args, self.agent_adapters, base_model_name(base), self.transition, self.scheduler)
+            spec = team_spec(
+                self.args, self.agent_adapters, base_model_name(base), self.transition, self.scheduler, self.task
+            )
             write_team_file(output_dir or self.args.output_dir, spec)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
