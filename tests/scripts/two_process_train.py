@@ -4,6 +4,7 @@ import json
 import os
 import sys
 
+import torch
 from datasets import Dataset
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, NextTurn
@@ -69,3 +70,6 @@ report = {
 }
 with open(os.path.join(output_dir, f"report-{report['rank']}.json"), "w") as file:
     json.dump(report, file)
+# Without this, gloo's threads may still be running when the interpreter exits, which aborts the process
+# ("terminate called without an active exception") after the work is done.
+torch.distributed.destroy_process_group()
