@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from datasets import Dataset
 
-from trl_marl import MAGRPOConfig, MAGRPOTrainer, PluginError, load_team, register_reward
+from trl_marl import MAGRPOConfig, MAGRPOTrainer, PluginError, Task, load_team, register_reward
 from trl_marl.registry import discover, get_plugin, load_plugin, unregister
+from trl_marl.tasks import local_rewards
 
 PLUGINS = Path(__file__).parent / "plugins"
 
@@ -179,3 +181,59 @@ def test_cli_train_with_a_wrong_key_fails_before_loading_the_model_naming_it(plu
     assert result.returncode != 0
     assert "unknown key(s) 'num_generaitons' (did you mean 'num_generations'?)" in result.stderr
     assert "Loading weights" not in result.stderr
+
+
+class Greeters(Task):
+    """Two agents greet; the host also has local rewards of its own."""
+
+    name = "greeters"
+    agents = [{"name": "host"}, {"name": "guest"}]
+    reward_funcs = [lambda prompts, completions, **kwargs: [1.0] * len(prompts)]
+
+    @staticmethod
+    def _chars(prompts, completions, **kwargs):
+        return [float(len(text)) for text in completions]
+
+    local_reward_funcs = {"host": [_chars, lambda prompts, completions, **kwargs: [0.5] * len(completions)]}
+
+    def dataset(self, split="train"):
+        return Dataset.from_dict({"prompt": ["Hi.", "Hello."]})
+
+
+def test_task_local_rewards_sum_per_agent_and_are_logged(tiny_model_dir, tmp_path):
+    task = Greeters()
+    assert local_rewards(task, "host", ["p", "p"], ["ab", "abcd"]) == [2.5, 4.5]  # characters + 0.5
+    assert local_rewards(task, "guest", ["p"], ["ab"]) is None
+    args = MAGRPOConfig.for_task(
+        task,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=3,
+        max_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        logging_steps=1,
+    )
+    scored = []
+
+    def recorded_chars(prompts, completions, **kwargs):
+        scored.extend(completions)
+        return Greeters._chars(prompts, completions)
+
+    task.local_reward_funcs = {"host": [recorded_chars, task.local_reward_funcs["host"][1]]}
+    trainer = MAGRPOTrainer(tiny_model_dir, args=args, task=task)
+    trainer.train()
+    logs = trainer.state.log_history[0]
+    assert len(scored) == 2  # the host's two completions (one prompt, G=2)
+    assert logs["agents/host/local_reward"] == pytest.approx(sum(len(t) + 0.5 for t in scored) / 2, rel=1e-4)
+    assert "agents/guest/local_reward" not in logs
+
+
+def test_a_local_reward_with_the_wrong_count_names_it_and_the_agent():
+    class Bad(Greeters):
+        local_reward_funcs = {"host": [lambda prompts, completions, **kwargs: [1.0]]}
+
+    with pytest.raises(ValueError, match="Local reward '<lambda>' of agent 'host' returned 1 values for 2"):
+        local_rewards(Bad(), "host", ["p", "p"], ["a", "b"])

@@ -73,6 +73,7 @@ class Sample:
     text: str
     advantage: float = 0.0
     group: int = -1  # global index of the node (in sorted node-key order), the same on every process
+    example: dict = field(default_factory=dict, repr=False)  # the dataset row
 
 
 @dataclass
@@ -290,7 +291,10 @@ class TreeRollout:
                     rows.append((i, agent))
             prompt_ids, completion_ids, texts = generate(model_inputs, [agent for _, agent in rows])
             for (i, agent), *values in zip(rows, model_inputs, prompt_ids, completion_ids, texts):
-                per_slot[i][agent] = Sample(turn, slots[i].node, slots[i].position, agent, *values)
+                slot = slots[i]
+                per_slot[i][agent] = Sample(
+                    turn, slot.node, slot.position, agent, *values, example=slot.branch.example
+                )
         return per_slot
 
     def _joint_actions(

@@ -21,6 +21,9 @@ class Task:
     num_turns: int = 1
     scheduler: str = "parallel"
     reward_funcs: list = []  # default team rewards: callables or reward plugin names
+    # Local rewards: agent name -> TRL-style reward functions scoring that agent's own completions (strings). MAGRPO
+    # trains on the team reward and logs these as `agents/<name>/local_reward`; AT-GRPO adds them to the team reward.
+    local_reward_funcs: dict[str, list] = {}
 
     def dataset(self, split: str = "train") -> Dataset:
         """The task's data, available offline; `split` is "train" or "eval"."""
@@ -30,6 +33,23 @@ class Task:
         """Each agent's next prompt (feedback) or `NextTurn(done=True)`; see `trl_marl.rollout`. Default: the task
         prompt again."""
         return default_transition(**kwargs)
+
+
+def local_rewards(task: Task, agent: str, prompts: list, completions: list[str], **kwargs) -> list[float] | None:
+    """The sum of `agent`'s local reward functions over its completions, or None when the task gives it none."""
+    funcs = task.local_reward_funcs.get(agent, [])
+    if not funcs:
+        return None
+    totals = [0.0] * len(completions)
+    for func in funcs:
+        values = func(prompts=prompts, completions=completions, **kwargs)
+        if len(values) != len(completions):
+            raise ValueError(
+                f"Local reward '{getattr(func, '__name__', func)}' of agent '{agent}' returned {len(values)} values "
+                f"for {len(completions)} completions."
+            )
+        totals = [total + float(value) for total, value in zip(totals, values)]
+    return totals
 
 
 def resolve_task(task: "str | Task | type[Task]") -> Task:

@@ -45,7 +45,7 @@ from .rewards import TeamRewardFunc, checked_team_reward
 from .rollout import JointAction, Rollout, TreeRollout, default_transition, pad_rows
 from .routing import AdapterRouter
 from .scheduling import resolve_scheduler
-from .tasks import resolve_task
+from .tasks import local_rewards, resolve_task
 from .team import base_model_name, team_spec, write_team_file
 
 
@@ -282,6 +282,7 @@ class MAGRPOTrainer(GRPOTrainer):
         output["group_index"] = torch.tensor([s.group for s in samples], dtype=torch.long, device=device)
         output.update(self._reference_logps(output, mode))
         self._log_rollout_metrics(mode, rollout)
+        self._log_local_rewards(mode, samples)
         self._log_joint_actions(mode, rollout.joint_actions)
         # Trees differ in size; TRL needs equal micro-batches (train) and equal row counts on every process (its loss
         # gathers per-row metrics). Rows are padded to the largest count over processes, rounded up to a multiple of
@@ -458,6 +459,27 @@ class MAGRPOTrainer(GRPOTrainer):
             for a, name in enumerate(names):
                 mine = (agent == a) & (turn == t)
                 metrics[f"turns/{t}/agents/{name}/completion_length"].append(length[mine].mean().item())
+
+    def _log_local_rewards(self, mode: str, samples: list) -> None:
+        """`agents/<name>/local_reward`: the mean of a task's local rewards of each agent's completions (logged, not
+        trained on: MAGRPO optimises the team reward)."""
+        if self.task is None or not self.task.local_reward_funcs:
+            return
+        for agent, name in enumerate(self.agent_names):
+            mine = [s for s in samples if s.agent == agent]
+            rows = [s.example for s in mine]
+            columns = {key: [row[key] for row in rows] for key in (rows[0] if rows else {}) if key != "prompt"}
+            values = local_rewards(
+                self.task,
+                name,
+                [row["prompt"] for row in rows],
+                [s.text for s in mine],
+                turn=[s.turn for s in mine],
+                **columns,
+            )
+            if values is not None:
+                local = gather_object(values) if self.accelerator.num_processes > 1 else values
+                self._metrics[mode][f"agents/{name}/local_reward"].append(sum(local) / max(1, len(local)))
 
     def _log_joint_actions(self, mode: str, joint_actions: list[JointAction]) -> None:
         """The completions table: one line per joint action (its turn, the agents' answers, rewards, advantage)."""
