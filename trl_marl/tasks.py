@@ -22,7 +22,8 @@ class Task:
     scheduler: str = "parallel"
     reward_funcs: list = []  # default team rewards: callables or reward plugin names
     # Local rewards: agent name -> TRL-style reward functions scoring that agent's own completions (strings). MAGRPO
-    # trains on the team reward and logs these as `agents/<name>/local_reward`; AT-GRPO adds them to the team reward.
+    # trains on the team reward and logs these as `agents/<name>/local_reward` (AT-GRPO, not built yet, is to add
+    # them to the team reward).
     local_reward_funcs: dict[str, list] = {}
 
     def dataset(self, split: str = "train") -> Dataset:
