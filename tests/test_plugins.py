@@ -237,3 +237,26 @@ def test_a_local_reward_with_the_wrong_count_names_it_and_the_agent():
 
     with pytest.raises(ValueError, match="Local reward '<lambda>' of agent 'host' returned 1 values for 2"):
         local_rewards(Bad(), "host", ["p", "p"], ["a", "b"])
+
+
+def test_reward_plugins_by_name_combine_with_trls_reward_weights(tiny_model_dir, tmp_path):
+    args = MAGRPOConfig(
+        output_dir=str(tmp_path),
+        agents=["solver", "checker"],
+        reward_weights=[1.0, 0.5],
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=3,
+        max_steps=1,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+    )
+    dataset = Dataset.from_dict({"prompt": ["1+1?", "2+2?"], "answer": ["2", "4"], "word_limit": [2, 2]})
+    trainer = MAGRPOTrainer(tiny_model_dir, ["answer_match", "word_budget"], args=args, train_dataset=dataset)
+    assert trainer.reward_func_names == ["answer_match", "word_budget"]
+    trainer.train()
+    logs = trainer.state.log_history[0]
+    expected = logs["rewards/answer_match/mean"] + 0.5 * logs["rewards/word_budget/mean"]
+    assert logs["reward"] == pytest.approx(expected, abs=1e-6)
