@@ -10,7 +10,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from trl_marl import MAGRPOConfig, MAGRPOTrainer, PluginError, Task, load_team, register_reward
+from trl_marl import MAGRPOConfig, MAGRPOTrainer, PluginError, Task, load_team, register_reward, register_task
 from trl_marl.registry import discover, get_plugin, load_plugin, unregister
 from trl_marl.tasks import local_rewards
 
@@ -260,3 +260,15 @@ def test_reward_plugins_by_name_combine_with_trls_reward_weights(tiny_model_dir,
     logs = trainer.state.log_history[0]
     expected = logs["rewards/answer_match/mean"] + 0.5 * logs["rewards/word_budget/mean"]
     assert logs["reward"] == pytest.approx(expected, abs=1e-6)
+
+
+def test_load_team_of_an_unregistered_task_says_to_register_it_or_pass_the_transition(tiny_model_dir, tmp_path):
+    args = MAGRPOConfig.for_task(Greeters(), output_dir=str(tmp_path), num_turns=2, report_to="none", use_cpu=True)
+    MAGRPOTrainer(tiny_model_dir, args=args, task=Greeters()).save_model()
+    with pytest.raises(ValueError, match="trained on task 'greeters'.*Install or register the task"):
+        load_team(tmp_path)
+    register_task("greeters")(Greeters)
+    try:
+        assert load_team(tmp_path).run("Hi.", max_new_tokens=2).turns
+    finally:
+        unregister("tasks", "greeters")

@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from .agents import agent_prompt, keep_4bit_weights_trainable
 from .models import DEFAULT_MODEL_ID, default_model_path, is_default_model
+from .registry import PluginError
 from .rollout import Prompt, TreeRollout, default_transition
 from .routing import AdapterRouter
 from .scheduling import resolve_scheduler
@@ -273,7 +274,14 @@ def load_team(
     path = Path(path)
     spec = read_team_file(path)
     if transition is None and spec["transition"] is None and spec.get("task"):
-        transition = resolve_task(spec["task"]).transition
+        try:
+            transition = resolve_task(spec["task"]).transition
+        except PluginError as error:
+            raise ValueError(
+                f"The team in {path} was trained on task {spec['task']!r}, whose transition rebuilds its prompts "
+                f"between turns, but that task cannot be loaded here ({error}). Install or register the task, or "
+                "pass `transition=` to load_team."
+            ) from error
     if transition is None:
         if spec["transition"] is None:
             if spec["num_turns"] > 1:
