@@ -47,11 +47,12 @@ class Parallel:
         return [list(range(num_agents))]
 
     def observe(self, agent: int, prompt: Prompt, history: list[Said], current: Said, names: list[str]) -> Prompt:
-        if not history:
+        said = [*history, current] if current else history  # `current` is only ever filled with several phases
+        if not said:
             return prompt
-        so_far = transcript(history)
         return with_feedback(
-            prompt, f"Your team's answers so far:\n\n{so_far}\n\nGive your answer for turn {len(history) + 1}."
+            prompt,
+            f"Your team's answers so far:\n\n{transcript(said)}\n\nGive your answer for turn {len(history) + 1}.",
         )
 
 
@@ -63,14 +64,6 @@ class Sequential(Parallel):
 
     def phases(self, turn: int, num_agents: int) -> list[list[int]]:
         return [[agent] for agent in range(num_agents)]
-
-    def observe(self, agent: int, prompt: Prompt, history: list[Said], current: Said, names: list[str]) -> Prompt:
-        if not history and not current:
-            return prompt
-        so_far = transcript([*history, current] if current else history)
-        return with_feedback(
-            prompt, f"Your team's answers so far:\n\n{so_far}\n\nGive your answer for turn {len(history) + 1}."
-        )
 
 
 class RoundRobin(Parallel):
