@@ -93,10 +93,3 @@ def agent_prompt(system_prompt: str, prompt: str | list[dict], use_chat_template
         messages[0]["content"] = f"{system_prompt}\n\n{messages[0]['content']}"
         return messages
     return [{"role": "system", "content": system_prompt}, *messages]
-
-
-def completion_text(completion: str | list[dict]) -> str:
-    """Text of one generated completion, whether TRL returned it as a string or as assistant messages."""
-    if isinstance(completion, str):
-        return completion
-    return "".join(m["content"] for m in completion if isinstance(m.get("content"), str))
