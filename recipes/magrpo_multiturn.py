@@ -8,7 +8,7 @@ The team reward of a joint action is the share of agents whose answer is non-emp
 the word itself (describe, don't repeat). Returns are Monte-Carlo over the tree (`--discount`), so a turn-1 answer
 is also credited for what it led to.
 
-    python recipes/magrpo_multiturn.py                        # defaults below, ~10 min on 2 CPU cores
+    python recipes/magrpo_multiturn.py                        # defaults below, ~16 min on 2 CPU cores
     python recipes/magrpo_multiturn.py --num_turns 3 --max_steps 30 --output_dir outputs/mt
 
 Every `MAGRPOConfig` / `GRPOConfig` field is a command-line flag. Prints the team reward per turn on held-out words
