@@ -1,0 +1,324 @@
+"""Where sandboxed code runs: bubblewrap (the isolation boundary) or the explicit, weaker local mode.
+
+Both backends start the same harness (``harness.py``) with the same rlimits; they differ in what the child can see and
+reach. See docs/sandbox.md for the threat model and what each one guarantees.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import shutil
+import stat
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .process import Finished, run_command
+from .result import Limits
+
+
+HARNESS_SOURCE = (Path(__file__).with_name("harness.py")).read_bytes()
+NOBODY = 65534  # the uid/gid sandboxes run as when the trainer runs as root (RLIMIT_NPROC does not bind root)
+_SANDBOX_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "PYTHONHASHSEED": "0",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONIOENCODING": "utf-8",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+_ROOT_ENTRIES = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")  # merged-/usr symlinks (or directories) at /
+
+
+class SandboxUnavailable(RuntimeError):
+    """The requested isolation cannot be provided on this machine; nothing was run."""
+
+
+def sandbox_user() -> int | None:
+    """The uid sandboxes run as: ``nobody`` when this process is root, else this process's own uid (None)."""
+    return NOBODY if os.geteuid() == 0 else None
+
+
+def _reachable(path: str, user: int | None) -> bool:
+    """Whether ``user`` (None: this process) can execute ``path``, checking the other-permission bits of its parents."""
+    if user is None:
+        return os.access(path, os.X_OK)
+    current = Path(path)
+    for parent in current.parents:
+        if not os.stat(parent).st_mode & stat.S_IXOTH:
+            return False
+    return bool(os.stat(current).st_mode & stat.S_IXOTH)
+
+
+def sandbox_python(user: int | None) -> str:
+    """The interpreter that runs sandboxed code: the base interpreter of this Python if ``user`` can run it, else
+    ``/usr/bin/python3``. Raises SandboxUnavailable when neither is usable."""
+    candidates = [os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable), "/usr/bin/python3"]
+    for candidate in candidates:
+        if os.path.isfile(candidate) and _reachable(candidate, user):
+            return os.path.realpath(candidate)
+    who = "this user" if user is None else f"uid {user} (sandboxes run as nobody when the trainer runs as root)"
+    raise SandboxUnavailable(
+        f"No Python interpreter that {who} can execute: tried {', '.join(candidates)}. Install python3 system-wide "
+        "(for example `apt-get install python3`) or pass `python=` to Sandbox."
+    )
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+@dataclass
+class Run:
+    """A backend's raw outcome: the finished command, or why the sandbox refused to start."""
+
+    finished: Finished
+    refused: str = ""
+
+
+class BubblewrapBackend:
+    """Runs each sample in a fresh bubblewrap sandbox.
+
+    All namespaces are new (user, pid, network, ipc, uts, cgroup, mount) and no nested user namespace can be made;
+    capabilities are dropped; the root is an empty read-only tmpfs holding only read-only ``/usr`` (and the
+    interpreter's own prefix, with its site-packages hidden), a private ``/proc``, a minimal ``/dev``, and size-capped
+    tmpfs mounts for ``/scratch`` (also ``/tmp`` and ``$HOME``) and ``/dev/shm``. The environment is cleared. When the
+    sandbox's first process exits, or bubblewrap or the trainer dies, the kernel kills every process of its pid
+    namespace.
+    """
+
+    name = "bubblewrap"
+
+    def __init__(self, bwrap: str, python: str, user: int | None):
+        self.bwrap, self.python, self.user = bwrap, python, user
+
+    def _mounts(self, limits: Limits) -> list[str]:
+        args = ["--ro-bind", "/usr", "/usr"]
+        for entry in _ROOT_ENTRIES:
+            host = f"/{entry}"
+            if os.path.islink(host):
+                args += ["--symlink", os.readlink(host), host]
+            elif os.path.isdir(host):
+                args += ["--ro-bind", host, host]
+        prefix = Path(self.python).parent.parent
+        if not self.python.startswith("/usr/"):
+            args += ["--ro-bind", str(prefix), str(prefix)]
+            for site_packages in sorted(prefix.glob("lib/python3*/site-packages")):
+                args += ["--size", "4096", "--tmpfs", str(site_packages), "--remount-ro", str(site_packages)]
+        args += ["--proc", "/proc", "--size", str(1 << 16), "--tmpfs", "/dev"]
+        for device in ("null", "zero", "full", "random", "urandom"):
+            args += ["--dev-bind", f"/dev/{device}", f"/dev/{device}"]
+        args += ["--size", str(int(limits.shm_bytes)), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
+        args += ["--size", str(int(limits.scratch_bytes)), "--tmpfs", "/scratch", "--symlink", "/scratch", "/tmp"]
+        return args
+
+    def run(self, job: bytes, stdin: bytes | None, limits: Limits) -> Run:
+        harness_fd, job_fd = _memfd("harness", HARNESS_SOURCE), _memfd("job", job)
+        info_read, info_write = os.pipe()
+        environment = []
+        for key, value in {**_SANDBOX_ENV, "HOME": "/scratch", "TMPDIR": "/scratch"}.items():
+            environment += ["--setenv", key, value]
+        argv = [
+            self.bwrap,
+            "--unshare-all",
+            "--unshare-user",
+            "--disable-userns",
+            "--die-with-parent",
+            "--new-session",
+            "--cap-drop",
+            "ALL",
+            "--hostname",
+            "sandbox",
+            *self._mounts(limits),
+            "--ro-bind-data",
+            str(harness_fd),
+            "/sandbox/harness.py",
+            "--ro-bind-data",
+            str(job_fd),
+            "/sandbox/job.json",
+            "--remount-ro",
+            "/",
+            "--chdir",
+            "/scratch",
+            "--clearenv",
+            *environment,
+            "--info-fd",
+            str(info_write),
+            "--",
+            self.python,
+            "-I",
+            "-S",
+            "/sandbox/harness.py",
+            "/sandbox/job.json",
+        ]
+        try:
+            finished = run_command(
+                argv,
+                stdin=stdin,
+                wall_time_s=limits.wall_time_s,
+                output_bytes=limits.output_bytes,
+                env={},
+                pass_fds=(harness_fd, job_fd, info_write),
+                user=self.user,
+            )
+            os.close(info_write)
+            info_write = -1
+            os.set_blocking(info_read, False)
+            try:
+                started = os.read(info_read, 4096)
+            except BlockingIOError:
+                started = b""
+        finally:
+            for fd in (harness_fd, job_fd, info_read, info_write):
+                if fd >= 0:
+                    os.close(fd)
+        if started or finished.timed_out or finished.flooded:
+            return Run(finished)
+        return Run(finished, refused=finished.stderr.decode(errors="replace").strip() or "bubblewrap did not start")
+
+
+def _parent_death_kill():
+    """preexec_fn: the child is SIGKILLed when the trainer dies (set after the uid change, which would clear it)."""
+    _LIBC.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+
+
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+class LocalBackend:
+    """The explicit weaker mode: NOT a security boundary.
+
+    The child runs as a plain subprocess in a new session with the same rlimits, a scrubbed environment and a
+    throwaway working directory; as root it runs as ``nobody``. It can still read every world-readable file, reach the
+    network (loopback included), see other processes, and keep a descendant alive that escaped the session. Use it
+    only for code you would run anyway, on a machine where bubblewrap is unavailable.
+    """
+
+    name = "local"
+
+    def __init__(self, python: str, user: int | None):
+        self.python, self.user = python, user
+
+    def run(self, job: bytes, stdin: bytes | None, limits: Limits) -> Run:
+        run_dir = Path(tempfile.mkdtemp(prefix="trl-marl-sandbox-"))
+        try:
+            scratch = run_dir / "scratch"
+            scratch.mkdir()
+            (run_dir / "harness.py").write_bytes(HARNESS_SOURCE)
+            (run_dir / "job.json").write_bytes(job)
+            os.chmod(run_dir, 0o755)
+            for name in ("harness.py", "job.json"):
+                os.chmod(run_dir / name, 0o644)
+            if self.user is not None:
+                os.chown(scratch, self.user, self.user)
+            env = {**_SANDBOX_ENV, "HOME": str(scratch), "TMPDIR": str(scratch)}
+            argv = [self.python, "-I", "-S", str(run_dir / "harness.py"), str(run_dir / "job.json")]
+            finished = run_command(
+                argv,
+                stdin=stdin,
+                wall_time_s=limits.wall_time_s,
+                output_bytes=limits.output_bytes,
+                env=env,
+                cwd=str(scratch),
+                user=self.user,
+                preexec_fn=_parent_death_kill,
+            )
+            return Run(finished)
+        finally:
+            _remove_tree(run_dir)
+
+
+def _remove_tree(path: Path) -> None:
+    """rmtree that also removes what the child made unreadable (chmod 000 directories)."""
+
+    def make_writable_and_retry(function, failed_path, _):
+        for parent in (failed_path, os.path.dirname(failed_path)):
+            try:
+                os.chmod(parent, 0o700)
+            except OSError:
+                pass
+        function(failed_path)
+
+    shutil.rmtree(path, onerror=make_writable_and_retry)
+
+
+@dataclass(frozen=True)
+class Capability:
+    """What the capability probe found: the backend that provides isolation here (None: none does) and why."""
+
+    backend: str | None
+    reason: str
+
+
+def _userns_hint() -> str:
+    checks = [
+        ("/proc/sys/kernel/apparmor_restrict_unprivileged_userns", "1", "AppArmor restricts unprivileged user "
+         "namespaces (Ubuntu ≥ 23.10). Allow them for bwrap with an AppArmor profile, or for the whole machine: "
+         "`sudo sysctl kernel.apparmor_restrict_unprivileged_userns=0`."),
+        ("/proc/sys/kernel/unprivileged_userns_clone", "0", "unprivileged user namespaces are off "
+         "(`sudo sysctl kernel.unprivileged_userns_clone=1`)."),
+        ("/proc/sys/user/max_user_namespaces", "0", "user namespaces are off (`sudo sysctl user.max_user_namespaces="
+         "15000`)."),
+    ]  # fmt: skip
+    for path, blocking_value, hint in checks:
+        try:
+            if Path(path).read_text().strip() == blocking_value:
+                return hint
+        except OSError:
+            continue
+    return (
+        "User namespaces may be blocked by a container runtime's seccomp profile (Docker: run with "
+        "`--security-opt seccomp=unconfined` or use a VM)."
+    )
+
+
+def make_backend(name: str, python: str | None = None):
+    """Build a backend by name; the bubblewrap backend is probed first and refuses (fails closed) when unusable."""
+    user = sandbox_user()
+    if name == "local":
+        return LocalBackend(python or sandbox_python(user), user)
+    if name != "bubblewrap":
+        raise ValueError(f"Unknown sandbox backend {name!r}: use 'bubblewrap' (isolated) or 'local' (not isolated).")
+    capability = probe(python)
+    if capability.backend != "bubblewrap":
+        raise SandboxUnavailable(
+            f"The bubblewrap sandbox is unavailable: {capability.reason} Code is not run without isolation unless "
+            "you ask for it: backend='local' (or TRL_MARL_SANDBOX=local) runs it as a plain subprocess, which is not a "
+            "security boundary (docs/sandbox.md)."
+        )
+    return BubblewrapBackend(shutil.which("bwrap"), python or sandbox_python(user), user)
+
+
+@functools.lru_cache(maxsize=None)
+def probe(python: str | None = None) -> Capability:
+    """Check, by running one program in the full bubblewrap profile, whether this machine can isolate code."""
+    if not sys.platform.startswith("linux"):
+        return Capability(None, f"bubblewrap needs Linux namespaces; this is {sys.platform}.")
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return Capability(
+            None,
+            "bubblewrap is not installed (`apt-get install bubblewrap`, `dnf install bubblewrap`, `pacman -S "
+            "bubblewrap`).",
+        )
+    user = sandbox_user()
+    try:
+        backend = BubblewrapBackend(bwrap, python or sandbox_python(user), user)
+    except SandboxUnavailable as error:
+        return Capability(None, str(error))
+    job = b'{"mode": "program", "source": "print(6 * 7)", "rlimits": {}}'
+    run = backend.run(job, None, Limits(wall_time_s=10.0))
+    if run.refused:
+        return Capability(None, f"bubblewrap refused to start a sandbox ({run.refused}). {_userns_hint()}")
+    if run.finished.returncode != 0 or run.finished.stdout != b"42\n":
+        return Capability(None, f"a probe program failed inside bubblewrap: {run.finished.stderr[-300:]!r}")
+    as_who = "as nobody" if user is not None else "as this user"
+    return Capability("bubblewrap", f"bubblewrap at {bwrap} isolates code here ({as_who}, Python {backend.python}).")

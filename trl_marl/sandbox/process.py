@@ -1,0 +1,168 @@
+"""Run one sandbox command under a wall deadline with capped output capture, and kill what is left afterwards.
+
+Every started process is recorded in a module-level registry, so [`kill_all`] (called on interrupt and at exit) can
+kill the sandboxes of every pool in this process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import selectors
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+_LIVE: set[subprocess.Popen] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+@dataclass
+class Finished:
+    returncode: int | None  # None when the parent killed it at the deadline
+    timed_out: bool
+    flooded: bool  # stdout or stderr exceeded the capture cap, so the parent killed it
+    stdout: bytes
+    stderr: bytes
+    stdout_truncated: bool
+    stderr_truncated: bool
+    wall_time_s: float
+    cpu_time_s: float
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL the process group that the sandbox command leads (it was started in a new session)."""
+    for kill in (lambda: os.killpg(process.pid, signal.SIGKILL), lambda: os.kill(process.pid, signal.SIGKILL)):
+        try:
+            kill()
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def kill_all() -> None:
+    """Kill every sandbox this process has started and not yet reaped."""
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for process in live:
+        kill_group(process)
+
+
+atexit.register(kill_all)
+
+
+def run_command(
+    argv: Sequence[str],
+    *,
+    stdin: bytes | None,
+    wall_time_s: float,
+    output_bytes: int,
+    env: dict[str, str],
+    cwd: str | None = None,
+    pass_fds: Sequence[int] = (),
+    user: int | None = None,
+    preexec_fn: Callable[[], None] | None = None,
+) -> Finished:
+    """Start ``argv`` in a new session and collect its output until it exits, floods, or reaches the deadline.
+
+    The output is drained as it comes and never awaited to EOF: a descendant may keep a pipe open after the command
+    exits. Whatever happens, the command's process group is SIGKILLed and reaped before this returns.
+    """
+    stdin_fd = None
+    if stdin is not None:  # a memory file: no writer thread, no pipe to fill
+        stdin_fd = os.memfd_create("sandbox-stdin")
+        os.write(stdin_fd, stdin)
+        os.lseek(stdin_fd, 0, os.SEEK_SET)
+    start = time.monotonic()
+    deadline = start + wall_time_s
+    try:
+        process = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL if stdin_fd is None else stdin_fd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            cwd=cwd,
+            pass_fds=tuple(pass_fds),
+            start_new_session=True,
+            user=user,
+            group=user,
+            extra_groups=[] if user is not None else None,
+            preexec_fn=preexec_fn,
+        )
+    finally:
+        if stdin_fd is not None:
+            os.close(stdin_fd)
+    with _LIVE_LOCK:
+        _LIVE.add(process)
+    captured = {process.stdout.fileno(): bytearray(), process.stderr.fileno(): bytearray()}
+    truncated = dict.fromkeys(captured, False)
+    timed_out = flooded = False
+    exit_status = rusage = None
+    selector = selectors.DefaultSelector()
+    try:
+        for fd in captured:
+            os.set_blocking(fd, False)
+            selector.register(fd, selectors.EVENT_READ)
+        while exit_status is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                timed_out = True
+                break
+            if selector.get_map():
+                events = selector.select(min(remaining, 0.05))
+            else:  # both pipes closed, the command may still be running
+                events = []
+                time.sleep(min(remaining, 0.005))
+            for key, _ in events:
+                flooded |= _read_into(key.fd, captured[key.fd], truncated, output_bytes, selector)
+            if flooded:
+                break
+            pid, exit_status, rusage = os.wait4(process.pid, os.WNOHANG)
+            if pid == 0:
+                exit_status = None
+        if exit_status is not None:  # exited: take what is already buffered, without waiting for EOF
+            for fd in list(selector.get_map()):
+                _read_into(fd, captured[fd], truncated, output_bytes, selector)
+    finally:
+        kill_group(process)
+        if exit_status is None:
+            _, exit_status, rusage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(exit_status)  # keeps Popen from reaping it again
+        selector.close()
+        process.stdout.close()
+        process.stderr.close()
+        with _LIVE_LOCK:
+            _LIVE.discard(process)
+    stdout_fd, stderr_fd = captured
+    return Finished(
+        returncode=None if timed_out or flooded else process.returncode,
+        timed_out=timed_out,
+        flooded=flooded,
+        stdout=bytes(captured[stdout_fd]),
+        stderr=bytes(captured[stderr_fd]),
+        stdout_truncated=truncated[stdout_fd],
+        stderr_truncated=truncated[stderr_fd],
+        wall_time_s=time.monotonic() - start,
+        cpu_time_s=rusage.ru_utime + rusage.ru_stime,
+    )
+
+
+def _read_into(fd: int, buffer: bytearray, truncated: dict, cap: int, selector) -> bool:
+    """Read what ``fd`` has now into ``buffer``; True when the cap was exceeded."""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return False
+        if not chunk:
+            selector.unregister(fd)
+            return False
+        room = cap - len(buffer)
+        buffer += chunk[: max(room, 0)]
+        if len(chunk) > room:
+            truncated[fd] = True
+            return True
