@@ -9,7 +9,6 @@ from .process import kill_all
 from .result import CallOutput, ExecutionResult, Limits, Status
 from .scoring import pass_rate, passed_calls, stdout_matches, strict_equal
 
-
 __all__ = [
     "CallOutput",
     "CallTest",

@@ -19,7 +19,6 @@ from pathlib import Path
 from .process import Finished, run_command
 from .result import Limits
 
-
 HARNESS_SOURCE = (Path(__file__).with_name("harness.py")).read_bytes()
 NOBODY = 65534  # the uid/gid sandboxes run as when the trainer runs as root (RLIMIT_NPROC does not bind root)
 _SANDBOX_ENV = {
@@ -45,7 +44,7 @@ def sandbox_user() -> int | None:
 
 
 def _reachable(path: str, user: int | None) -> bool:
-    """Whether ``user`` (None: this process) can execute ``path``, checking the other-permission bits of its parents."""
+    """Whether ``user`` (None: this process) can execute ``path``, judged by the others-bits of it and its parents."""
     if user is None:
         return os.access(path, os.X_OK)
     current = Path(path)
@@ -160,15 +159,18 @@ class BubblewrapBackend:
             "/sandbox/job.json",
         ]
         try:
-            finished = run_command(
-                argv,
-                stdin=stdin,
-                wall_time_s=limits.wall_time_s,
-                output_bytes=limits.output_bytes,
-                env={},
-                pass_fds=(harness_fd, job_fd, info_write),
-                user=self.user,
-            )
+            try:
+                finished = run_command(
+                    argv,
+                    stdin=stdin,
+                    wall_time_s=limits.wall_time_s,
+                    output_bytes=limits.output_bytes,
+                    env={},
+                    pass_fds=(harness_fd, job_fd, info_write),
+                    user=self.user,
+                )
+            except OSError as error:  # bwrap itself could not be started
+                return Run(Finished.not_started(), refused=f"{self.bwrap}: {error}")
             os.close(info_write)
             info_write = -1
             os.set_blocking(info_read, False)
@@ -291,13 +293,13 @@ def make_backend(name: str, python: str | None = None):
     if capability.backend != "bubblewrap":
         raise SandboxUnavailable(
             f"The bubblewrap sandbox is unavailable: {capability.reason} Code is not run without isolation unless "
-            "you ask for it: backend='local' (or TRL_MARL_SANDBOX=local) runs it as a plain subprocess, which is not a "
-            "security boundary (docs/sandbox.md)."
+            "you ask for it: backend='local' (or TRL_MARL_SANDBOX=local) runs it as a plain subprocess, which is not "
+            "a security boundary (docs/sandbox.md)."
         )
     return BubblewrapBackend(shutil.which("bwrap"), python or sandbox_python(user), user)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def probe(python: str | None = None) -> Capability:
     """Check, by running one program in the full bubblewrap profile, whether this machine can isolate code."""
     if not sys.platform.startswith("linux"):

@@ -1,4 +1,4 @@
-"""`Sandbox`: run model-written Python under hard limits, one sample or many at once within a global concurrency cap."""
+"""`Sandbox`: run model-written Python under hard limits, one sample or many at once under a global concurrency cap."""
 
 from __future__ import annotations
 
@@ -73,8 +73,8 @@ class Sandbox:
         self.backend = make_backend(name, python)
         if self.backend.name == "local":
             warnings.warn(
-                "trl_marl Sandbox(backend='local') is not a security boundary: model-written code can read your files, "
-                "reach the network and outlive its run. Use it only for code you would run yourself.",
+                "trl_marl Sandbox(backend='local') is not a security boundary: model-written code can read your "
+                "files, reach the network and outlive its run. Use it only for code you would run yourself.",
                 stacklevel=2,
             )
         self.limits = limits or Limits()
@@ -165,7 +165,6 @@ class Sandbox:
             stdout_truncated=finished.stdout_truncated,
             stderr_truncated=finished.stderr_truncated,
             wall_time_s=finished.wall_time_s,
-            cpu_time_s=finished.cpu_time_s,
         )
         if run.refused:
             return ExecutionResult(Status.REFUSED, reason=run.refused, **common)
@@ -194,7 +193,8 @@ def _classify(finished, limits: Limits, backend: str) -> tuple[Status, int | Non
     # bubblewrap reports a child killed by signal N as exit status 128 + N; a direct child has a negative code
     signal_number = -code if code < 0 else code - 128 if backend == "bubblewrap" and 128 < code < 160 else None
     if signal_number is not None:
-        if signal_number in _CPU_SIGNALS and finished.cpu_time_s >= limits.cpu_seconds - 0.05:
+        # The kernel SIGKILLs a process at its CPU-time limit; it cannot have used more CPU than wall time.
+        if signal_number in _CPU_SIGNALS and finished.wall_time_s >= limits.cpu_seconds:
             return Status.TIMEOUT, signal_number, f"CPU-time limit of {limits.cpu_seconds} s reached"
         name = signal.Signals(signal_number).name if signal_number in signal.valid_signals() else signal_number
         return Status.KILLED, signal_number, f"killed by signal {name}"

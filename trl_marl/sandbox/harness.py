@@ -1,12 +1,12 @@
 """The code that runs *inside* the sandbox, and the plain-value format it shares with the trusted parent.
 
-This file is copied into every sandbox and started as ``python -I -S harness.py job.json``; it imports only the standard
-library. It sets the resource limits, then runs the candidate either as a program (``mode="program"``: the source runs
-as ``__main__``) or as a function under test (``mode="calls"``: the source is executed, the entry point is called on each
-input, and every return value is printed as plain JSON).
+This file is copied into every sandbox and started as ``python -I -S harness.py job.json``; it imports only the
+standard library. It sets the resource limits, then runs the candidate either as a program (``mode="program"``: the
+source runs as ``__main__``) or as a function under test (``mode="calls"``: the source is executed, the entry point is
+called on each input, and every return value is printed as plain JSON).
 
-Nothing this harness prints is trusted. The candidate runs in the same interpreter and can patch, skip or imitate any of
-it; that is fine, because the expected values never enter the sandbox. The parent decodes the output with
+Nothing this harness prints is trusted. The candidate runs in the same interpreter and can patch, skip or imitate any
+of it; that is fine, because the expected values never enter the sandbox. The parent decodes the output with
 [`decode_plain`], which accepts only the tagged plain types below, and compares with exact, type-checked equality.
 
 Plain values: ``None``, ``bool``, ``int``, ``str`` and finite ``float`` as themselves; ``list`` as a JSON array; other
@@ -19,7 +19,6 @@ import json
 import math
 import os
 import sys
-
 
 MEMORY_EXIT_CODE = 86  # the harness's exit status when the candidate ran out of memory (see Limits.memory_bytes)
 _TAGS = ("float", "tuple", "dict", "set", "frozenset", "bytes")

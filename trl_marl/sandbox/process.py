@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-
 _LIVE: set[subprocess.Popen] = set()
 _LIVE_LOCK = threading.Lock()
 
@@ -31,7 +30,10 @@ class Finished:
     stdout_truncated: bool
     stderr_truncated: bool
     wall_time_s: float
-    cpu_time_s: float
+
+    @classmethod
+    def not_started(cls) -> Finished:
+        return cls(None, False, False, b"", b"", False, False, 0.0)
 
 
 def kill_group(process: subprocess.Popen) -> None:
@@ -101,7 +103,7 @@ def run_command(
     captured = {process.stdout.fileno(): bytearray(), process.stderr.fileno(): bytearray()}
     truncated = dict.fromkeys(captured, False)
     timed_out = flooded = False
-    exit_status = rusage = None
+    exit_status = None
     selector = selectors.DefaultSelector()
     try:
         for fd in captured:
@@ -121,7 +123,7 @@ def run_command(
                 flooded |= _read_into(key.fd, captured[key.fd], truncated, output_bytes, selector)
             if flooded:
                 break
-            pid, exit_status, rusage = os.wait4(process.pid, os.WNOHANG)
+            pid, exit_status = os.waitpid(process.pid, os.WNOHANG)
             if pid == 0:
                 exit_status = None
         if exit_status is not None:  # exited: take what is already buffered, without waiting for EOF
@@ -130,7 +132,7 @@ def run_command(
     finally:
         kill_group(process)
         if exit_status is None:
-            _, exit_status, rusage = os.wait4(process.pid, 0)
+            _, exit_status = os.waitpid(process.pid, 0)
         process.returncode = os.waitstatus_to_exitcode(exit_status)  # keeps Popen from reaping it again
         selector.close()
         process.stdout.close()
@@ -147,7 +149,6 @@ def run_command(
         stdout_truncated=truncated[stdout_fd],
         stderr_truncated=truncated[stderr_fd],
         wall_time_s=time.monotonic() - start,
-        cpu_time_s=rusage.ru_utime + rusage.ru_stime,
     )
 
 

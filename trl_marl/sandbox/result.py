@@ -10,7 +10,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Limits:
-    """Resource limits of one sandboxed run. Every limit is hard: the kernel or the parent enforces it, never the child.
+    """Resource limits of one sandboxed run. Every limit is hard: the kernel or the parent enforces it, not the child.
 
     Memory is bounded per process (``RLIMIT_AS``), so one run can hold at most ``max_processes × memory_bytes``; with
     the defaults that is 16 × 512 MiB = 8 GiB in the worst case, times the pool's concurrency.
@@ -38,7 +38,9 @@ class Limits:
                 f"{self.max_processes}."
             )
         if self.max_open_files < 16:
-            raise ValueError(f"Limits.max_open_files must be at least 16 (Python needs a few), got {self.max_open_files}.")
+            raise ValueError(
+                f"Limits.max_open_files must be at least 16 (Python needs a few), got {self.max_open_files}."
+            )
 
     @property
     def cpu_seconds(self) -> int:
@@ -87,8 +89,7 @@ class ExecutionResult:
     stderr: str = ""
     stdout_truncated: bool = False
     stderr_truncated: bool = False
-    wall_time_s: float = 0.0
-    cpu_time_s: float = 0.0
+    wall_time_s: float = 0.0  # from start to the sandbox being reaped, in the parent
     reason: str = ""  # why the status is not ok, in words
     outputs: list[CallOutput] | None = field(default=None)  # function-call runs that ended ok
 

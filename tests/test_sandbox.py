@@ -1,0 +1,298 @@
+"""The sandbox API: results, scoring, limits, the capability probe, failing closed, the local mode, and the pool."""
+
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+from sandbox_helpers import sandbox_processes, wait_until_gone
+
+from trl_marl.sandbox import (
+    CallTest,
+    ExecutionResult,
+    Limits,
+    Sandbox,
+    SandboxUnavailable,
+    Status,
+    pass_rate,
+    probe,
+    stdout_matches,
+    strict_equal,
+)
+from trl_marl.sandbox import executor as executor_module
+from trl_marl.sandbox.harness import decode_plain, encode_plain
+from trl_marl.sandbox.result import CallOutput
+
+SHORT = Limits(wall_time_s=2.0, memory_bytes=256 * 2**20)
+
+
+@pytest.fixture(scope="module")
+def isolated():
+    capability = probe()
+    if capability.backend != "bubblewrap":
+        if os.environ.get("TRL_MARL_REQUIRE_BWRAP") == "1":
+            pytest.fail(f"TRL_MARL_REQUIRE_BWRAP=1 but bubblewrap is unusable: {capability.reason}")
+        pytest.skip(f"bubblewrap cannot isolate code on this machine: {capability.reason}")
+    return Sandbox("bubblewrap", limits=SHORT)
+
+
+@pytest.fixture(scope="module")
+def local():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Sandbox("local", limits=SHORT)
+
+
+# Plain values and trusted comparison
+
+
+def test_plain_values_round_trip_with_their_exact_types():
+    value = [None, True, 3, 2.5, "s", (1, [2]), {"k": (3,)}, {1, 2}, frozenset({4}), b"\x00\xff", float("inf")]
+    decoded = decode_plain(encode_plain(value))
+    assert decoded == value and [type(item) for item in decoded] == [type(item) for item in value]
+    assert math.isnan(decode_plain(encode_plain(float("nan"))))
+
+
+def test_encode_rejects_subclasses_and_objects_and_decode_rejects_unknown_tags():
+    class Sly(int):
+        pass
+
+    for value in (Sly(1), object(), [1, object()], {"k": Sly(2)}):
+        with pytest.raises(TypeError, match="not a plain value"):
+            encode_plain(value)
+    for data in ({"object": []}, {"tuple": [1], "extra": 1}, {"float": "1e400x"}, float("nan")):
+        with pytest.raises(ValueError):
+            decode_plain(data)
+
+
+@pytest.mark.parametrize(
+    "expected,actual,equal",
+    [
+        (1, 1, True),
+        (1, True, False),
+        (1, 1.0, False),
+        ((1, 2), [1, 2], False),
+        ({"a": [1, (2,)]}, {"a": [1, (2,)]}, True),
+        ({"a": 1}, {"a": 1, "b": 2}, False),
+        (0.1 + 0.2, 0.3, True),
+        (0.3, 0.31, False),
+        (float("nan"), float("nan"), True),
+        ([1, 2], [1, 2, 3], False),
+    ],
+)
+def test_strict_equal_checks_types_exactly(expected, actual, equal):
+    assert strict_equal(expected, actual) is equal
+
+
+def _result(status=Status.OK, outputs=None, stdout=""):
+    return ExecutionResult(status, backend="test", outputs=outputs, stdout=stdout)
+
+
+def test_pass_rate_is_the_fraction_of_exact_matches_and_zero_unless_ok():
+    outputs = [CallOutput(3), CallOutput(error="ValueError: x"), CallOutput(5)]
+    assert pass_rate(_result(outputs=outputs), [3, 4, 5]) == pytest.approx(2 / 3)
+    assert pass_rate(_result(Status.TIMEOUT, outputs=outputs), [3, 4, 5]) == 0.0
+    assert pass_rate(_result(outputs=outputs[:2]), [3, 4, 5]) == 0.0  # a missing result fails every test
+    assert pass_rate(_result(outputs=outputs + [CallOutput(6)]), [3, 4, 5]) == 0.0  # so does an extra one
+
+
+def test_stdout_matches_compares_every_line():
+    assert stdout_matches(_result(stdout="a  \nb\n\n"), "a\nb")
+    assert not stdout_matches(_result(stdout="a\nb\nc\n"), "a\nb\n")
+    assert not stdout_matches(_result(stdout="a\n"), "a\nb\n")
+    assert not stdout_matches(_result(Status.ERROR, stdout="a\n"), "a\n")
+
+
+def test_limits_name_the_bad_field():
+    for kwargs, field in [
+        ({"wall_time_s": 0}, "wall_time_s"),
+        ({"memory_bytes": -1}, "memory_bytes"),
+        ({"max_processes": 2}, "max_processes"),
+        ({"cpu_time_s": 0}, "cpu_time_s"),
+        ({"max_open_files": 3}, "max_open_files"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            Limits(**kwargs)
+    assert Limits(wall_time_s=2.5).rlimits()["RLIMIT_CPU"] == 3
+
+
+# Running code
+
+
+@pytest.mark.parametrize("backend", ["isolated", "local"])
+def test_program_and_function_calls_run_with_structured_results(backend, request):
+    sandbox = request.getfixturevalue(backend)
+    result = sandbox.run("import sys\nprint(input().upper())\nprint('warn', file=sys.stderr)", stdin="hi\n")
+    assert (result.status, result.stdout, result.stderr, result.returncode) == (Status.OK, "HI\n", "warn\n", 0)
+    assert result.backend == sandbox.backend.name and result.wall_time_s > 0
+    calls = sandbox.call("def f(x):\n    print('noise')\n    return 10 // x", "f", [(2,), (0,), ("a",)])
+    assert calls.ok and calls.outputs[0] == CallOutput(5) and "noise" in calls.stderr
+    assert calls.outputs[1].error.startswith("ZeroDivisionError") and calls.outputs[2].error.startswith("TypeError")
+    assert sandbox.call("x = 1", "f", [(1,)]).outputs[0].error.startswith("NameError")
+    failed = sandbox.run("raise SystemExit(3)")
+    assert failed.status is Status.ERROR and failed.returncode == 3 and "status 3" in failed.reason
+    assert sandbox.check("def add(a, b):\n    return a + b", "add", [CallTest((1, 2), 3), CallTest((2, 2), 5)]) == 0.5
+
+
+@pytest.mark.parametrize("backend", ["isolated", "local"])
+def test_limits_hold_in_both_backends(backend, request):
+    sandbox = request.getfixturevalue(backend)
+    assert sandbox.run("while True:\n    pass").status is Status.TIMEOUT
+    assert sandbox.run("bytearray(10**10)").status is Status.MEMORY
+    flood = sandbox.run("while True:\n    print('x' * 1000)", limits=Limits(wall_time_s=5, output_bytes=10_000))
+    assert flood.status is Status.KILLED and flood.stdout_truncated and len(flood.stdout) == 10_000
+    cpu = sandbox.run("while True:\n    pass", limits=Limits(wall_time_s=10, cpu_time_s=1))
+    assert cpu.status is Status.TIMEOUT and "CPU" in cpu.reason
+    environment = sandbox.run("import os\nprint(sorted(os.environ))").stdout
+    assert "TRL_MARL_TEST" not in environment and "HF_HUB_OFFLINE" not in environment
+
+
+def test_local_mode_warns_that_it_is_not_a_security_boundary():
+    with pytest.warns(UserWarning, match="not a security boundary"):
+        Sandbox("local")
+
+
+@pytest.fixture
+def shared_tmp(monkeypatch):
+    """A temporary directory that the sandbox user (nobody, when the tests run as root) can reach, as TMPDIR."""
+    directory = Path(tempfile.mkdtemp(dir="/var/tmp"))
+    directory.chmod(0o755)
+    monkeypatch.setenv("TMPDIR", str(directory))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    yield directory
+    shutil.rmtree(directory)
+
+
+def test_local_mode_removes_its_files(local, shared_tmp):
+    result = local.run("import os\nos.makedirs('a/b')\nopen('a/b/f', 'w').write('x')\nos.chmod('a', 0)\nprint('ok')")
+    assert result.stdout == "ok\n"
+    assert list(shared_tmp.iterdir()) == []
+
+
+# The probe and failing closed
+
+
+def test_probe_reports_missing_bubblewrap_and_the_sandbox_refuses(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    probe.cache_clear()
+    try:
+        capability = probe()
+        assert capability.backend is None and "not installed" in capability.reason
+        with pytest.raises(SandboxUnavailable, match="backend='local'"):
+            Sandbox()
+    finally:
+        probe.cache_clear()
+
+
+def test_a_bubblewrap_that_cannot_create_namespaces_fails_closed(monkeypatch, shared_tmp):
+    fake = shared_tmp / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: setting up uid map: Permission denied' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shared_tmp}:{os.environ['PATH']}")
+    probe.cache_clear()
+    try:
+        capability = probe()
+        assert capability.backend is None and "setting up uid map: Permission denied" in capability.reason
+        with pytest.raises(SandboxUnavailable, match="uid map"):
+            Sandbox("bubblewrap")
+    finally:
+        probe.cache_clear()
+
+
+def test_a_run_whose_sandbox_cannot_start_is_refused_not_run(isolated, monkeypatch, shared_tmp):
+    fake = shared_tmp / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: Creating new namespace failed' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(isolated.backend, "bwrap", str(fake))
+    result = isolated.run("print('ran')")
+    assert result.status is Status.REFUSED and "Creating new namespace failed" in result.reason
+    assert pass_rate(result, ["ran"]) == 0.0
+    monkeypatch.setattr(isolated.backend, "bwrap", "/nonexistent/bwrap")
+    assert isolated.run("print('ran')").status is Status.REFUSED
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError, match="'bubblewrap'.*'local'"):
+        Sandbox("docker")
+
+
+# The pool
+
+
+def _overlap(results) -> int:
+    """Most runs alive at one moment, from the monotonic start/end times each run printed."""
+    spans = [tuple(map(float, result.stdout.split())) for result in results]
+    return max(sum(start <= moment < end for start, end in spans) for moment, _ in spans)
+
+
+SPAN = "import time\nstart = time.monotonic()\ntime.sleep(0.4)\nprint(start, time.monotonic())"
+
+
+def test_run_many_runs_concurrently_within_max_workers(isolated):
+    sandbox = Sandbox("bubblewrap", limits=SHORT, max_workers=2)
+    results = sandbox.run_many([SPAN] * 6)
+    sandbox.close()
+    assert all(result.ok for result in results)
+    assert _overlap(results) == 2
+
+
+def test_the_concurrency_limit_is_global_over_sandboxes(isolated, monkeypatch):
+    monkeypatch.setattr(executor_module, "_SLOTS", threading.BoundedSemaphore(1))
+    first, second = Sandbox("bubblewrap", limits=SHORT), Sandbox("bubblewrap", limits=SHORT)
+    results = []
+    threads = [threading.Thread(target=lambda s=s: results.extend(s.run_many([SPAN] * 2))) for s in (first, second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 4 and _overlap(results) == 1
+
+
+def test_results_come_back_in_order_and_check_many_scores_each(isolated):
+    sources = [f"def f(x):\n    return x + {offset}" for offset in range(4)]
+    assert isolated.check_many([(source, "f", [CallTest((1,), 2)]) for source in sources]) == [0.0, 1.0, 0.0, 0.0]
+    results = isolated.run_many([f"print({index})" for index in range(5)], stdins=[None] * 5)
+    assert [result.stdout for result in results] == [f"{index}\n" for index in range(5)]
+
+
+INTERRUPTED = """
+import sys, warnings
+warnings.simplefilter("ignore")
+from trl_marl.sandbox import Limits, Sandbox
+sandbox = Sandbox(sys.argv[1], limits=Limits(wall_time_s=120), max_workers=2)
+print("started", flush=True)
+sandbox.run_many(["import time\\ntime.sleep(100)"] * 4)
+"""
+
+
+@pytest.mark.parametrize("backend", ["bubblewrap", "local"])
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["interrupt", "kill"])
+def test_an_interrupted_or_killed_trainer_leaves_no_sandbox_behind(backend, how, shared_tmp, isolated):
+    before = sandbox_processes()
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(INTERRUPTED), backend],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "TMPDIR": str(shared_tmp)},
+        text=True,
+    )
+    assert trainer.stdout.readline() == "started\n"
+    deadline = time.monotonic() + 60
+    while len(sandbox_processes() - before) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sandbox_processes() - before, "the sandboxes never started"
+    trainer.send_signal(how)
+    _, stderr = trainer.communicate(timeout=60)
+    if how == signal.SIGINT:
+        assert "KeyboardInterrupt" in stderr
+        assert list(shared_tmp.iterdir()) == []  # every run removed its files
+    assert wait_until_gone(before, timeout_s=10) == set()
