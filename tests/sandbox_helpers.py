@@ -34,3 +34,17 @@ def wait_until_gone(pids_before: set[int], timeout_s: float = 5.0) -> set[int]:
 def snapshot(directory: Path) -> dict[str, bytes]:
     """Contents of every file under ``directory`` (to prove nothing changed)."""
     return {str(path): path.read_bytes() for path in sorted(directory.rglob("*")) if path.is_file()}
+
+
+def require_bubblewrap() -> None:
+    """Skip (with the probe's reason) when bubblewrap cannot isolate code here; fail instead under
+    TRL_MARL_REQUIRE_BWRAP=1, as in CI, so that the isolation tests never silently go missing."""
+    import pytest
+
+    from trl_marl.sandbox import probe
+
+    capability = probe()
+    if capability.backend != "bubblewrap":
+        if os.environ.get("TRL_MARL_REQUIRE_BWRAP") == "1":
+            pytest.fail(f"TRL_MARL_REQUIRE_BWRAP=1 but bubblewrap is unusable: {capability.reason}")
+        pytest.skip(f"bubblewrap cannot isolate code on this machine: {capability.reason}")

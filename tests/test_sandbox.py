@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from sandbox_helpers import sandbox_processes, wait_until_gone
+from sandbox_helpers import require_bubblewrap, sandbox_processes, wait_until_gone
 
 from trl_marl.sandbox import (
     CallTest,
@@ -37,11 +37,7 @@ SHORT = Limits(wall_time_s=2.0, memory_bytes=256 * 2**20)
 
 @pytest.fixture(scope="module")
 def isolated():
-    capability = probe()
-    if capability.backend != "bubblewrap":
-        if os.environ.get("TRL_MARL_REQUIRE_BWRAP") == "1":
-            pytest.fail(f"TRL_MARL_REQUIRE_BWRAP=1 but bubblewrap is unusable: {capability.reason}")
-        pytest.skip(f"bubblewrap cannot isolate code on this machine: {capability.reason}")
+    require_bubblewrap()
     return Sandbox("bubblewrap", limits=SHORT)
 
 

@@ -19,9 +19,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from sandbox_helpers import sandbox_processes, snapshot, wait_until_gone
+from sandbox_helpers import require_bubblewrap, sandbox_processes, snapshot, wait_until_gone
 
-from trl_marl.sandbox import CallTest, Limits, Sandbox, Status, probe, stdout_matches
+from trl_marl.sandbox import CallTest, Limits, Sandbox, Status, stdout_matches
 
 LIMITS = Limits(
     wall_time_s=2.0,
@@ -35,11 +35,7 @@ LIMITS = Limits(
 
 @pytest.fixture(scope="module")
 def sandbox():
-    capability = probe()
-    if capability.backend != "bubblewrap":
-        if os.environ.get("TRL_MARL_REQUIRE_BWRAP") == "1":
-            pytest.fail(f"TRL_MARL_REQUIRE_BWRAP=1 but bubblewrap is unusable: {capability.reason}")
-        pytest.skip(f"bubblewrap cannot isolate code on this machine: {capability.reason}")
+    require_bubblewrap()
     return Sandbox("bubblewrap", limits=LIMITS)
 
 
