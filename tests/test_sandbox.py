@@ -83,6 +83,12 @@ def test_encode_rejects_subclasses_and_objects_and_decode_rejects_unknown_tags()
         (0.3, 0.31, False),
         (float("nan"), float("nan"), True),
         ([1, 2], [1, 2, 3], False),
+        ({1, "a"}, {"a", 1}, True),
+        ({1}, {True}, False),  # 1 == True, but a set of bools is not a set of ints
+        ({(1,)}, {(1.0,)}, False),
+        (frozenset({frozenset({1})}), frozenset({frozenset({True})}), False),
+        ({1: "x"}, {True: "x"}, False),
+        ({float("nan")}, {float("nan")}, True),
     ],
 )
 def test_strict_equal_checks_types_exactly(expected, actual, equal):
@@ -204,6 +210,21 @@ def test_a_bubblewrap_that_cannot_create_namespaces_fails_closed(monkeypatch, sh
         probe.cache_clear()
 
 
+def test_a_bubblewrap_without_disable_userns_is_reported_as_too_old(monkeypatch, shared_tmp):
+    fake = shared_tmp / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: Unknown option --disable-userns' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shared_tmp}:{os.environ['PATH']}")
+    probe.cache_clear()
+    try:
+        capability = probe()
+        assert capability.backend is None and "bubblewrap >= 0.8" in capability.reason
+        with pytest.raises(SandboxUnavailable, match="too old"):
+            Sandbox("bubblewrap")
+    finally:
+        probe.cache_clear()
+
+
 def test_a_run_whose_sandbox_cannot_start_is_refused_not_run(isolated, monkeypatch, shared_tmp):
     fake = shared_tmp / "bwrap"
     fake.write_text("#!/bin/sh\necho 'bwrap: Creating new namespace failed' >&2\nexit 1\n")
@@ -219,6 +240,42 @@ def test_a_run_whose_sandbox_cannot_start_is_refused_not_run(isolated, monkeypat
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="'bubblewrap'.*'local'"):
         Sandbox("docker")
+
+
+@pytest.mark.parametrize("backend", ["isolated", "local"])
+def test_runs_are_reproducible_and_cannot_import_the_harness(backend, request):
+    sandbox = request.getfixturevalue(backend)
+    source = "print(hash('trl_marl'), list({'b', 'a', 'c', 'd'}))\nimport harness"
+    first, second = sandbox.run(source), sandbox.run(source)
+    assert first.stdout == second.stdout and first.stdout  # PYTHONHASHSEED=0 holds inside
+    assert first.status is Status.ERROR and "No module named 'harness'" in first.stderr
+
+
+REAPED = """
+import ctypes, os, sys
+ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans of our sandboxes would come to us, as to a PID 1
+from trl_marl.sandbox import Sandbox
+sandbox = Sandbox("bubblewrap")
+results = [sandbox.run("import os\\nos.fork() or os._exit(0)\\nprint('hi')") for _ in range(3)]
+assert all(result.ok for result in results), results
+orphans = []
+while True:
+    try:
+        pid, _ = os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+        break
+    if pid == 0:
+        break
+    orphans.append(pid)
+print(len(orphans))
+"""
+
+
+def test_bubblewrap_runs_leave_no_orphan_for_a_pid_1_trainer_to_reap(isolated):
+    # A trainer that is PID 1 of its container reaps every orphan or collects zombies until no process can start.
+    done = subprocess.run([sys.executable, "-c", REAPED], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "0\n"
 
 
 # The pool
@@ -251,6 +308,20 @@ def test_the_concurrency_limit_is_global_over_sandboxes(isolated, monkeypatch):
     for thread in threads:
         thread.join()
     assert len(results) == 4 and _overlap(results) == 1
+
+
+def test_closing_one_sandbox_leaves_the_runs_of_another_alone(isolated):
+    other = Sandbox("bubblewrap", limits=SHORT, max_workers=2)
+    closed = Sandbox("bubblewrap", limits=SHORT, max_workers=2)
+    closed.run_many(["print(1)"])  # starts its pool
+    results = []
+    worker = threading.Thread(target=lambda: results.extend(other.run_many([SPAN] * 2)))
+    worker.start()
+    time.sleep(0.2)
+    closed.close()
+    worker.join()
+    other.close()
+    assert [result.status for result in results] == [Status.OK, Status.OK]
 
 
 def test_results_come_back_in_order_and_check_many_scores_each(isolated):

@@ -6,8 +6,8 @@ reach. See docs/sandbox.md for the threat model and what each one guarantees.
 
 from __future__ import annotations
 
-import ctypes
 import functools
+import json
 import os
 import shutil
 import stat
@@ -68,6 +68,16 @@ def sandbox_python(user: int | None) -> str:
     )
 
 
+def _python_argv(python: str) -> list[str]:
+    """How the harness is started: no user or system site-packages (``-s -S``), no bytecode written (``-B``).
+
+    Not ``-I``/``-E``: the environment is the sandbox's own (cleared, then `_SANDBOX_ENV`), and ``-E`` would drop its
+    ``PYTHONHASHSEED=0``, which makes the iteration order of sets of strings the same in every run. The harness removes
+    its own directory from ``sys.path``.
+    """
+    return [python, "-s", "-S", "-B"]
+
+
 def _memfd(name: str, data: bytes) -> int:
     fd = os.memfd_create(name)
     os.write(fd, data)
@@ -119,8 +129,9 @@ class BubblewrapBackend:
         args += ["--size", str(int(limits.scratch_bytes)), "--tmpfs", "/scratch", "--symlink", "/scratch", "/tmp"]
         return args
 
-    def run(self, job: bytes, stdin: bytes | None, limits: Limits) -> Run:
-        harness_fd, job_fd = _memfd("harness", HARNESS_SOURCE), _memfd("job", job)
+    def run(self, job: dict, stdin: bytes | None, limits: Limits, owner: object = None) -> Run:
+        """Run ``job`` (see harness.py) in a fresh sandbox; ``owner`` tags the process for `process.kill_all`."""
+        harness_fd, job_fd = _memfd("harness", HARNESS_SOURCE), _memfd("job", json.dumps(job).encode())
         info_read, info_write = os.pipe()
         environment = []
         for key, value in {**_SANDBOX_ENV, "HOME": "/scratch", "TMPDIR": "/scratch"}.items():
@@ -130,6 +141,7 @@ class BubblewrapBackend:
             "--unshare-all",
             "--unshare-user",
             "--disable-userns",
+            "--as-pid-1",  # no init of bubblewrap's own: it would outlive bwrap as a zombie nobody reaps
             "--die-with-parent",
             "--new-session",
             "--cap-drop",
@@ -152,9 +164,7 @@ class BubblewrapBackend:
             "--info-fd",
             str(info_write),
             "--",
-            self.python,
-            "-I",
-            "-S",
+            *_python_argv(self.python),
             "/sandbox/harness.py",
             "/sandbox/job.json",
         ]
@@ -168,6 +178,7 @@ class BubblewrapBackend:
                     env={},
                     pass_fds=(harness_fd, job_fd, info_write),
                     user=self.user,
+                    owner=owner,
                 )
             except OSError as error:  # bwrap itself could not be started
                 return Run(Finished.not_started(), refused=f"{self.bwrap}: {error}")
@@ -187,14 +198,6 @@ class BubblewrapBackend:
         return Run(finished, refused=finished.stderr.decode(errors="replace").strip() or "bubblewrap did not start")
 
 
-def _parent_death_kill():
-    """preexec_fn: the child is SIGKILLed when the trainer dies (set after the uid change, which would clear it)."""
-    _LIBC.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-
-
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-
-
 class LocalBackend:
     """The explicit weaker mode: NOT a security boundary.
 
@@ -209,20 +212,21 @@ class LocalBackend:
     def __init__(self, python: str, user: int | None):
         self.python, self.user = python, user
 
-    def run(self, job: bytes, stdin: bytes | None, limits: Limits) -> Run:
+    def run(self, job: dict, stdin: bytes | None, limits: Limits, owner: object = None) -> Run:
         run_dir = Path(tempfile.mkdtemp(prefix="trl-marl-sandbox-"))
         try:
             scratch = run_dir / "scratch"
             scratch.mkdir()
             (run_dir / "harness.py").write_bytes(HARNESS_SOURCE)
-            (run_dir / "job.json").write_bytes(job)
+            # No pid namespace here: the harness asks the kernel to SIGKILL it when the trainer dies.
+            (run_dir / "job.json").write_text(json.dumps({**job, "parent_pid": os.getpid()}))
             os.chmod(run_dir, 0o755)
             for name in ("harness.py", "job.json"):
                 os.chmod(run_dir / name, 0o644)
             if self.user is not None:
                 os.chown(scratch, self.user, self.user)
             env = {**_SANDBOX_ENV, "HOME": str(scratch), "TMPDIR": str(scratch)}
-            argv = [self.python, "-I", "-S", str(run_dir / "harness.py"), str(run_dir / "job.json")]
+            argv = [*_python_argv(self.python), str(run_dir / "harness.py"), str(run_dir / "job.json")]
             finished = run_command(
                 argv,
                 stdin=stdin,
@@ -231,7 +235,7 @@ class LocalBackend:
                 env=env,
                 cwd=str(scratch),
                 user=self.user,
-                preexec_fn=_parent_death_kill,
+                owner=owner,
             )
             return Run(finished)
         finally:
@@ -316,8 +320,14 @@ def probe(python: str | None = None) -> Capability:
         backend = BubblewrapBackend(bwrap, python or sandbox_python(user), user)
     except SandboxUnavailable as error:
         return Capability(None, str(error))
-    job = b'{"mode": "program", "source": "print(6 * 7)", "rlimits": {}}'
+    job = {"mode": "program", "source": "print(6 * 7)", "rlimits": {}}
     run = backend.run(job, None, Limits(wall_time_s=10.0))
+    if run.refused and "Unknown option" in run.refused:
+        return Capability(
+            None,
+            f"{bwrap} is too old ({run.refused}): the sandbox needs bubblewrap >= 0.8 (for --disable-userns). Install "
+            "a newer one from your distribution's backports or build it from https://github.com/containers/bubblewrap.",
+        )
     if run.refused:
         return Capability(None, f"bubblewrap refused to start a sandbox ({run.refused}). {_userns_hint()}")
     if run.finished.returncode != 0 or run.finished.stdout != b"42\n":

@@ -30,7 +30,18 @@ def max_concurrency() -> int:
     return int(configured)
 
 
-_SLOTS = threading.BoundedSemaphore(max_concurrency())
+_SLOTS: threading.BoundedSemaphore | None = None  # made when the first sandbox runs, from max_concurrency()
+_SLOTS_LOCK = threading.Lock()
+
+
+def _slots() -> threading.BoundedSemaphore:
+    global _SLOTS
+    with _SLOTS_LOCK:
+        if _SLOTS is None:
+            _SLOTS = threading.BoundedSemaphore(max_concurrency())
+        return _SLOTS
+
+
 _CPU_SIGNALS = (signal.SIGKILL, signal.SIGXCPU)
 
 
@@ -132,16 +143,16 @@ class Sandbox:
             # reaped its processes and removed its files, then re-raise.
             for future in futures:
                 future.cancel()
-            kill_all()
+            kill_all(owner=self)
             for future in futures:
                 if not future.cancelled():
                     future.exception()
             raise
 
     def close(self) -> None:
-        """Kill running sandboxes of this process and stop the worker threads."""
+        """Kill this object's running sandboxes and stop its worker threads."""
         if self._pool is not None:
-            kill_all()
+            kill_all(owner=self)
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
@@ -154,9 +165,8 @@ class Sandbox:
     # Internals
 
     def _execute(self, job: dict, stdin: bytes | None, limits: Limits) -> ExecutionResult:
-        payload = json.dumps({**job, "rlimits": limits.rlimits()}).encode()
-        with _SLOTS:
-            run = self.backend.run(payload, stdin, limits)
+        with _slots():
+            run = self.backend.run({**job, "rlimits": limits.rlimits()}, stdin, limits, owner=self)
         finished = run.finished
         common = dict(
             backend=self.backend.name,

@@ -1,6 +1,6 @@
 """The code that runs *inside* the sandbox, and the plain-value format it shares with the trusted parent.
 
-This file is copied into every sandbox and started as ``python -I -S harness.py job.json``; it imports only the
+This file is copied into every sandbox and started as ``python -s -S -B harness.py job.json``; it imports only the
 standard library. It sets the resource limits, then runs the candidate either as a program (``mode="program"``: the
 source runs as ``__main__``) or as a function under test (``mode="calls"``: the source is executed, the entry point is
 called on each input, and every return value is printed as plain JSON).
@@ -76,6 +76,15 @@ def decode_plain(data):
     raise ValueError(f"malformed {tag!r} payload")
 
 
+def _die_with_parent(parent_pid):
+    """Local mode (no pid namespace): have the kernel SIGKILL this process when the trainer dies."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    if os.getppid() != parent_pid:  # the trainer died before the request took effect
+        os._exit(1)
+
+
 def _set_limits(rlimits):
     import resource
 
@@ -109,8 +118,11 @@ def _run_calls(source, entry_point, calls):
 
 
 def main(job_path):
+    del sys.path[0]  # this file's directory: nothing there for the candidate to import
     with open(job_path) as handle:
         job = json.load(handle)
+    if "parent_pid" in job:
+        _die_with_parent(job["parent_pid"])
     _set_limits(job["rlimits"])
     try:
         if job["mode"] == "program":

@@ -1,7 +1,7 @@
 """Run one sandbox command under a wall deadline with capped output capture, and kill what is left afterwards.
 
-Every started process is recorded in a module-level registry, so [`kill_all`] (called on interrupt and at exit) can
-kill the sandboxes of every pool in this process.
+Every started process is recorded in a module-level registry with the object that started it, so [`kill_all`] can
+kill one `Sandbox`'s runs (when it is interrupted or closed) or, at exit, every run of this process.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-_LIVE: set[subprocess.Popen] = set()
+_LIVE: dict[subprocess.Popen, object] = {}  # running command -> its owner
 _LIVE_LOCK = threading.Lock()
 
 
@@ -45,10 +45,10 @@ def kill_group(process: subprocess.Popen) -> None:
             pass
 
 
-def kill_all() -> None:
-    """Kill every sandbox this process has started and not yet reaped."""
+def kill_all(owner: object = None) -> None:
+    """Kill the running sandboxes started for ``owner``; every one this process started when ``owner`` is None."""
     with _LIVE_LOCK:
-        live = list(_LIVE)
+        live = [process for process, started_for in _LIVE.items() if owner is None or started_for is owner]
     for process in live:
         kill_group(process)
 
@@ -66,7 +66,7 @@ def run_command(
     cwd: str | None = None,
     pass_fds: Sequence[int] = (),
     user: int | None = None,
-    preexec_fn: Callable[[], None] | None = None,
+    owner: object = None,
 ) -> Finished:
     """Start ``argv`` in a new session and collect its output until it exits, floods, or reaches the deadline.
 
@@ -93,13 +93,12 @@ def run_command(
             user=user,
             group=user,
             extra_groups=[] if user is not None else None,
-            preexec_fn=preexec_fn,
         )
     finally:
         if stdin_fd is not None:
             os.close(stdin_fd)
     with _LIVE_LOCK:
-        _LIVE.add(process)
+        _LIVE[process] = owner
     captured = {process.stdout.fileno(): bytearray(), process.stderr.fileno(): bytearray()}
     truncated = dict.fromkeys(captured, False)
     timed_out = flooded = False
@@ -138,7 +137,7 @@ def run_command(
         process.stdout.close()
         process.stderr.close()
         with _LIVE_LOCK:
-            _LIVE.discard(process)
+            _LIVE.pop(process, None)
     stdout_fd, stderr_fd = captured
     return Finished(
         returncode=None if timed_out or flooded else process.returncode,

@@ -19,7 +19,7 @@ class Limits:
     wall_time_s: float = 10.0  # monotonic deadline in the parent, then SIGKILL of the whole sandbox
     cpu_time_s: float | None = None  # RLIMIT_CPU; None: the wall time, rounded up
     memory_bytes: int = 512 * 2**20  # RLIMIT_AS, per process
-    max_processes: int = 16  # RLIMIT_NPROC: processes and threads of the sandbox (bubblewrap's own pid 1 included)
+    max_processes: int = 16  # RLIMIT_NPROC: processes and threads of the sandbox, the harness included
     scratch_bytes: int = 64 * 2**20  # size of the scratch tmpfs (bubblewrap) and RLIMIT_FSIZE (both backends)
     shm_bytes: int = 8 * 2**20  # size of /dev/shm (bubblewrap)
     output_bytes: int = 1 * 2**20  # captured bytes of stdout, and separately of stderr; more kills the run
@@ -34,7 +34,7 @@ class Limits:
             raise ValueError(f"Limits.cpu_time_s must be positive or None, got {self.cpu_time_s!r}.")
         if self.max_processes < 3:
             raise ValueError(
-                f"Limits.max_processes must be at least 3 (the sandbox's init, the harness, one more), got "
+                f"Limits.max_processes must be at least 3 (the harness and room for the code's own), got "
                 f"{self.max_processes}."
             )
         if self.max_open_files < 16:

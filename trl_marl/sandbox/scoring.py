@@ -11,7 +11,8 @@ from .result import ExecutionResult
 
 def strict_equal(expected: Any, actual: Any, rel_tol: float = 1e-9, abs_tol: float = 0.0) -> bool:
     """Exact, type-checked equality: types must match exactly (``True`` is not ``1``, ``(1,)`` is not ``[1]``); floats
-    compare with ``math.isclose(rel_tol, abs_tol)`` and NaN equals NaN; containers compare item by item."""
+    compare with ``math.isclose(rel_tol, abs_tol)`` and NaN equals NaN; lists, tuples and dict values compare item by
+    item; set elements and dict keys compare exactly, types included."""
     if type(expected) is not type(actual):
         return False
     if type(expected) is float:
@@ -23,10 +24,28 @@ def strict_equal(expected: Any, actual: Any, rel_tol: float = 1e-9, abs_tol: flo
             strict_equal(e, a, rel_tol, abs_tol) for e, a in zip(expected, actual)
         )
     if type(expected) is dict:
-        return expected.keys() == actual.keys() and all(
+        return _typed_keys(expected) == _typed_keys(actual) and all(
             strict_equal(value, actual[key], rel_tol, abs_tol) for key, value in expected.items()
         )
-    return expected == actual  # None, bool, int, str, bytes, set, frozenset: exact
+    if type(expected) in (set, frozenset):
+        return _typed_keys(expected) == _typed_keys(actual)
+    return expected == actual  # None, bool, int, str, bytes: exact
+
+
+def _typed_key(value: Any) -> Any:
+    """A hashable stand-in for a set element or dict key that equals another only if the types match too, so that
+    ``{1}`` is not ``{True}`` and ``{(1,)}`` is not ``{(1.0,)}``. Elements compare exactly (no float tolerance)."""
+    if type(value) is tuple:
+        return tuple, tuple(_typed_key(item) for item in value)
+    if type(value) is frozenset:
+        return frozenset, _typed_keys(value)
+    if type(value) is float and math.isnan(value):
+        return float, "nan"
+    return type(value), value
+
+
+def _typed_keys(values: Any) -> frozenset:
+    return frozenset(_typed_key(value) for value in values)
 
 
 def passed_calls(result: ExecutionResult, expected: Sequence[Any], rel_tol: float = 1e-9, abs_tol: float = 0.0):
