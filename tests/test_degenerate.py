@@ -46,6 +46,7 @@ def common_args(output_dir, loss_type, beta):
         report_to="none",
         save_strategy="no",
         use_cpu=True,
+        bf16=False,  # explicit for both: MAGRPOConfig turns TRL's bf16 default off with use_cpu=True
     )
 
 

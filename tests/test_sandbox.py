@@ -251,6 +251,15 @@ def test_runs_are_reproducible_and_cannot_import_the_harness(backend, request):
     assert first.status is Status.ERROR and "No module named 'harness'" in first.stderr
 
 
+@pytest.mark.parametrize("backend", ["isolated", "local"])
+def test_a_root_trainer_runs_code_as_nobody_without_groups(backend, request):
+    uid = 65534 if os.geteuid() == 0 else os.geteuid()  # RLIMIT_NPROC does not bind root
+    result = request.getfixturevalue(backend).run("import os\nprint(os.getuid(), os.geteuid(), os.getgroups())")
+    assert result.stdout.split(" ", 2)[:2] == [str(uid), str(uid)]
+    if os.geteuid() == 0:
+        assert result.stdout.endswith(" []\n")
+
+
 REAPED = """
 import ctypes, os, sys
 ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans of our sandboxes would come to us, as to a PID 1

@@ -1,18 +1,20 @@
 """trl_marl: cooperative multi-agent reinforcement learning for teams of LLM agents, on top of TRL."""
 
 from .advantages import aligned_credit, baseline_values, cross_credit, group_advantages, team_rewards
-from .config import MAGRPOConfig
+from .config import ATGRPOConfig, MAGRPOConfig
 from .models import DEFAULT_MODEL_ID, default_model_path
 from .registry import PluginError, register_reward, register_scheduler, register_task
 from .rewards import RewardFunctionError, for_agent
 from .rollout import NextTurn, TransitionError, default_transition
 from .tasks import Task
 from .team import Team, TeamRun, load_team
-from .trainer import MAGRPOTrainer
+from .trainer import ATGRPOTrainer, MAGRPOTrainer
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "ATGRPOConfig",
+    "ATGRPOTrainer",
     "DEFAULT_MODEL_ID",
     "MAGRPOConfig",
     "MAGRPOTrainer",

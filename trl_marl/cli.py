@@ -1,8 +1,9 @@
 """The `trl-marl` command.
 
     trl-marl list [rewards|tasks|schedulers]      the installed plugins: name, source distribution, one-line doc
-    trl-marl train CONFIG.yaml [--key value ...]  train a team; CONFIG.yaml holds MAGRPOConfig fields plus `task`,
-                                                  `rewards` and `model_name_or_path`; flags override the file
+    trl-marl train CONFIG.yaml [--key value ...]  train a team; CONFIG.yaml holds `algorithm` (magrpo or at_grpo),
+                                                  the config fields of that algorithm (MAGRPOConfig / ATGRPOConfig),
+                                                  `task`, `rewards` and `model_name_or_path`; flags override the file
 
 `train` parses with TRL's `TrlParser`, as `trl grpo --config ...` does: a key that is no field fails before any
 model loads, naming the key.
@@ -21,7 +22,12 @@ from .registry import GROUPS, discover
 
 @dataclass
 class TrainArguments:
-    """What `trl-marl train` needs besides `MAGRPOConfig`."""
+    """What `trl-marl train` needs besides the algorithm's config."""
+
+    algorithm: str = field(
+        default="magrpo",
+        metadata={"help": "magrpo (MAGRPOTrainer) or at_grpo (ATGRPOTrainer).", "choices": ["magrpo", "at_grpo"]},
+    )
 
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "Base model (Hub id or path); defaults to the embedded SmolLM2-135M-Instruct."}
@@ -51,22 +57,26 @@ def list_plugins(kinds: list[str]) -> int:
 def train(config_path: str, overrides: list[str]) -> int:
     from trl import TrlParser
 
-    from .config import MAGRPOConfig
     from .models import default_model_path
     from .tasks import resolve_task, task_defaults
-    from .trainer import MAGRPOTrainer
 
     with open(config_path) as file:
         values = yaml.safe_load(file) or {}
     if not isinstance(values, dict):
-        raise SystemExit(f"{config_path} must hold a YAML mapping of MAGRPOConfig fields, `task` and `rewards`.")
-    _check_keys(config_path, values, (TrainArguments, MAGRPOConfig))
+        raise SystemExit(
+            f"{config_path} must hold a YAML mapping of config fields, `algorithm`, `task` and `rewards`."
+        )
+    algorithm = _flag_value(overrides, "--algorithm") or values.get("algorithm", "magrpo")
+    if algorithm not in ALGORITHMS:
+        raise SystemExit(f"{config_path}: `algorithm` must be one of {sorted(ALGORITHMS)}, got {algorithm!r}.")
+    config_class, trainer_class = _algorithm_classes(algorithm)
+    _check_keys(config_path, values, (TrainArguments, config_class))
     task_name = _flag_value(overrides, "--task") or values.get("task")
-    parser = TrlParser((TrainArguments, MAGRPOConfig))
+    parser = TrlParser((TrainArguments, config_class))
     if task_name:  # the task's agents, turns and scheduler are defaults the file and flags may override
         parser.set_defaults(**task_defaults(resolve_task(task_name)))
     script_args, args = parser.parse_args_and_config(["--config", config_path, *overrides])
-    trainer = MAGRPOTrainer(
+    trainer = trainer_class(
         script_args.model_name_or_path or default_model_path(),
         script_args.rewards,
         args=args,
@@ -76,6 +86,16 @@ def train(config_path: str, overrides: list[str]) -> int:
     trainer.save_model(args.output_dir)
     print(f"Team saved in {args.output_dir} (load it with trl_marl.load_team)")
     return 0
+
+
+ALGORITHMS = ("magrpo", "at_grpo")
+
+
+def _algorithm_classes(algorithm: str) -> tuple[type, type]:
+    from .config import ATGRPOConfig, MAGRPOConfig
+    from .trainer import ATGRPOTrainer, MAGRPOTrainer
+
+    return (ATGRPOConfig, ATGRPOTrainer) if algorithm == "at_grpo" else (MAGRPOConfig, MAGRPOTrainer)
 
 
 def _check_keys(config_path: str, values: dict, dataclass_types: tuple) -> None:
@@ -91,8 +111,8 @@ def _check_keys(config_path: str, values: dict, dataclass_types: tuple) -> None:
             for key in unknown
         ]
         raise SystemExit(
-            f"{config_path}: unknown key(s) {', '.join(hints)}. Keys are MAGRPOConfig / GRPOConfig fields, `task`, "
-            "`rewards`, `model_name_or_path` and `env`."
+            f"{config_path}: unknown key(s) {', '.join(hints)}. Keys are {dataclass_types[-1].__name__} / GRPOConfig "
+            "fields, `algorithm`, `task`, `rewards`, `model_name_or_path` and `env`."
         )
 
 
@@ -108,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     training = commands.add_parser(
         "train",
         help="train a team from a YAML config",
-        description="Train a team: CONFIG holds MAGRPOConfig fields plus `task`, `rewards` and `model_name_or_path`; "
-        "any field can also be given as --field value after it.",
+        description="Train a team: CONFIG holds `algorithm` (magrpo or at_grpo), that algorithm's config fields, "
+        "`task`, `rewards` and `model_name_or_path`; any field can also be given as --field value after it.",
     )
     training.add_argument("config", help="YAML file")
     arguments, overrides = parser.parse_known_args(argv)

@@ -127,6 +127,15 @@ class MAGRPOConfig(GRPOConfig):
             Dropout on the LoRA input.
         lora_target_modules (`list[str]`, *optional*, defaults to `["all-linear"]`):
             Modules that carry adapters. Ignored when a `peft_config` is passed to the trainer.
+        frozen_agents (`list[str]`, *optional*, defaults to `[]`):
+            Agents that act but do not train: their completions are generated and scored, and carry no loss. With
+            `adapter_mode="per_agent"` their adapters stay exactly as loaded.
+
+        > Differences from `GRPOConfig`'s defaults
+
+        bf16 (`bool` or `None`, *optional*, defaults to `None`):
+            As TRL (`True` unless `fp16`), except with `use_cpu=True`, where `None` means `False`: bf16 autocast on
+            a CPU without native bf16 support made a training step about 10x slower.
     """
 
     # Parameters that define the team
@@ -172,9 +181,24 @@ class MAGRPOConfig(GRPOConfig):
         default_factory=lambda: ["all-linear"],
         metadata={"help": "Modules that carry LoRA adapters (module names, or 'all-linear')."},
     )
+    frozen_agents: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Agents that act but do not train (their adapters stay as loaded)."},
+    )
 
     def __post_init__(self):
         self.agents = normalize_agents(self.agents)
+        self.frozen_agents = list(self.frozen_agents or [])
+        unknown = [name for name in self.frozen_agents if name not in self.agent_names]
+        if unknown:
+            raise ValueError(
+                f"`frozen_agents` names {unknown}, which are not agents; the agents are {self.agent_names}."
+            )
+        if len(set(self.frozen_agents)) == len(self.agent_names):
+            raise ValueError(
+                f"`frozen_agents` freezes every agent ({self.frozen_agents}): nothing would train. Leave at least one "
+                "agent out of it."
+            )
         if self.joint_mode not in JOINT_MODES:
             raise _choice_error("joint_mode", self.joint_mode, JOINT_MODES)
         if self.baseline not in BASELINES:
@@ -210,6 +234,10 @@ class MAGRPOConfig(GRPOConfig):
                 "`use_transformers_continuous_batching=True` is not supported: it does not keep rows in order, so "
                 "rows cannot be routed to their agents' adapters. Set it to False."
             )
+        if self.bf16 is None and self.use_cpu:
+            # TRL turns bf16 on unless told otherwise; on a CPU without native bf16 that made a training step ~10x
+            # slower (README, Benchmarks). Training on the CPU stays in float32 unless bf16=True is asked for.
+            self.bf16 = False
         if self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 f"`multi_objective_aggregation={self.multi_objective_aggregation!r}` is not supported by MAGRPO: "
@@ -262,4 +290,69 @@ class MAGRPOConfig(GRPOConfig):
             f"{field_name}={num_generations} and num_turns={self.num_turns} gives {counted} joint actions "
             f"({per_node**self.num_turns} leaves), more than `max_joint_actions` ({self.max_joint_actions}). "
             f"Lower {lower}{mode}, or raise `max_joint_actions`."
+        )
+
+
+CONTINUATIONS = ("greedy", "sample")
+
+
+@dataclass
+class ATGRPOConfig(MAGRPOConfig):
+    r"""
+    Configuration class for [`ATGRPOTrainer`]: every [`MAGRPOConfig`] field, plus AT-GRPO's (arXiv 2510.11062).
+
+    Each problem is played as one episode. At every turn the acting agents act one after another in the scheduler's
+    order; for the acting agent, `num_generations` (K) candidates are sampled from the same state and scored with
+    r = α · team reward + the agent's local reward (the task's `local_reward_funcs`). The K candidates of
+    (problem, turn, agent) form one group: advantage = (r − mean) / (std + ε) within it (`baseline` and
+    `scale_rewards` apply as in MAGRPO). The episode continues from the chosen candidate; the next agent acts from
+    the updated state. `adapter_mode` picks the policy regime: `"per_agent"` (one adapter per agent) or `"shared"`
+    (one adapter, role prompts tell agents apart).
+
+    MAGRPO's `joint_mode="cross"` and `discount` do not apply (an AT-GRPO group is one agent's candidates, each
+    rewarded at its own step); `termination_threshold` ends an episode after a turn whose last chosen candidate's team
+    reward reached it.
+
+    Parameters:
+        team_reward_weight (`float`, *optional*, defaults to `1.0`):
+            α in r = α · team + local.
+        continuation (`str`, *optional*, defaults to `"greedy"`):
+            Which candidate the episode continues from: `"greedy"` (the highest reward; ties: the first) or
+            `"sample"` (uniformly among the scorable ones).
+    """
+
+    team_reward_weight: float = field(
+        default=1.0, metadata={"help": "α: weight of the team reward in r = α·team + local."}
+    )
+    continuation: str = field(
+        default="greedy",
+        metadata={"help": "Continue from the best candidate or a sampled one.", "choices": list(CONTINUATIONS)},
+    )
+
+    def __post_init__(self):
+        if self.continuation not in CONTINUATIONS:
+            raise _choice_error("continuation", self.continuation, CONTINUATIONS)
+        if not isinstance(self.team_reward_weight, (int, float)) or isinstance(self.team_reward_weight, bool):
+            raise ValueError(f"`team_reward_weight` must be a number, got {self.team_reward_weight!r}.")
+        if self.joint_mode != "aligned":
+            raise ValueError(
+                f"`joint_mode={self.joint_mode!r}` does not apply to AT-GRPO: each group holds one agent's candidates "
+                "from one state, not joint actions. Leave `joint_mode='aligned'` (use MAGRPOConfig for cross mode)."
+            )
+        if self.discount != 1.0:
+            raise ValueError(
+                f"`discount={self.discount}` does not apply to AT-GRPO: every candidate is rewarded at its own step, "
+                "without returns over later turns. Leave `discount=1.0` (use MAGRPOConfig for discounted returns)."
+            )
+        super().__post_init__()
+
+    def joint_actions_per_prompt(self, num_generations: int) -> int:
+        """Reward evaluations of one problem at most: one per candidate, K per acting agent per turn."""
+        return num_generations * self.num_agents * self.num_turns
+
+    def _tree_too_large_message(self, field_name: str, num_generations: int, size: int) -> str:
+        return (
+            f"One AT-GRPO episode evaluates up to {field_name}={num_generations} × {self.num_agents} agents × "
+            f"num_turns={self.num_turns} = {size} candidates, more than `max_joint_actions` "
+            f"({self.max_joint_actions}). Lower `num_turns` or `num_generations`, or raise `max_joint_actions`."
         )

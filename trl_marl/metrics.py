@@ -24,6 +24,8 @@ class TeamMetricsMixin:
         metrics["reward"].append(torch.nanmean(rewards).item())
         metrics["reward_std"].append(nanstd(rewards).item())
         metrics["frac_reward_zero_std"].append(rollout.turn_stats[0]["frac_reward_zero_std"])
+        for name, value in rollout.metrics.items():
+            metrics[name].append(value)
 
         eos_and_pad = [*self.eos_token_ids, self._tokenizer.pad_token_id]
 

@@ -12,6 +12,7 @@ group for root nodes. A node's joint actions are numbered in row-major order of 
 `advantages.py`; in cross mode slot g holds the joint actions in which the first agent plays g.
 """
 
+import copy
 import itertools
 import math
 from collections import defaultdict
@@ -50,6 +51,7 @@ class Branch:
     history: list[Said]  # what was said at each earlier turn: acting agent name -> text
     parent: int  # index (in this process's joint actions) of the joint action this branch continues; -1 at the root
     latest: dict[str, str] = field(default_factory=dict)  # every agent's latest answer (the team's state)
+    state: Any = None  # the task's environment state (`Task.reset` / `Task.step`) at the start of this turn
 
 
 @dataclass
@@ -91,6 +93,7 @@ class JointAction:
     advantage: float = 0.0
     done: bool = False  # the transition ended the episode here
     terminated: bool = False  # early termination: its node's mean reward reached the threshold
+    state: Any = None  # AT-GRPO: the task's environment state after this action (a private copy)
 
 
 @dataclass
@@ -102,6 +105,7 @@ class Rollout:
     turn_stats: list[dict[str, float]]  # per turn: reward, return, zero-std fraction, node / joint-action counts
     batch_rewards_per_func: torch.Tensor  # (J_all, F) over every process's joint actions
     batch_turns: torch.Tensor  # (J_all,)
+    metrics: dict[str, float] = field(default_factory=dict)  # algorithm-specific statistics, already over processes
 
 
 def _local(items: list) -> list:
@@ -173,6 +177,9 @@ class TreeRollout:
         agent_input: `f(agent_index, prompt)` → the model input of that agent (its role added).
         process_index: this process's rank; part of child node keys.
         scheduler: which agents act at each turn and what each sees (`trl_marl.scheduling`); `parallel` by default.
+        reset: `f(example)` → a problem's initial environment state (None: the task keeps none).
+        step: `f(state, agent_name, text, turn)` → the state after that agent said `text`; applied for each acting
+            agent of a joint action, in agent order, to the joint action's own copy of its branch's state.
     """
 
     def __init__(
@@ -190,6 +197,8 @@ class TreeRollout:
         agent_input: Callable[[int, Prompt], Any],
         process_index: int = 0,
         scheduler: Any = parallel,
+        reset: Callable[[dict], Any] | None = None,
+        step: Callable[..., Any] | None = None,
     ):
         self.agent_names = agent_names
         self.num_agents = len(agent_names)
@@ -205,6 +214,8 @@ class TreeRollout:
         self.agent_input = agent_input
         self.process_index = process_index
         self.scheduler = scheduler
+        self.reset = reset or (lambda example: None)
+        self.step = step
         self.phases = [scheduler.phases(turn, self.num_agents) for turn in range(num_turns)]
         everyone_at_once = [list(range(self.num_agents))]
         if joint_mode == "cross" and any(phases != everyone_at_once for phases in self.phases):
@@ -238,7 +249,7 @@ class TreeRollout:
             Slot(
                 node=(0, -1, (first_copy + row) // num_generations),
                 position=(first_copy + row) % num_generations,
-                branch=Branch(example, [example["prompt"]] * num_agents, [], -1),
+                branch=Branch(example, [example["prompt"]] * num_agents, [], -1, state=self.reset(example)),
             )
             for row, example in enumerate(examples)
         ]
@@ -307,7 +318,12 @@ class TreeRollout:
             said = {names[a]: text for a, (text, _) in sorted(members.items())}
             latest = {**{name: slot.branch.latest.get(name, "") for name in names}, **said}
             completion_ids = {names[a]: ids for a, (_, ids) in members.items()}
-            return JointAction(turn, slot.node, index, slot.branch, latest, completion_ids, said)
+            state = slot.branch.state
+            if self.step is not None and state is not None:
+                state = copy.deepcopy(state)  # the joint action's own: its child branches continue from it
+                for name, text in said.items():
+                    state = self.step(state, name, text, turn)
+            return JointAction(turn, slot.node, index, slot.branch, latest, completion_ids, said, state=state)
 
         if self.joint_mode == "aligned":
             return [joint_action(slot, slot.position, samples) for slot, samples in zip(slots, per_slot)]
@@ -358,7 +374,14 @@ class TreeRollout:
                 continue
             node = (turn + 1, self.process_index, first + offset)  # unique: one child node per joint action
             history = [*joint_action.branch.history, joint_action.said]
-            branch = Branch(joint_action.branch.example, prompts, history, first + offset, joint_action.completions)
+            branch = Branch(
+                joint_action.branch.example,
+                prompts,
+                history,
+                first + offset,
+                joint_action.completions,
+                state=joint_action.state,
+            )
             slots += [Slot(node, g, branch) for g in range(self.num_generations)]
         return slots
 
@@ -375,6 +398,7 @@ class TreeRollout:
                 turn=joint_action.turn,
                 observations=dict(zip(self.agent_names, joint_action.branch.observations)),
                 reward=joint_action.reward,
+                **({"state": joint_action.state} if joint_action.state is not None else {}),
             )
         except Exception as error:
             raise TransitionError(

@@ -22,13 +22,31 @@ class Task:
     scheduler: str = "parallel"
     reward_funcs: list = []  # default team rewards: callables or reward plugin names
     # Local rewards: agent name -> TRL-style reward functions scoring that agent's own completions (strings). MAGRPO
-    # trains on the team reward and logs these as `agents/<name>/local_reward` (AT-GRPO, not built yet, is to add
-    # them to the team reward).
+    # trains on the team reward and logs these as `agents/<name>/local_reward`; AT-GRPO adds them to α · team reward.
     local_reward_funcs: dict[str, list] = {}
 
     def dataset(self, split: str = "train") -> Dataset:
         """The task's data, available offline; `split` is "train" or "eval"."""
         raise NotImplementedError(f"Task {type(self).__name__} must implement `dataset(split)`.")
+
+    # An environment with state. The state must be deep-copyable (and, for AT-GRPO on several processes, picklable):
+    # every branch holds its own copy. MAGRPO steps a joint action's copy once per acting agent, in agent order;
+    # AT-GRPO steps each candidate's copy and continues from the chosen one.
+
+    def reset(self, example: dict) -> Any:
+        """The episode's initial state for a dataset row; it must depend on the row only (every copy of a problem
+        starts from it). Default: None, no state."""
+        return None
+
+    def step(self, state: Any, agent: str, action: str, turn: int) -> Any:
+        """The state after `agent` said `action` at `turn`. `state` is a private copy: change it and return it, or
+        return a new one. Reward functions and the transition receive it as `state`."""
+        return state
+
+    def success(self, example: dict, state: Any, completions: dict[str, str]) -> bool | None:
+        """Whether a finished episode succeeded (logged as `episodes/success_rate`), from its final state and every
+        agent's latest answer; None (the default) when the task does not define success."""
+        return None
 
     def transition(self, **kwargs) -> Any:
         """Each agent's next prompt (feedback) or `NextTurn(done=True)`; see `trl_marl.rollout`. Default: the task

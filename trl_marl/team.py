@@ -30,6 +30,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from .agents import agent_prompt, keep_4bit_weights_trainable
+from .config import ATGRPOConfig
 from .models import DEFAULT_MODEL_ID, default_model_path, is_default_model
 from .registry import PluginError
 from .rollout import Prompt, TreeRollout, default_transition
@@ -89,6 +90,7 @@ def team_spec(
     """The contents of `team.json` for a trainer's configuration."""
     return {
         "format": TEAM_FORMAT,
+        "algorithm": "AT-GRPO" if isinstance(args, ATGRPOConfig) else "MAGRPO",
         "base_model": base_model,
         "agents": [{**agent, "adapter": adapter} for agent, adapter in zip(args.agents, adapters)],
         "adapter_mode": args.adapter_mode,
@@ -126,9 +128,12 @@ class Team:
     """A trained team on one base model: `run(prompt)` plays one episode (greedy by default), every agent's rows in
     one `generate` call per turn, each through its own adapter."""
 
-    def __init__(self, model: PeftModel, tokenizer: Any, spec: dict, transition: Callable, scheduler: Any):
+    def __init__(
+        self, model: PeftModel, tokenizer: Any, spec: dict, transition: Callable, scheduler: Any, task: Any = None
+    ):
         self.model, self.tokenizer, self.spec, self.transition = model, tokenizer, spec, transition
         self.scheduler = scheduler
+        self.task = task  # the task plugin it was trained on, when loadable: its environment state, if any
         self.agents = spec["agents"]
         self.agent_names = [agent["name"] for agent in self.agents]
         adapters = [agent["adapter"] for agent in self.agents]
@@ -163,6 +168,8 @@ class Team:
             scale_rewards="none",
             transition=self.transition,
             scheduler=self.scheduler,
+            reset=self.task.reset if self.task is not None else None,
+            step=self.task.step if self.task is not None else None,
             agent_input=lambda agent, task: agent_prompt(
                 self.agents[agent]["system_prompt"], task, self._use_chat_template
             ),
@@ -273,6 +280,12 @@ def load_team(
     """
     path = Path(path)
     spec = read_team_file(path)
+    task = None
+    if spec.get("task"):
+        try:
+            task = resolve_task(spec["task"])
+        except PluginError:
+            task = None  # needed only to rebuild the transition (below) or an environment state
     if transition is None and spec["transition"] is None and spec.get("task"):
         try:
             transition = resolve_task(spec["task"]).transition
@@ -320,4 +333,4 @@ def load_team(
     tokenizer_source = path if (path / "tokenizer_config.json").is_file() else base
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
     scheduler = resolve_scheduler(scheduler or spec.get("scheduler", "parallel"))
-    return Team(model, tokenizer, spec, transition, scheduler)
+    return Team(model, tokenizer, spec, transition, scheduler, task)

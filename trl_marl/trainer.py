@@ -37,14 +37,15 @@ from .agents import (
     keep_4bit_weights_trainable,
     lora_config_from_args,
 )
-from .config import MAGRPOConfig
+from .atgrpo import ATGRPORollout
+from .config import ATGRPOConfig, MAGRPOConfig
 from .metrics import TeamMetricsMixin
 from .registry import load_plugin
 from .rewards import TeamRewardFunc, checked_team_reward
-from .rollout import JointAction, TreeRollout, default_transition, pad_rows
+from .rollout import JointAction, Rollout, TreeRollout, default_transition, pad_rows
 from .routing import AdapterRouter
 from .scheduling import resolve_scheduler
-from .tasks import resolve_task
+from .tasks import local_rewards, resolve_task
 from .team import base_model_name, team_spec, write_team_file
 
 
@@ -74,6 +75,7 @@ class MAGRPOTrainer(TeamMetricsMixin, GRPOTrainer):
 
     _tag_names = ["trl", "trl-marl", "magrpo"]
     _name = "MAGRPO"
+    _config_class = MAGRPOConfig
 
     def __init__(
         self,
@@ -91,10 +93,12 @@ class MAGRPOTrainer(TeamMetricsMixin, GRPOTrainer):
         scheduler=None,
         task=None,
     ):
-        if not isinstance(args, MAGRPOConfig):
+        config_class = self._config_class
+        if not isinstance(args, config_class) or type(self) is MAGRPOTrainer and isinstance(args, ATGRPOConfig):
+            other = "; an ATGRPOConfig goes to ATGRPOTrainer" if isinstance(args, ATGRPOConfig) else ""
             raise TypeError(
-                f"`args` must be a MAGRPOConfig naming the agents, got {type(args).__name__}, e.g. "
-                "MAGRPOConfig(output_dir='out', agents=['concise', 'detailed'])."
+                f"`args` must be a {config_class.__name__} naming the agents, got {type(args).__name__}{other}, e.g. "
+                f"{config_class.__name__}(output_dir='out', agents=['concise', 'detailed'])."
             )
         # A task supplies what was not given: team rewards, training data, transition.
         task = resolve_task(task) if task is not None else None
@@ -130,6 +134,13 @@ class MAGRPOTrainer(TeamMetricsMixin, GRPOTrainer):
         # As TRL: seed before creating adapters, so their initialisation is reproducible (and equal to TRL's).
         set_seed(args.seed)
         model = attach_agent_adapters(model, self.agent_adapters, peft_config or lora_config_from_args(args))
+        # Frozen agents act but do not train: their adapters (unless shared with a trained agent) get no gradient,
+        # so the optimizer, built from what requires grad, never holds them.
+        self.trained_agents = [i for i, name in enumerate(self.agent_names) if name not in args.frozen_agents]
+        self.trained_adapters = list(dict.fromkeys(self.agent_adapters[i] for i in self.trained_agents))
+        frozen_adapters = [name for name in self.adapter_names if name not in self.trained_adapters]
+        if frozen_adapters:
+            model.set_requires_grad(frozen_adapters, requires_grad=False)
 
         if args.ddp_find_unused_parameters is None and len(self.adapter_names) > 1:
             # A micro-batch may hold rows of only some agents; the other adapters then get no gradient under DDP.
@@ -244,14 +255,13 @@ class MAGRPOTrainer(TeamMetricsMixin, GRPOTrainer):
         super()._load_from_checkpoint(resume_from_checkpoint, model=model)
         # Trainer reloads every adapter of a PeftModel but leaves only the active one trainable, and builds the
         # optimizer afterwards: without this, a resumed run would train a single agent.
-        self.accelerator.unwrap_model(model or self.model).set_requires_grad(self.adapter_names, requires_grad=True)
+        self.accelerator.unwrap_model(model or self.model).set_requires_grad(self.trained_adapters, requires_grad=True)
 
     # ------------------------------------------------------------------ rollout
 
-    def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
-        mode = "train" if self.model.training else "eval"
-        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
-        rollout = TreeRollout(
+    def _rollout(self, inputs: list[dict], num_generations: int) -> Rollout:
+        """This process's share of the batch's episodes: MAGRPO trees."""
+        return TreeRollout(
             agent_names=self.agent_names,
             num_generations=num_generations,
             num_turns=self.args.num_turns,
@@ -265,23 +275,39 @@ class MAGRPOTrainer(TeamMetricsMixin, GRPOTrainer):
             agent_input=self._agent_input,
             process_index=self.accelerator.process_index,
             scheduler=self.scheduler,
+            reset=self.task.reset if self.task is not None else None,
+            step=self.task.step if self.task is not None else None,
         ).run(
             inputs,
             first_copy=self.accelerator.process_index * len(inputs),
             generate=functools.partial(self._generate_team, num_generations=num_generations),
             score=self._score_joint_actions,
-            gather=gather_object if self.accelerator.num_processes > 1 else list,
+            gather=self._gather,
         )
-        samples = rollout.samples
+
+    @property
+    def _gather(self) -> Callable[[list], list]:
+        return gather_object if self.accelerator.num_processes > 1 else list
+
+    def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
+        mode = "train" if self.model.training else "eval"
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        rollout = self._rollout(inputs, num_generations)
+        # Frozen agents' completions were scored (and are logged) but carry no loss. A process left without a trained
+        # row keeps one frozen row, made loss-free below, for TRL's split.
+        samples = [s for s in rollout.samples if s.agent in self.trained_agents] or rollout.samples[:1]
+        no_loss = not any(s.agent in self.trained_agents for s in samples)
         device = self.accelerator.device
-        output = self._pad_samples([s.prompt_ids for s in samples], [s.completion_ids for s in samples])
+        output = self._pad_samples([s.prompt_ids for s in samples], [s.completion_ids for s in samples], no_loss)
         output["advantages"] = torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=device)
+        if no_loss:
+            output["advantages"].zero_()
         output["agent_index"] = torch.tensor([s.agent for s in samples], dtype=torch.long, device=device)
         output["turn_index"] = torch.tensor([s.turn for s in samples], dtype=torch.long, device=device)
         output["group_index"] = torch.tensor([s.group for s in samples], dtype=torch.long, device=device)
         output.update(self._reference_logps(output, mode))
         self._log_rollout_metrics(mode, rollout)
-        self._log_local_rewards(mode, samples)
+        self._log_local_rewards(mode, rollout.samples)
         self._log_joint_actions(mode, rollout.joint_actions)
         # Trees differ in size; TRL needs equal micro-batches (train) and equal row counts on every process (its loss
         # gathers per-row metrics). Rows are padded to the largest count over processes, rounded up to a multiple of
@@ -314,11 +340,14 @@ class MAGRPOTrainer(TeamMetricsMixin, GRPOTrainer):
 
         Reward functions get the dataset prompt, each joint action as a mapping agent -> text, and as kwargs the
         dataset columns, `completion_ids` (agent -> ids), `turn`, `history` (the earlier joint actions of the
-        branch) and TRL's `trainer_state`, `log_extra`, `log_metric`.
+        branch), `state` (AT-GRPO, when the task keeps one) and TRL's `trainer_state`, `log_extra`, `log_metric`.
         """
         if not joint_actions:
             return torch.zeros(0, len(self.reward_funcs))
-        rows = [{**ja.branch.example, "turn": ja.turn, "history": ja.branch.history} for ja in joint_actions]
+        rows = [{**ja.branch.example, "turn": ja.turn, "history": list(ja.branch.history)} for ja in joint_actions]
+        if any(ja.state is not None for ja in joint_actions):  # AT-GRPO with a task that keeps an environment state
+            for row, ja in zip(rows, joint_actions):
+                row["state"] = ja.state
         columns = [key for key in rows[0] if key not in ("prompt", "completion", "completion_ids")]
         call = {key: [row[key] for row in rows] for key in columns}
         call.update(
@@ -347,7 +376,7 @@ class MAGRPOTrainer(TeamMetricsMixin, GRPOTrainer):
         rewards = [[math.nan if r is None else float(r) for r in results[i]] for i in range(len(self.reward_funcs))]
         return torch.tensor(rewards, dtype=torch.float32).T.reshape(len(joint_actions), -1)
 
-    def _pad_samples(self, prompt_ids_list, completion_ids_list) -> dict:
+    def _pad_samples(self, prompt_ids_list, completion_ids_list, no_loss: bool = False) -> dict:
         device, pad_id = self.accelerator.device, self._tokenizer.pad_token_id
 
         def padded(sequences, value, side):
@@ -364,6 +393,8 @@ class MAGRPOTrainer(TeamMetricsMixin, GRPOTrainer):
             eos_and_pad = [*self.eos_token_ids, pad_id]
             is_truncated = torch.tensor([ids[-1] not in eos_and_pad for ids in completion_ids_list], device=device)
             completion_mask = completion_mask * (~is_truncated).unsqueeze(1).int()
+        if no_loss:
+            completion_mask = torch.zeros_like(completion_mask)
         return {
             "prompt_ids": prompt_ids,
             "prompt_mask": prompt_mask,
@@ -397,3 +428,69 @@ class MAGRPOTrainer(TeamMetricsMixin, GRPOTrainer):
                     )
         self._clear_routing()
         return logps
+
+
+class ATGRPOTrainer(MAGRPOTrainer):
+    """AT-GRPO (arXiv 2510.11062): agent- and turn-wise groups with greedy continuation, on the same stack as
+    [`MAGRPOTrainer`] (adapters, routing, loss, saving and metrics are shared; only the rollout differs).
+
+    Each problem is one episode; at every turn the acting agents act in the scheduler's order, and for each of them
+    `num_generations` candidates from the same state form a group, scored r = α · team reward + the agent's local
+    reward (the task's `local_reward_funcs`); the episode continues from the best candidate. Tasks with an
+    environment state implement `Task.reset` / `Task.step` (every branch holds its own copy). Takes the same arguments
+    as [`MAGRPOTrainer`], with an [`ATGRPOConfig`].
+    """
+
+    _tag_names = ["trl", "trl-marl", "at-grpo"]
+    _name = "AT-GRPO"
+    _config_class = ATGRPOConfig
+
+    def _rollout(self, inputs: list[dict], num_generations: int) -> Rollout:
+        """This process's share of the batch's episodes: one greedy path per problem, one group per (problem, turn,
+        agent)."""
+        task = self.task
+        return ATGRPORollout(
+            agent_names=self.agent_names,
+            num_generations=num_generations,
+            num_turns=self.args.num_turns,
+            reward_weights=self.reward_weights,
+            team_reward_weight=self.args.team_reward_weight,
+            continuation=self.args.continuation,
+            baseline=self.baseline,
+            scale_rewards=self.scale_rewards,
+            transition=self.transition,
+            agent_input=self._agent_input,
+            scheduler=self.scheduler,
+            reset=task.reset if task is not None else None,
+            step=task.step if task is not None else None,
+            success=task.success if task is not None else None,
+            termination_threshold=self.args.termination_threshold,
+            seed=self.args.seed * 1_000_003 + self.state.global_step,  # the same on every process
+        ).run(
+            inputs,
+            first_copy=self.accelerator.process_index * len(inputs),
+            generate=functools.partial(self._generate_team, num_generations=num_generations),
+            score=self._score_joint_actions,
+            local_score=self._local_scores,
+            gather=self._gather,
+        )
+
+    def _local_scores(self, agent: int, joint_actions: list[JointAction]) -> list[float] | None:
+        """The task's local rewards of the acting agent's candidates (None when it has none)."""
+        if self.task is None or not joint_actions:
+            return None
+        name = self.agent_names[agent]
+        rows = [ja.branch.example for ja in joint_actions]
+        columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+        return local_rewards(
+            self.task,
+            name,
+            [row["prompt"] for row in rows],
+            [ja.completions[name] for ja in joint_actions],
+            turn=[ja.turn for ja in joint_actions],
+            state=[ja.state for ja in joint_actions],
+            **columns,
+        )
+
+    def _log_local_rewards(self, mode: str, samples: list) -> None:
+        """Local rewards are part of AT-GRPO's reward: the rollout already logs their mean per agent."""

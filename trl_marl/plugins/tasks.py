@@ -1,6 +1,7 @@
 """Built-in tasks: the two recipes' tasks, usable by name (`MAGRPOTrainer(task="explain")`, `trl-marl train`)."""
 
 import random
+import re
 
 from datasets import Dataset
 
@@ -137,3 +138,87 @@ class DescribeWord(Task):
 
     def transition(self, **kwargs):
         return word_count_feedback(**kwargs)
+
+
+REACH_AGENTS = [
+    {"name": "mover", "system_prompt": "You move the counter first. Reply with only the whole number to add."},
+    {"name": "finisher", "system_prompt": "You move after your teammate. Reply with only the whole number to add."},
+]
+MOVE = re.compile(r"[-+]?\d+")
+MAX_MOVE = 1000
+
+
+def parse_move(text: str) -> int | None:
+    """The first whole number in `text` (clamped to ±1000), or None."""
+    match = MOVE.search(text)
+    return None if match is None else max(-MAX_MOVE, min(MAX_MOVE, int(match.group())))
+
+
+def reach_target_reward(prompts, completions, state, start, target, **kwargs):
+    """Team reward in [0, 1]: how much of the way from `start` to `target` the counter has come,
+    `1 − min(1, |target − value| / |target − start|)`; 1 exactly on target."""
+    return [
+        1.0 - min(1.0, abs(goal - s["value"]) / max(1, abs(goal - first)))
+        for s, first, goal in zip(state, start, target)
+    ]
+
+
+def is_a_number(prompts, completions, **kwargs):
+    """Local reward: 1 when the answer is a whole number and nothing else, 0.5 when it contains one, else 0."""
+    return [
+        1.0 if re.fullmatch(r"\s*[-+]?\d+\s*\.?\s*", text) else 0.5 if MOVE.search(text) else 0.0
+        for text in completions
+    ]
+
+
+def reach_target_dataset(size: int, seed: int) -> Dataset:
+    rng = random.Random(seed)
+    starts = [rng.randint(0, 20) for _ in range(size)]
+    targets = [start + rng.randint(3, 20) for start in starts]
+    prompts = [
+        [
+            {
+                "role": "user",
+                "content": f"A counter starts at {start}. The team must bring it to exactly {target}. Each move adds "
+                "one whole number (it may be negative). What number do you add?",
+            }
+        ]
+        for start, target in zip(starts, targets)
+    ]
+    return Dataset.from_dict({"prompt": prompts, "start": starts, "target": targets})
+
+
+class ReachTarget(Task):
+    """A generated puzzle with an environment state: a counter starts at `start`; the agents take turns adding whole
+    numbers to it (`mover`, then `finisher`, who sees the move) and succeed when it reads `target`. Team reward: the
+    share of the distance covered; each agent's local reward: answering with a number. Two turns."""
+
+    name = "reach_target"
+    agents = REACH_AGENTS
+    num_turns = 2
+    scheduler = "sequential"
+    reward_funcs = [reach_target_reward]
+    local_reward_funcs = {"mover": [is_a_number], "finisher": [is_a_number]}
+
+    def dataset(self, split: str = "train") -> Dataset:
+        return reach_target_dataset(16 if split == "eval" else 128, seed=1 if split == "eval" else 0)
+
+    def reset(self, example):
+        return {"value": example["start"], "moves": []}
+
+    def step(self, state, agent, action, turn):
+        move = parse_move(action)
+        state["moves"].append((agent, move))
+        if move is not None:
+            state["value"] += move
+        return state
+
+    def success(self, example, state, completions):
+        return state["value"] == example["target"]
+
+    def transition(self, prompt, state, target, **kwargs):
+        content = (
+            f"The counter now reads {state['value']}. The team must bring it to exactly {target}. What number do you "
+            "add?"
+        )
+        return [[{"role": "user", "content": content}]] * len(self.agents)

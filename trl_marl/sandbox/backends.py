@@ -7,7 +7,7 @@ reach. See docs/sandbox.md for the threat model and what each one guarantees.
 from __future__ import annotations
 
 import functools
-import json
+import marshal
 import os
 import shutil
 import stat
@@ -16,6 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .harness import JOB_FORMAT
 from .process import Finished, run_command
 from .result import Limits
 
@@ -131,7 +132,7 @@ class BubblewrapBackend:
 
     def run(self, job: dict, stdin: bytes | None, limits: Limits, owner: object = None) -> Run:
         """Run ``job`` (see harness.py) in a fresh sandbox; ``owner`` tags the process for `process.kill_all`."""
-        harness_fd, job_fd = _memfd("harness", HARNESS_SOURCE), _memfd("job", json.dumps(job).encode())
+        harness_fd, job_fd = _memfd("harness", HARNESS_SOURCE), _memfd("job", marshal.dumps(job, JOB_FORMAT))
         info_read, info_write = os.pipe()
         environment = []
         for key, value in {**_SANDBOX_ENV, "HOME": "/scratch", "TMPDIR": "/scratch"}.items():
@@ -154,7 +155,7 @@ class BubblewrapBackend:
             "/sandbox/harness.py",
             "--ro-bind-data",
             str(job_fd),
-            "/sandbox/job.json",
+            "/sandbox/job",
             "--remount-ro",
             "/",
             "--chdir",
@@ -166,7 +167,7 @@ class BubblewrapBackend:
             "--",
             *_python_argv(self.python),
             "/sandbox/harness.py",
-            "/sandbox/job.json",
+            "/sandbox/job",
         ]
         try:
             try:
@@ -219,14 +220,14 @@ class LocalBackend:
             scratch.mkdir()
             (run_dir / "harness.py").write_bytes(HARNESS_SOURCE)
             # No pid namespace here: the harness asks the kernel to SIGKILL it when the trainer dies.
-            (run_dir / "job.json").write_text(json.dumps({**job, "parent_pid": os.getpid()}))
+            (run_dir / "job").write_bytes(marshal.dumps({**job, "parent_pid": os.getpid()}, JOB_FORMAT))
             os.chmod(run_dir, 0o755)
-            for name in ("harness.py", "job.json"):
+            for name in ("harness.py", "job"):
                 os.chmod(run_dir / name, 0o644)
             if self.user is not None:
                 os.chown(scratch, self.user, self.user)
             env = {**_SANDBOX_ENV, "HOME": str(scratch), "TMPDIR": str(scratch)}
-            argv = [*_python_argv(self.python), str(run_dir / "harness.py"), str(run_dir / "job.json")]
+            argv = [*_python_argv(self.python), str(run_dir / "harness.py"), str(run_dir / "job")]
             finished = run_command(
                 argv,
                 stdin=stdin,

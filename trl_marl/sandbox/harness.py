@@ -1,6 +1,6 @@
 """The code that runs *inside* the sandbox, and the plain-value format it shares with the trusted parent.
 
-This file is copied into every sandbox and started as ``python -s -S -B harness.py job.json``; it imports only the
+This file is copied into every sandbox and started as ``python -s -S -B harness.py job``; it imports only the
 standard library. It sets the resource limits, then runs the candidate either as a program (``mode="program"``: the
 source runs as ``__main__``) or as a function under test (``mode="calls"``: the source is executed, the entry point is
 called on each input, and every return value is printed as plain JSON).
@@ -15,11 +15,12 @@ types as a one-key object: ``{"float": "nan"}``, ``{"tuple": [...]}``, ``{"dict"
 object whose ``__eq__`` always returns True) is not plain and is reported as an error.
 """
 
-import json
+import marshal
 import math
 import os
 import sys
 
+JOB_FORMAT = 4  # marshal version of the job file: plain dicts, lists, strings and numbers, readable by Python >= 3.4
 MEMORY_EXIT_CODE = 86  # the harness's exit status when the candidate ran out of memory (see Limits.memory_bytes)
 _TAGS = ("float", "tuple", "dict", "set", "frozenset", "bytes")
 
@@ -112,6 +113,8 @@ def _run_calls(source, entry_point, calls):
             results.append({"value": encode_plain(function(*decode_plain(encoded_args)))})
         except Exception as error:  # one failing call fails only that test
             results.append({"error": f"{type(error).__name__}: {str(error)[:200]}"})
+    import json  # only here: importing it costs a program run ~10 ms
+
     payload = json.dumps({"results": results}).encode()
     while payload:
         payload = payload[os.write(results_fd, payload) :]
@@ -119,8 +122,8 @@ def _run_calls(source, entry_point, calls):
 
 def main(job_path):
     del sys.path[0]  # this file's directory: nothing there for the candidate to import
-    with open(job_path) as handle:
-        job = json.load(handle)
+    with open(job_path, "rb") as handle:
+        job = marshal.load(handle)  # written by the trainer, not by the candidate
     if "parent_pid" in job:
         _die_with_parent(job["parent_pid"])
     _set_limits(job["rlimits"])

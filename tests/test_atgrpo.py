@@ -1,0 +1,224 @@
+"""AT-GRPO's rollout with scripted stand-ins for the model: groups, greedy continuation, state, α mixing, processes."""
+
+import math
+import random
+import statistics
+import threading
+from collections import defaultdict
+
+import pytest
+import torch
+
+from trl_marl.advantages import ADVANTAGE_EPS
+from trl_marl.atgrpo import ATGRPORollout, choose
+from trl_marl.scheduling import sequential
+
+NAMES = ["a", "b"]
+
+
+class Scripted:
+    """`generate` stand-in: row r of a call by agent `a` says `texts[a][r % len(texts[a])]`; records every call."""
+
+    def __init__(self, texts):
+        self.texts, self.calls = texts, []
+
+    def __call__(self, model_inputs, agents):
+        self.calls.append((list(model_inputs), list(agents)))
+        texts = [self.texts[agent][row % len(self.texts[agent])] for row, agent in enumerate(agents)]
+        return [[1, 2]] * len(texts), [[3, 4]] * len(texts), texts
+
+
+def team_score(reward):
+    """`score` stand-in: one team reward function, `reward(joint_action)`."""
+    return lambda joint_actions: torch.tensor([[float(reward(ja))] for ja in joint_actions]).view(-1, 1)
+
+
+def rollout(num_generations=3, num_turns=1, **overrides):
+    values = dict(
+        agent_names=NAMES,
+        num_generations=num_generations,
+        num_turns=num_turns,
+        reward_weights=torch.ones(1),
+        team_reward_weight=1.0,
+        continuation="greedy",
+        baseline="mean",
+        scale_rewards="group",
+        transition=lambda prompt, **kwargs: [prompt, prompt],
+        agent_input=lambda agent, prompt: f"<{NAMES[agent]}> {prompt}",
+        scheduler=sequential,
+    )
+    values.update(overrides)
+    return ATGRPORollout(**values)
+
+
+def copies(problems, num_generations):
+    return [dict(problem) for problem in problems for _ in range(num_generations)]
+
+
+def grouped(samples):
+    groups = defaultdict(list)
+    for sample in samples:
+        groups[sample.group].append(sample)
+    return groups
+
+
+def advantages(rewards):
+    mean, std = statistics.fmean(rewards), statistics.stdev(rewards)
+    return [(r - mean) / (std + ADVANTAGE_EPS) for r in rewards]
+
+
+def test_a_group_never_mixes_problems_and_all_its_members_saw_one_prompt():
+    problems = [{"prompt": f"problem {i}", "id": i} for i in range(3)]
+    texts = {0: ["1", "22", "333"], 1: ["x", "yy", "zzz"]}
+    result = rollout(num_turns=2).run(
+        copies(problems, 3), 0, Scripted(texts), team_score(lambda ja: len(ja.completions["a"]))
+    )
+    groups = grouped(result.samples)
+    assert len(groups) == 3 * 2 * 2  # problems × turns × agents
+    for members in groups.values():
+        assert sorted(s.position for s in members) == [0, 1, 2]
+        assert len({s.example["id"] for s in members}) == 1
+        assert len({s.agent for s in members}) == 1 and len({s.turn for s in members}) == 1
+        assert len({str(s.model_input) for s in members}) == 1
+
+
+def test_later_agents_get_non_zero_advantages_when_only_their_choice_matters():
+    texts = {0: ["same"], 1: ["good", "bad", "bad"]}
+    result = rollout().run(
+        copies([{"prompt": "p"}], 3), 0, Scripted(texts), team_score(lambda ja: ja.completions["b"] == "good")
+    )
+    by_agent = {agent: [s.advantage for s in result.samples if s.agent == agent] for agent in (0, 1)}
+    assert by_agent[0] == [0.0, 0.0, 0.0]
+    assert by_agent[1] == pytest.approx(advantages([1.0, 0.0, 0.0]))
+    assert by_agent[1][0] > 0.5
+
+
+def test_every_branch_continues_from_its_own_copy_of_the_chosen_state():
+    steps = []
+
+    def step(state, agent, text, turn):
+        steps.append((agent, turn, list(state)))
+        state.append(f"{agent}:{text}")
+        return state
+
+    texts = {0: ["low", "best", "mid"], 1: ["x", "y", "z"]}
+    score = {"low": 0, "best": 2, "mid": 1, "x": 0, "y": 0, "z": 1}
+    generate = Scripted(texts)
+    seen_by_transition = []
+
+    def transition(prompt, state, **kwargs):
+        seen_by_transition.append(list(state))
+        return [f"{prompt} | state {state}"] * 2
+
+    result = rollout(num_turns=2, reset=lambda example: [], step=step, transition=transition).run(
+        copies([{"prompt": "p"}], 3), 0, generate, team_score(lambda ja: score[ja.said[next(iter(ja.said))]])
+    )
+    # Agent b stepped from the chosen candidate of a ("best"), in every branch, not from a stale or sibling state.
+    assert [state for agent, turn, state in steps if agent == "b" and turn == 0] == [["a:best"]] * 3
+    # The transition built turn 1 from the state after b's choice ("z"), and a's turn-1 prompt shows it.
+    assert seen_by_transition == [["a:best", "b:z"]] * 3
+    turn_1_inputs_of_a = generate.calls[2][0]
+    assert all("state ['a:best', 'b:z']" in model_input for model_input in turn_1_inputs_of_a)
+    # b saw a's chosen answer of this turn through the sequential scheduler.
+    assert all("best" in model_input for model_input in generate.calls[1][0])
+    branches = {id(ja.branch): ja.branch for ja in result.joint_actions}.values()
+    final = ["a:best", "b:z", "a:best", "b:z"]
+    assert [branch.state for branch in branches] == [final] * 3
+    assert len({id(branch.state) for branch in branches}) == 3  # one state object per branch
+
+
+def test_alpha_mixes_team_and_local_rewards_as_hand_computed():
+    texts = {0: ["t1", "t0", "t1b"], 1: ["-"]}
+    local = {"t1": 0.2, "t0": 0.4, "t1b": 0.0, "-": 0.0}
+    result = rollout(team_reward_weight=0.5).run(
+        copies([{"prompt": "p"}], 3),
+        0,
+        Scripted(texts),
+        team_score(lambda ja: float(ja.completions["a"].startswith("t1"))),
+        local_score=lambda agent, jas: [local[ja.said[NAMES[agent]]] for ja in jas],
+    )
+    first = [s for s in result.samples if s.agent == 0]
+    rewards = [0.5 * 1 + 0.2, 0.5 * 0 + 0.4, 0.5 * 1 + 0.0]
+    assert [ja.reward for ja in result.joint_actions[:3]] == pytest.approx(rewards)
+    assert [s.advantage for s in first] == pytest.approx(advantages(rewards))
+    assert result.metrics["turns/0/agents/a/chosen_reward"] == pytest.approx(0.7)
+    assert result.metrics["agents/a/local_reward"] == pytest.approx(0.2)
+    # b's candidates all score 1 from a's chosen "t1" (team) + 0 (local): one zero-std group.
+    assert result.metrics["turns/0/agents/b/frac_reward_zero_std"] == 1.0
+
+
+def test_greedy_takes_the_first_best_and_sample_only_scorable_candidates():
+    rng = random.Random(0)
+    assert choose([1.0, 1.0, 0.0], "greedy", rng) == 0
+    assert choose([math.nan, 0.2, 0.5], "greedy", rng) == 2
+    assert choose([math.nan, math.nan], "greedy", rng) == 0
+    picks = {choose([math.nan, 0.0, 1.0, 0.5], "sample", rng) for _ in range(200)}
+    assert picks == {1, 2, 3}
+
+
+def test_success_rate_and_episode_length_come_from_the_task():
+    result = rollout(
+        num_generations=2,
+        num_turns=3,
+        reset=lambda example: {"total": 0},
+        step=lambda state, agent, text, turn: {"total": state["total"] + int(text)},
+        success=lambda example, state, completions: state["total"] >= example["goal"],
+        termination_threshold=1.0,
+    ).run(
+        copies([{"prompt": "p", "goal": 2}, {"prompt": "q", "goal": 100}], 2),
+        0,
+        Scripted({0: ["1"], 1: ["1"]}),
+        team_score(lambda ja: float(ja.state["total"] >= ja.branch.example["goal"])),
+    )
+    # The first problem reaches its goal after turn 0 and stops (threshold); the second runs all 3 turns and fails.
+    assert result.metrics["episodes/success_rate"] == 0.5
+    assert result.metrics["episodes/num_turns"] == 2.0
+    assert len(grouped(result.samples)) == 2 + 3 * 2
+
+
+class Processes:
+    """A `gather` per simulated process: each call waits for every process, then returns the concatenation."""
+
+    def __init__(self, count):
+        self.barrier, self.parts = threading.Barrier(count), [None] * count
+
+    def gather_for(self, rank):
+        def gather(items):
+            self.parts[rank] = list(items)
+            self.barrier.wait()
+            result = [item for part in self.parts for item in part]
+            self.barrier.wait()
+            return result
+
+        return gather
+
+
+def test_a_problem_split_over_processes_continues_from_one_choice_on_both():
+    examples = copies([{"prompt": f"problem {i}"} for i in range(3)], 2)  # 6 copies: problem 1 spans both ranks
+    processes, results = Processes(2), {}
+
+    def run(rank):
+        generate = Scripted({0: [f"r{rank}-{row}" for row in range(3)], 1: [f"s{rank}-{row}" for row in range(3)]})
+        results[rank] = rollout(num_generations=2, num_turns=2, reset=lambda example: [],
+                                step=lambda state, agent, text, turn: [*state, text]).run(
+            examples[3 * rank : 3 * rank + 3], 3 * rank, generate,
+            team_score(lambda ja: int(ja.said[next(iter(ja.said))][1]) + int(ja.said[next(iter(ja.said))][-1])),
+            gather=processes.gather_for(rank),
+        )  # fmt: skip
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    spanning = [ja.branch for rank in (0, 1) for ja in results[rank].joint_actions if ja.branch.episode == 1]
+    assert {branch.position for branch in spanning} == {0, 1}
+    assert len({tuple(branch.state) for branch in spanning}) == 1  # both ranks continued from the same choices
+    # The group of problem 1, turn 0, agent a has one member per rank: r0-2 (reward 2) and r1-0 (reward 1).
+    members = [s for rank in (0, 1) for s in results[rank].samples if s.node == (1, 0, 0)]
+    assert sorted((s.text, round(s.advantage, 4)) for s in members) == [
+        ("r0-2", round(advantages([2.0, 1.0])[0], 4)),
+        ("r1-0", round(advantages([2.0, 1.0])[1], 4)),
+    ]
+    assert spanning[0].state[0] == "r0-2"  # the greedy choice, taken by both ranks
+    assert results[0].metrics == results[1].metrics
