@@ -4,6 +4,9 @@
     trl-marl train CONFIG.yaml [--key value ...]  train a team; CONFIG.yaml holds `algorithm` (magrpo or at_grpo),
                                                   the config fields of that algorithm (MAGRPOConfig / ATGRPOConfig),
                                                   `task`, `rewards` and `model_name_or_path`; flags override the file
+    trl-marl evaluate TASK [--baseline B] [--team PATH] [--model M] [--limit N] [--split S]
+                                                  a saved team or a baseline (single, parallel, sequential) on a task;
+                                                  prints the task's metrics as JSON
 
 `train` parses with TRL's `TrlParser`, as `trl grpo --config ...` does: a key that is no field fails before any
 model loads, naming the key.
@@ -98,6 +101,28 @@ def _algorithm_classes(algorithm: str) -> tuple[type, type]:
     return (ATGRPOConfig, ATGRPOTrainer) if algorithm == "at_grpo" else (MAGRPOConfig, MAGRPOTrainer)
 
 
+def evaluate(arguments) -> int:
+    import json
+
+    import torch
+
+    from .evaluation import evaluate_task
+
+    baseline = arguments.baseline or ("team" if arguments.team else "parallel")
+    metrics = evaluate_task(
+        arguments.task,
+        baseline,
+        team=arguments.team,
+        model=arguments.model,
+        split=arguments.split,
+        limit=arguments.limit,
+        max_completion_length=arguments.max_completion_length,
+        use_cpu=not torch.cuda.is_available(),
+    )
+    print(json.dumps({"task": arguments.task, "baseline": baseline, **metrics}, indent=2))
+    return 0
+
+
 def _check_keys(config_path: str, values: dict, dataclass_types: tuple) -> None:
     """Fail on a key that is no field, before anything is built (TRL's parser would first build the config, whose
     own checks could hide the misspelt key)."""
@@ -132,7 +157,25 @@ def main(argv: list[str] | None = None) -> int:
         "`task`, `rewards` and `model_name_or_path`; any field can also be given as --field value after it.",
     )
     training.add_argument("config", help="YAML file")
+    evaluating = commands.add_parser(
+        "evaluate",
+        help="evaluate a saved team or a baseline on a task",
+        description="Evaluate a saved team (--team PATH) or a baseline of the untrained base model on a task's split; "
+        "prints the task's metrics (team reward and its levels) as JSON.",
+    )
+    evaluating.add_argument("task", help="task plugin name (`trl-marl list tasks`)")
+    evaluating.add_argument("--baseline", default=None, choices=["team", "parallel", "sequential", "single"],
+                            help="default: team with --team, else parallel")  # fmt: skip
+    evaluating.add_argument("--team", default=None, help="a folder written by save_model")
+    evaluating.add_argument("--model", default=None, help="base model of a baseline (default: the embedded model)")
+    evaluating.add_argument("--split", default="eval")
+    evaluating.add_argument("--limit", type=int, default=None, help="only the first N problems")
+    evaluating.add_argument("--max_completion_length", type=int, default=256)
     arguments, overrides = parser.parse_known_args(argv)
+    if arguments.command == "evaluate":
+        if overrides:
+            parser.error(f"unrecognized arguments: {' '.join(overrides)}")
+        return evaluate(arguments)
     if arguments.command == "list":
         if overrides:
             parser.error(f"unrecognized arguments: {' '.join(overrides)}")

@@ -1,0 +1,174 @@
+"""Cooperative coding (the MAGRPO paper's coding task): HumanEval tests parsed into trusted calls, the gated reward
+levels on hand-written helper + main pairs (run in the sandbox), the offline dataset and the task plugins."""
+
+import json
+
+import pytest
+from sandbox_helpers import require_bubblewrap
+
+from trl_marl.plugins.coding import (
+    AUX_DEFINED,
+    IGNORED_AUX_RESULT,
+    MAIN_DEFINED,
+    MAX_REWARD,
+    NOT_A_WRAPPER,
+    SYNTAX_OK,
+    TESTS_PASSED,
+    USES_AUX,
+    AssertTest,
+    code_levels,
+    cooperative_code_reward,
+    decode_tests,
+    encode_tests,
+    humaneval_dataset,
+    humaneval_problems,
+    parse_check,
+)
+from trl_marl.registry import load_plugin
+
+CHECK = """
+METADATA = {}
+
+
+def check(candidate):
+    assert candidate([1.0, 2.0, 3.9], 0.3) == False
+    assert candidate([1.0, 2.0, 2.1], 0.3) == True
+    assert abs(candidate([1.5], 0.0) - 2.0) < 1e-6
+    assert candidate((1, 2), 0.5)
+    assert not candidate([], 1.0)
+    assert True, "debugging line"
+"""
+
+
+def test_humaneval_asserts_become_calls_with_literal_arguments():
+    assert parse_check(CHECK) == [
+        AssertTest(([1.0, 2.0, 3.9], 0.3), False),
+        AssertTest(([1.0, 2.0, 2.1], 0.3), True),
+        AssertTest(([1.5], 0.0), 2.0, 1e-6),
+        AssertTest(((1, 2), 0.5), True),
+        AssertTest(([], 1.0), False),
+    ]
+    assert parse_check("def check(candidate):\n    x = 3\n    assert candidate(x) == 4\n") is None
+    assert parse_check("def check(candidate):\n    assert candidate(1) == helper(2)\n") is None
+    tests = parse_check(CHECK)
+    assert decode_tests(encode_tests(tests)) == tests  # tuples and floats survive the JSON cell
+
+
+def test_the_offline_dataset_is_deterministic_disjoint_and_has_the_reward_columns():
+    kept, skipped = humaneval_problems()
+    assert len(kept) + len(skipped) == 164 and len(kept) >= 140
+    train, again, held_out = humaneval_dataset("train"), humaneval_dataset("train"), humaneval_dataset("eval")
+    assert train.to_dict() == again.to_dict()
+    assert set(train["task_id"]).isdisjoint(held_out["task_id"])
+    assert {"prompt", "entry_point", "tests", "problem", "task_id"} <= set(train.column_names)
+    first = train[0]
+    assert first["entry_point"] in first["problem"] and decode_tests(first["tests"])
+
+
+def test_the_tasks_and_reward_are_plugins():
+    assert load_plugin("tasks", "coop_coding").name == "coop_coding"
+    assert load_plugin("tasks", "coop_coding_multiturn").num_turns == 2
+    assert load_plugin("rewards", "cooperative_code_reward") is cooperative_code_reward
+
+
+PROBLEM = "from typing import List\n\n\ndef has_close_elements(numbers: List[float], threshold: float) -> bool:\n"
+TESTS = parse_check(
+    """
+def check(candidate):
+    assert candidate([1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.3) == True
+    assert candidate([1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.05) == False
+    assert candidate([1.0, 2.0, 5.9, 4.0, 5.0], 0.95) == True
+    assert candidate([1.0, 2.0, 5.9, 4.0, 5.0], 0.8) == False
+    assert candidate([1.1, 2.2, 3.1, 4.1, 5.1], 1.0) == True
+"""
+)
+DISTANCE = "```python\ndef aux(a, b):\n    return abs(a - b)\n```"
+WHOLE_JOB = (
+    "def aux(numbers, threshold):\n    return any(abs(a - b) < threshold for i, a in enumerate(numbers)"
+    " for b in numbers[i + 1:])\n"
+)
+MAIN = """```python
+def has_close_elements(numbers: List[float], threshold: float) -> bool:
+    for i, a in enumerate(numbers):
+        for b in numbers[i + 1:]:
+            if aux(a, b) < threshold:
+                return True
+    return False
+```"""
+BASE = AUX_DEFINED + MAIN_DEFINED + SYNTAX_OK
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    require_bubblewrap()
+    from trl_marl.sandbox import Sandbox
+
+    return Sandbox("bubblewrap")
+
+
+@pytest.mark.parametrize(
+    ("helper", "main", "expected"),
+    [
+        pytest.param(DISTANCE, MAIN, MAX_REWARD, id="cooperating-pair-scores-the-maximum"),
+        pytest.param(DISTANCE, "Here is my answer: it returns True.", AUX_DEFINED, id="missing-main-stops-at-level-1"),
+        pytest.param(
+            "I could not do it.", MAIN.replace("aux(a, b)", "abs(a - b)"), MAIN_DEFINED + SYNTAX_OK + TESTS_PASSED,
+            id="no-helper-no-bonus",
+        ),
+        pytest.param(
+            DISTANCE, MAIN.replace("if aux(a, b) < threshold:", "if aux(a, b) < threshold"),
+            AUX_DEFINED + MAIN_DEFINED, id="syntax-error-stops-at-level-2",
+        ),
+        pytest.param(
+            WHOLE_JOB, "def has_close_elements(numbers, threshold):\n    return aux(numbers, threshold)\n",
+            BASE + TESTS_PASSED + USES_AUX, id="trivial-wrapper-gets-no-anti-wrapper-bonus",
+        ),
+        pytest.param(
+            DISTANCE,
+            MAIN.replace("    for i, a", "    aux(0.0, 1.0)\n    for i, a").replace("aux(a, b)", "abs(a - b)"),
+            BASE + TESTS_PASSED + USES_AUX + NOT_A_WRAPPER + IGNORED_AUX_RESULT, id="ignored-helper-result-penalised",
+        ),
+        pytest.param(
+            DISTANCE, "def has_close_elements(numbers, threshold):\n    return False\n", BASE + TESTS_PASSED * 2 / 5,
+            id="wrong-answer-gets-the-fraction-of-tests-without-bonus",
+        ),
+        pytest.param(
+            DISTANCE,
+            "class Any:\n    def __eq__(self, other):\n        return True\n\n"
+            "def has_close_elements(numbers, threshold):\n    return aux(0, 0) or Any()\n",
+            BASE, id="always-equal-object-passes-nothing",
+        ),
+    ],
+)  # fmt: skip
+def test_each_level_scores_what_the_rules_say(sandbox, helper, main, expected):
+    levels = code_levels(helper, main, "has_close_elements", TESTS, PROBLEM, sandbox=sandbox)
+    assert levels.total == pytest.approx(expected)
+
+
+def test_the_reward_function_reads_its_dataset_columns(sandbox, monkeypatch):
+    import trl_marl.plugins.coding as coding
+
+    monkeypatch.setattr(coding, "shared_sandbox", lambda: sandbox)
+    rewards = cooperative_code_reward(
+        prompts=["p", "p"],
+        completions=[{"helper": DISTANCE, "main": MAIN}, {"helper": DISTANCE, "main": "no code"}],
+        entry_point=["has_close_elements"] * 2,
+        tests=[encode_tests(TESTS)] * 2,
+        problem=[PROBLEM] * 2,
+    )
+    assert rewards == pytest.approx([MAX_REWARD, AUX_DEFINED])
+
+
+def test_every_usable_humaneval_canonical_solution_passes_its_parsed_tests(sandbox):
+    kept, _ = humaneval_problems()
+    requests = [(p["prompt"] + p["canonical_solution"], p["entry_point"], [t.args for t in p["tests"]]) for p in kept]
+    results = sandbox.call_many(requests)
+    from trl_marl.plugins.coding import assert_passed
+
+    failing = [
+        p["task_id"]
+        for p, result in zip(kept, results)
+        if not result.ok or not all(assert_passed(t, o) for t, o in zip(p["tests"], result.outputs))
+    ]
+    assert failing == []
+    assert json.loads(humaneval_dataset("eval")[0]["tests"])

@@ -1,0 +1,52 @@
+"""`evaluate_task`: a saved team and the paper's baselines (single agent, parallel, sequential) on a task's split."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from trl_marl import MAGRPOConfig, MAGRPOTrainer
+from trl_marl.evaluation import evaluate_task
+
+SMALL = dict(max_completion_length=4, use_cpu=True, seed=0)
+
+
+@pytest.mark.parametrize(("baseline", "rows"), [("parallel", 2 * 6), ("sequential", 2 * 6), ("single", 1 * 2)])
+def test_baselines_score_the_tasks_metrics(tiny_model_dir, baseline, rows):
+    metrics = evaluate_task("reach_target", baseline, model=tiny_model_dir, limit=2, **SMALL)
+    assert 0.0 <= metrics["reward"] <= 1.0
+    # Per prompt (2 copies): two agents over a 2-turn tree of 2 + 4 joint actions, or one agent for one turn.
+    assert metrics["num_samples"] == rows
+    if baseline != "single":
+        assert "turns/1/reward" in metrics
+
+
+def test_a_saved_team_is_evaluated_as_trained(tiny_model_dir, tmp_path):
+    args = MAGRPOConfig.for_task(
+        "reach_target", output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, max_steps=1,
+        report_to="none", save_strategy="no", **SMALL,
+    )  # fmt: skip
+    trainer = MAGRPOTrainer(tiny_model_dir, args=args, task="reach_target")
+    trainer.train()
+    trainer.save_model(str(tmp_path / "team"))
+    metrics = evaluate_task("reach_target", "team", team=tmp_path / "team", limit=2, **SMALL)
+    assert metrics["num_samples"] == 12 and 0.0 <= metrics["reward"] <= 1.0
+
+
+def test_bad_arguments_name_what_is_wrong(tiny_model_dir):
+    with pytest.raises(ValueError, match="`baseline` must be one of"):
+        evaluate_task("reach_target", "ensemble", model=tiny_model_dir)
+    with pytest.raises(ValueError, match="Pass `team=`"):
+        evaluate_task("reach_target", "team", model=tiny_model_dir)
+
+
+def test_the_evaluate_command_prints_the_metrics(tiny_model_dir):
+    done = subprocess.run(
+        [sys.executable, "-m", "trl_marl.cli", "evaluate", "reach_target", "--baseline", "single", "--model",
+         tiny_model_dir, "--limit", "2", "--max_completion_length", "4"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout[done.stdout.index("{") :])
+    assert report["baseline"] == "single" and report["num_samples"] == 2

@@ -1,0 +1,107 @@
+"""Evaluate a team on a task's split, and the MAGRPO paper's baselines, with the task's own rewards and metrics.
+
+`evaluate_task(task, baseline=...)` runs one of:
+
+- ``"team"``: a trained team (a folder written by `save_model`, given as `team=`), as it was trained;
+- ``"parallel"``: the untrained base model in every role, all agents acting at once (the `parallel` scheduler);
+- ``"sequential"``: the untrained base model in every role, each agent seeing the earlier agents' answers (a
+  pipeline: the `sequential` scheduler);
+- ``"single"``: one agent doing the whole job: the base model with every role's instructions at once, its one answer
+  standing in for every agent's when the team reward scores it.
+
+It builds a `MAGRPOTrainer` on the split and returns `trainer.evaluate()`'s metrics without the `eval_` prefix (the
+team reward `reward`, the reward's logged levels such as `coding/pass_at_1` or `rewards/summary_reward/style`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+from typing import Any
+
+from .config import MAGRPOConfig
+from .tasks import Task, resolve_task, task_defaults
+
+BASELINES = ("team", "parallel", "sequential", "single")
+SINGLE_AGENT = "solo"
+
+
+def single_agent_prompt(task: Task) -> str:
+    """The one agent's role in the ``"single"`` baseline: every agent's role, in order."""
+    roles = [f"As {agent['name']}: {agent.get('system_prompt', '')}".strip() for agent in task.agents]
+    return "You do the whole job of a team alone.\n" + "\n".join(roles)
+
+
+def _as_team_reward(func, agent_names: list[str]):
+    """A team reward scoring a lone agent's answer as every agent's answer."""
+
+    @functools.wraps(func)
+    def reward(prompts, completions, **kwargs):
+        team = [dict.fromkeys(agent_names, completion[SINGLE_AGENT]) for completion in completions]
+        return func(prompts=prompts, completions=team, **kwargs)
+
+    return reward
+
+
+def evaluate_task(
+    task: str | Task,
+    baseline: str = "team",
+    team: str | os.PathLike | None = None,
+    model: str | None = None,
+    split: str = "eval",
+    limit: int | None = None,
+    **config: Any,
+) -> dict[str, float]:
+    """Evaluate on `task`'s `split` (its first `limit` rows). `team` (for ``baseline="team"``): a saved team folder;
+    `model`: the base model of the baselines (default: the embedded default model). `config`: `MAGRPOConfig` fields
+    (e.g. `max_completion_length`, `temperature`, `use_cpu`)."""
+    from .models import default_model_path
+    from .team import load_team, read_team_file
+    from .trainer import MAGRPOTrainer
+
+    if baseline not in BASELINES:
+        raise ValueError(f"`baseline` must be one of {list(BASELINES)}, got {baseline!r}.")
+    if (baseline == "team") != (team is not None):
+        raise ValueError("Pass `team=` (a folder written by save_model) with baseline='team', and only then.")
+    task = resolve_task(task)
+    dataset = task.dataset(split)
+    if limit is not None:
+        dataset = dataset.select(range(min(limit, len(dataset))))
+    settings = {**task_defaults(task), "num_generations": 2, "num_generations_eval": 2, "report_to": "none"}
+    settings["per_device_eval_batch_size"] = 2
+    reward_funcs = list(task.reward_funcs)
+    if baseline == "team":
+        spec = read_team_file(team)
+        settings.update(agents=[{"name": a["name"], "system_prompt": a["system_prompt"]} for a in spec["agents"]],
+                        adapter_mode=spec["adapter_mode"], num_turns=spec["num_turns"])  # fmt: skip
+        model = load_team(team).model
+    elif baseline in ("parallel", "sequential"):
+        settings["scheduler"] = baseline
+    else:
+        names = [agent["name"] for agent in task.agents]
+        settings.update(agents=[{"name": SINGLE_AGENT, "system_prompt": single_agent_prompt(task)}], num_turns=1)
+        settings["scheduler"] = "parallel"
+        reward_funcs = [_as_team_reward(resolve_reward(func), names) for func in reward_funcs]
+    settings.update(config)
+    with tempfile.TemporaryDirectory() as output_dir:
+        args = MAGRPOConfig(output_dir=settings.pop("output_dir", output_dir), **settings)
+        trainer = MAGRPOTrainer(
+            model if model is not None else default_model_path(),
+            reward_funcs,
+            args=args,
+            train_dataset=dataset,
+            eval_dataset=dataset,
+            task=task,  # its transition, and its environment state if it keeps one
+        )
+        metrics = trainer.evaluate()
+    return {key.removeprefix("eval_"): value for key, value in metrics.items()}
+
+
+def resolve_reward(func):
+    """A reward plugin by name, or the function itself."""
+    if isinstance(func, str):
+        from .registry import load_plugin
+
+        return load_plugin("rewards", func)
+    return func
