@@ -135,7 +135,7 @@ class MAGRPOConfig(GRPOConfig):
 
         bf16 (`bool` or `None`, *optional*, defaults to `None`):
             As TRL (`True` unless `fp16`), except with `use_cpu=True`, where `None` means `False`: bf16 autocast on
-            a CPU without native bf16 support made a training step about 10x slower.
+            a CPU without native bf16 support made a training step 9.9x slower (README, Benchmarks).
     """
 
     # Parameters that define the team
@@ -235,7 +235,7 @@ class MAGRPOConfig(GRPOConfig):
                 "rows cannot be routed to their agents' adapters. Set it to False."
             )
         if self.bf16 is None and self.use_cpu:
-            # TRL turns bf16 on unless told otherwise; on a CPU without native bf16 that made a training step ~10x
+            # TRL turns bf16 on unless told otherwise; on a CPU without native bf16 that made a training step 9.9x
             # slower (README, Benchmarks). Training on the CPU stays in float32 unless bf16=True is asked for.
             self.bf16 = False
         if self.multi_objective_aggregation != "sum_then_normalize":

@@ -4,7 +4,7 @@
 One AT-GRPO step on the `reach_target` puzzle with the default model: 1 problem, K candidates × 2 agents × 2 turns.
 The two settings alternate over `--rounds` (each a fresh trainer, same seed), so the ratio comes from one run.
 
-    python recipes/benchmarks/bench_bf16_cpu.py                  # ~8 min on 2 CPU cores without native bf16
+    python recipes/benchmarks/bench_bf16_cpu.py      # ~3.5 min per round on 2 CPU cores without native bf16
     python recipes/benchmarks/bench_bf16_cpu.py --rounds 2 --num_generations 4
 """
 
