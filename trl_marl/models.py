@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 from huggingface_hub import constants, snapshot_download
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["DEFAULT_MODEL_ID", "default_model_path", "load_default_model"]
+__all__ = ["DEFAULT_MODEL_ID", "default_model_path", "four_bit_config", "load_default_model"]
 
 logger = logging.getLogger("trl_marl")
 
@@ -102,6 +102,20 @@ def load_default_model(
 
     path = default_model_path(cache_dir)
     return AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs), AutoTokenizer.from_pretrained(path)
+
+
+def four_bit_config() -> BitsAndBytesConfig:
+    """The QLoRA base: 4-bit NF4 weights with double quantization, computing in bf16 on a GPU and in float32 on a CPU
+    (where bf16 matmuls are emulated and were 9.9x slower, README "Benchmarks")."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32,
+    )
 
 
 def is_default_model(name_or_path: str | os.PathLike[str]) -> bool:

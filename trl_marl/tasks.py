@@ -6,6 +6,7 @@ turns (its `transition`: feedback and termination), the turn scheduler, and its 
 (or with `trl_marl.register_task`). `MAGRPOTrainer(task=...)` and `trl-marl train` accept a task by name or object.
 """
 
+import inspect
 from typing import Any
 
 from datasets import Dataset
@@ -71,14 +72,25 @@ def local_rewards(task: Task, agent: str, prompts: list, completions: list[str],
     return totals
 
 
-def resolve_task(task: "str | Task | type[Task]") -> Task:
-    """A task object from a plugin name, a `Task` subclass or instance."""
+def resolve_task(task: "str | Task | type[Task]", **options: Any) -> Task:
+    """A task object from a plugin name, a `Task` subclass or instance. `options` go to the task's constructor (e.g.
+    `source="hub"` for a task that can load the paper's Hub data); an instance takes none."""
     if isinstance(task, str):
         from .registry import load_plugin
 
         task = load_plugin("tasks", task)
     if isinstance(task, type):
-        task = task()
+        if options:
+            try:
+                inspect.signature(task).bind(**options)
+            except TypeError as error:
+                raise TypeError(
+                    f"Task {task.__name__!r} does not take the options {sorted(options)} ({error}); its constructor "
+                    f"is {task.__name__}{inspect.signature(task)}."
+                ) from None
+        task = task(**options)
+    elif options:
+        raise TypeError(f"Options {sorted(options)} need a task name or class, not the built task {task!r}.")
     if not isinstance(task, Task):
         raise TypeError(f"{task!r} is not a trl_marl Task: subclass trl_marl.Task and implement `dataset(split)`.")
     return task

@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from .agents import agent_prompt, keep_4bit_weights_trainable
 from .config import ATGRPOConfig
-from .models import DEFAULT_MODEL_ID, default_model_path, is_default_model
+from .models import DEFAULT_MODEL_ID, default_model_path, four_bit_config, is_default_model
 from .registry import PluginError
 from .rollout import Prompt, TreeRollout, default_transition
 from .routing import AdapterRouter
@@ -312,10 +312,7 @@ def load_team(
                     f"({error}): pass `transition=` to load_team."
                 ) from error
     if load_in_4bit and quantization_config is None:
-        compute_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
-        quantization_config = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype
-        )
+        quantization_config = four_bit_config()
     base = base_model or spec["base_model"]
     if base == DEFAULT_MODEL_ID:
         base = default_model_path()

