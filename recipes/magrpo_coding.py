@@ -10,7 +10,7 @@ paper's gated levels (max 4). Prints the team reward and pass@1 on held-out prob
     python recipes/magrpo_coding.py --max_steps 40 --eval_problems 30 --output_dir outputs/coding
 
 A 135M model rarely writes working code, so expect small numbers; the point is the whole loop on a laptop. For the
-paper's scale see `recipes/magrpo_coding_paper.py`. Every `MAGRPOConfig` / `GRPOConfig` field is a flag; writes
+paper's scale see `recipes/paper/magrpo_humaneval.yaml`. Every `MAGRPOConfig` / `GRPOConfig` field is a flag; writes
 `<output_dir>/results.json`.
 """
 

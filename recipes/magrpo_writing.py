@@ -11,8 +11,8 @@ adapter per agent. Prints the team reward and its levels on held-out passages be
     python recipes/magrpo_writing.py --task expansion --max_completion_length 160
     python recipes/magrpo_writing.py --max_steps 40 --output_dir outputs/writing
 
-For the paper's scale see `recipes/magrpo_writing_paper.py`. Every `MAGRPOConfig` / `GRPOConfig` field is a flag;
-writes `<output_dir>/results.json`.
+For the paper's scale see `recipes/paper/magrpo_tldr.yaml` and `magrpo_arxiv.yaml`. Every `MAGRPOConfig` /
+`GRPOConfig` field is a flag; writes `<output_dir>/results.json`.
 """
 
 import json

@@ -6,15 +6,13 @@ import math
 import datasets
 import pytest
 
-from trl_marl.plugins import writing
+from trl_marl.plugins import writing_tasks
 from trl_marl.plugins.writing import (
     EXPANSION_LENGTH_BAND,
     EXPANSION_VOCABULARY_BAND,
     SUMMARY_LENGTH_BAND,
     SUMMARY_VOCABULARY_BAND,
     Band,
-    Expansion,
-    Summaries,
     content_jaccard,
     expansion_levels,
     expansion_reward,
@@ -28,6 +26,7 @@ from trl_marl.plugins.writing import (
     transition_score,
     unique_word_ratio,
 )
+from trl_marl.plugins.writing_tasks import Expansion, Summaries
 from trl_marl.registry import load_plugin
 from trl_marl.tasks import resolve_task, task_defaults
 
@@ -268,11 +267,11 @@ def test_team_rewards_name_the_missing_agent():
 
 
 @pytest.mark.parametrize(
-    "build, column", [(writing.summaries_dataset, "text"), (writing.expansion_dataset, "abstract")]
+    "build, column", [(writing_tasks.summaries_dataset, "text"), (writing_tasks.expansion_dataset, "abstract")]
 )
 def test_offline_datasets_are_deterministic_disjoint_and_chat_formatted(build, column):
     train, eval_ = build("train"), build("eval")
-    writing.documentation_sections.cache_clear()  # rebuild from pydoc_data, not from the cache
+    writing_tasks.documentation_sections.cache_clear()  # rebuild from pydoc_data, not from the cache
     assert build("train").to_dict() == train.to_dict() and build("eval").to_dict() == eval_.to_dict()
     assert len(train) >= 40 and len(eval_) >= 10
     assert {"prompt", column, "topic"} <= set(train.column_names)
@@ -286,23 +285,23 @@ def test_offline_datasets_are_deterministic_disjoint_and_chat_formatted(build, c
 
 
 def test_offline_passages_and_abstracts_have_the_intended_sizes():
-    summaries, abstracts = writing.summaries_dataset("train"), writing.expansion_dataset("train")
-    assert all(len(text.split()) >= writing.PASSAGE_WORDS[0] for text in summaries["text"])
-    low, high = writing.ABSTRACT_WORDS
+    summaries, abstracts = writing_tasks.summaries_dataset("train"), writing_tasks.expansion_dataset("train")
+    assert all(len(text.split()) >= writing_tasks.PASSAGE_WORDS[0] for text in summaries["text"])
+    low, high = writing_tasks.ABSTRACT_WORDS
     assert all(low <= len(text.split()) <= high for text in abstracts["abstract"])
 
 
 def test_cleaning_removes_rest_markup_but_keeps_code_asterisks():
     lines = ["A *mapping* maps *hashable* keys (see **PEP 8**) [3]; the built-", 'in "f(*args, **kwds)" and "4*0.7".']
     assert (
-        writing.clean_paragraph(lines)
+        writing_tasks.clean_paragraph(lines)
         == 'A mapping maps hashable keys (see PEP 8); the built-in "f(*args, **kwds)" and "4*0.7".'
     )
 
 
 def test_unknown_split_or_source_is_an_error_naming_the_choices():
     with pytest.raises(ValueError, match="'train', 'eval'"):
-        writing.summaries_dataset("test")
+        writing_tasks.summaries_dataset("test")
     with pytest.raises(ValueError, match="'offline'.*'hub'"):
         Expansion(source="web")
 
