@@ -198,3 +198,26 @@ def test_every_usable_humaneval_canonical_solution_passes_its_parsed_tests(sandb
     ]
     assert failing == []
     assert json.loads(coding_dataset("eval")[0]["tests"])
+
+
+def test_the_multiturn_transition_tells_each_agent_what_went_wrong_by_level(sandbox, monkeypatch):
+    import trl_marl.plugins.coding as coding
+
+    monkeypatch.setattr(coding, "shared_sandbox", lambda: sandbox)
+    prompt = [{"role": "user", "content": "Problem: has_close_elements"}]
+    columns = dict(prompt=prompt, history=[], turn=0, entry_point="has_close_elements", tests=encode_tests(TESTS),
+                   problem=PROBLEM)  # fmt: skip
+    syntax_error = MAIN.replace("if aux(a, b) < threshold:", "if aux(a, b) < threshold")
+    broken = coding.coding_feedback(joint_action={"helper": "no code", "main": syntax_error}, **columns)
+    assert len(broken) == 2 and broken[0] == broken[1]  # both agents see the whole team's report
+    text = broken[0][0]["content"]
+    assert text.startswith("Problem: has_close_elements\n\nYour team's last attempt scored 0.60 of 4.0; 0/5 tests")
+    assert "The helper did not define `aux`" in text and "The joined code has a syntax error" in text
+    wrong = coding.coding_feedback(
+        joint_action={"helper": DISTANCE, "main": "def has_close_elements(numbers, threshold):\n    return False\n"},
+        **columns,
+    )[0][0]["content"]
+    assert "2/5 tests passed" in wrong
+    assert "Failed: has_close_elements([1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.3) should be True." in wrong
+    solved = coding.coding_feedback(joint_action={"helper": DISTANCE, "main": MAIN}, **columns)[0][0]["content"]
+    assert "scored 4.00 of 4.0; 5/5 tests passed.\nAll 5 tests passed." in solved
