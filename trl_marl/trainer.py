@@ -8,6 +8,7 @@ What is multi-agent, and therefore overridden:
   with loss-free rows to what TRL's split needs.
 - `_get_per_token_logps_and_entropies` / `_compute_loss`: each row's log-probs come from its agent's adapter.
 - `save_model`: also writes `team.json`, which `trl_marl.load_team` reads.
+- checkpoints (`checkpoints.CheckpointMixin`): complete or ignored, never half-written; resume is exact.
 Everything else (loss types, clipping, KL to the base, gradient accumulation, logging, checkpoints) is TRL's.
 """
 
@@ -38,6 +39,7 @@ from .agents import (
     lora_config_from_args,
 )
 from .atgrpo import ATGRPORollout
+from .checkpoints import CheckpointMixin
 from .config import ATGRPOConfig, MAGRPOConfig
 from .metrics import TeamMetricsMixin
 from .registry import load_plugin
@@ -49,7 +51,7 @@ from .tasks import local_rewards, resolve_task
 from .team import base_model_name, team_spec, write_team_file
 
 
-class MAGRPOTrainer(TeamMetricsMixin, GRPOTrainer):
+class MAGRPOTrainer(CheckpointMixin, TeamMetricsMixin, GRPOTrainer):
     """Multi-agent GRPO (MAGRPO, arXiv 2508.04652) as a thin [`~trl.GRPOTrainer`] subclass.
 
     Args:

@@ -1,0 +1,133 @@
+"""Checkpoints that a crash cannot corrupt, and resuming exactly where training stopped (a mixin of the trainers).
+
+`transformers.Trainer` writes `checkpoint-N/` file by file and `resume_from_checkpoint=True` takes the highest N, so
+a process killed while writing leaves a folder that looks like the latest checkpoint and cannot be loaded. Here:
+
+- a checkpoint is *complete* once `trl_marl_checkpoint.json` is in it; the file is written last (atomically, by a
+  rename) after every process has written its part, and removed first when a folder is written again;
+- `resume_from_checkpoint=True` takes the latest complete checkpoint; a path to an incomplete one is an error naming
+  the latest complete one;
+- older checkpoints are rotated away (`save_total_limit`) only after the new one is complete.
+
+Resuming is exact: besides what `Trainer` restores (every agent's adapter, the optimizer, the scheduler, the RNG
+states, the data order), each process saves GRPO's generation buffer — the completions generated for
+`steps_per_generation` optimizer steps and the position in them (`_buffered_inputs`, `_step`) — so a run resumed
+between two generations trains on the same completions as one that never stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+
+import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+logger = logging.getLogger("trl_marl")
+
+COMPLETE_MARKER = "trl_marl_checkpoint.json"
+ROLLOUT_STATE = "trl_marl_rollout_state_{process}.pt"
+_CHECKPOINT = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+
+
+def is_complete_checkpoint(folder: str | os.PathLike) -> bool:
+    """Whether `folder` is a checkpoint whose writing finished (its `trl_marl_checkpoint.json` exists)."""
+    return os.path.isfile(os.path.join(folder, COMPLETE_MARKER))
+
+
+def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The complete `checkpoint-N` folder of `output_dir` with the highest N, or None."""
+    if not os.path.isdir(output_dir):
+        return None
+    steps = [
+        (int(match.group(1)), name)
+        for name in os.listdir(output_dir)
+        if (match := _CHECKPOINT.match(name)) and is_complete_checkpoint(os.path.join(output_dir, name))
+    ]
+    return os.path.join(output_dir, max(steps)[1]) if steps else None
+
+
+def write_json_atomically(path: str, content: dict) -> None:
+    """Write `content` to `path` through a temporary file and a rename: readers see the old file or the new one."""
+    temporary = f"{path}.tmp"
+    with open(temporary, "w") as file:
+        json.dump(content, file, indent=2)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+class CheckpointMixin:
+    """Crash-safe checkpoints and exact resume for a `GRPOTrainer` subclass (see the module docstring)."""
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(
+                    f"resume_from_checkpoint=True, but {self.args.output_dir} holds no complete checkpoint (a "
+                    f"`checkpoint-N` folder with {COMPLETE_MARKER}). Train without resuming, or pass the folder of "
+                    "one."
+                )
+            logger.info("Resuming from %s, the latest complete checkpoint.", resume_from_checkpoint)
+        elif resume_from_checkpoint and not is_complete_checkpoint(resume_from_checkpoint):
+            latest = last_complete_checkpoint(os.path.dirname(os.path.abspath(resume_from_checkpoint)))
+            raise ValueError(
+                f"{resume_from_checkpoint} is not a complete trl_marl checkpoint: it has no {COMPLETE_MARKER}, so its "
+                "writing did not finish (the process stopped while saving it) or it was not written by a trl_marl "
+                f"trainer. The latest complete checkpoint beside it: {latest}. Resume from that one (or pass "
+                "resume_from_checkpoint=True)."
+            )
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        run_dir = self._get_output_dir(trial=trial)
+        checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        marker = os.path.join(checkpoint, COMPLETE_MARKER)
+        if self.args.should_save and os.path.exists(marker):
+            os.remove(marker)  # the folder is being written again: incomplete until this save finishes
+        self.accelerator.wait_for_everyone()
+        save_total_limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            super()._save_checkpoint(model, trial)  # with rotation postponed until this checkpoint is complete
+        finally:
+            self.args.save_total_limit = save_total_limit
+        os.makedirs(checkpoint, exist_ok=True)
+        rollout_state = {"step": self._step, "buffered_inputs": self._buffered_inputs}
+        torch.save(
+            rollout_state, os.path.join(checkpoint, ROLLOUT_STATE.format(process=self.accelerator.process_index))
+        )
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            write_json_atomically(
+                marker, {"global_step": self.state.global_step, "num_processes": self.accelerator.num_processes}
+            )
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+        self.accelerator.wait_for_everyone()
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        # Trainer calls this once when it resumes, right before the first step; restore the generation buffer there.
+        super()._load_rng_state(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, ROLLOUT_STATE.format(process=self.accelerator.process_index))
+        with open(os.path.join(checkpoint, COMPLETE_MARKER)) as file:
+            saved_processes = json.load(file).get("num_processes")
+        if not os.path.isfile(path) or saved_processes != self.accelerator.num_processes:
+            logger.warning(
+                "%s has no generation buffer for %d process(es) (it was saved by %s): the first step after resuming "
+                "generates new completions, so the run is not an exact continuation.",
+                checkpoint,
+                self.accelerator.num_processes,
+                saved_processes,
+            )
+            return
+        state = torch.load(path, map_location=self.accelerator.device, weights_only=False)
+        self._step, self._buffered_inputs = state["step"], state["buffered_inputs"]
