@@ -156,6 +156,11 @@ class MAGRPOConfig(GRPOConfig):
         default=256,
         metadata={"help": "Upper bound on joint actions (team reward evaluations) per prompt."},
     )
+    reward_timeout: float | None = field(
+        default=None,
+        metadata={"help": "Seconds a team reward function may take to score one batch; longer is an error naming the "
+                  "function (None: no limit)."},
+    )  # fmt: skip
 
     # Parameters that control multi-turn episodes
     num_turns: int = field(default=1, metadata={"help": "Turns per episode; each turn expands the tree."})
@@ -211,6 +216,12 @@ class MAGRPOConfig(GRPOConfig):
             raise ValueError(f"`num_turns` must be a positive integer, got {self.num_turns!r}.")
         if not isinstance(self.discount, (int, float)) or not 0.0 <= self.discount <= 1.0:
             raise ValueError(f"`discount` must be a number in [0, 1], got {self.discount!r}.")
+        if self.reward_timeout is not None and not (
+            isinstance(self.reward_timeout, (int, float)) and self.reward_timeout > 0
+        ):
+            raise ValueError(
+                f"`reward_timeout` must be a positive number of seconds or None, got {self.reward_timeout!r}."
+            )
         if self.termination_threshold is not None and not isinstance(self.termination_threshold, (int, float)):
             raise ValueError(f"`termination_threshold` must be a number or None, got {self.termination_threshold!r}.")
         if not isinstance(self.lora_r, int) or self.lora_r < 1:

@@ -23,6 +23,8 @@ class TeamMetricsMixin:
             metrics[f"rewards/{name}/std"].append(nanstd(rewards_per_func[:, i]).item())
         metrics["reward"].append(torch.nanmean(rewards).item())
         metrics["reward_std"].append(nanstd(rewards).item())
+        # Joint actions that every function declined to score (None): their advantage is 0, they teach nothing.
+        metrics["frac_unscored"].append(torch.isnan(rewards_per_func).all(dim=1).float().mean().item())
         metrics["frac_reward_zero_std"].append(rollout.turn_stats[0]["frac_reward_zero_std"])
         for name, value in rollout.metrics.items():
             metrics[name].append(value)

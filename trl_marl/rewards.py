@@ -1,8 +1,12 @@
-"""Team reward functions: checks that turn a bad reward into an error naming the function."""
+"""Team reward functions: checks that turn a bad reward into an error naming the function, and that a dataset has the
+columns its reward functions, local rewards and transition read."""
 
+import asyncio
+import concurrent.futures
 import functools
+import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
@@ -42,10 +46,13 @@ def _check_rewards(name: str, rewards: Any, expected: int) -> list[float | None]
     return list(rewards)
 
 
-def checked_team_reward(func: TeamRewardFunc) -> TeamRewardFunc:
-    """Wrap a team reward function so that raising, a wrong count, NaN/inf or a non-number is a
-    `RewardFunctionError` naming the function. The wrapper keeps the function's name (TRL logs rewards by it) and
-    stays async when the function is."""
+def checked_team_reward(func: TeamRewardFunc, timeout: float | None = None) -> TeamRewardFunc:
+    """Wrap a team reward function so that raising, a wrong count, NaN/inf, a non-number, or taking longer than
+    `timeout` seconds for one batch is a `RewardFunctionError` naming the function. The wrapper keeps the function's
+    name (TRL logs rewards by it) and stays async when the function is.
+
+    Python cannot stop a running thread: a sync function that times out is abandoned in its worker thread (training
+    stops with the error, so nothing uses what it returns later)."""
     if isinstance(func, (str, nn.Module)):
         raise TypeError(
             f"Reward model {func!r} cannot score a team: a reward model scores one text, while a team reward takes a "
@@ -56,6 +63,11 @@ def checked_team_reward(func: TeamRewardFunc) -> TeamRewardFunc:
     name = get_callable_name(func)
 
     def reraise(error: Exception):
+        if isinstance(error, (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError)):
+            raise RewardFunctionError(
+                f"Team reward function '{name}' took longer than reward_timeout={timeout} s for one batch. Make it "
+                "faster (e.g. run external work concurrently, or async), or raise reward_timeout."
+            ) from error
         raise RewardFunctionError(f"Team reward function '{name}' raised {type(error).__name__}: {error}") from error
 
     if is_async_callable(func):
@@ -63,7 +75,7 @@ def checked_team_reward(func: TeamRewardFunc) -> TeamRewardFunc:
         @functools.wraps(func)
         async def checked_async(*args, **kwargs):
             try:
-                rewards = await func(*args, **kwargs)
+                rewards = await asyncio.wait_for(func(*args, **kwargs), timeout)
             except Exception as error:
                 reraise(error)
             return _check_rewards(name, rewards, len(kwargs["prompts"]))
@@ -72,10 +84,19 @@ def checked_team_reward(func: TeamRewardFunc) -> TeamRewardFunc:
         checked_async.__name__ = checked_async.__qualname__ = name
         return checked_async
 
+    def call(*args, **kwargs):
+        if timeout is None:
+            return func(*args, **kwargs)
+        worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"reward-{name}")
+        try:
+            return worker.submit(func, *args, **kwargs).result(timeout=timeout)
+        finally:
+            worker.shutdown(wait=False)
+
     @functools.wraps(func)
     def checked(*args, **kwargs):
         try:
-            rewards = func(*args, **kwargs)
+            rewards = call(*args, **kwargs)
         except Exception as error:
             reraise(error)
         return _check_rewards(name, rewards, len(kwargs["prompts"]))
@@ -103,3 +124,49 @@ def for_agent(reward_func: Callable[..., list[float | None]], agent: str) -> Tea
 
     agent_reward.__name__ = agent_reward.__qualname__ = name
     return agent_reward
+
+
+# What the trainer passes besides the dataset columns: to team rewards (`MAGRPOTrainer._score_joint_actions`), to
+# local rewards (`ATGRPOTrainer._local_scores`) and to transitions (`TreeRollout._next_turn`).
+TEAM_REWARD_ARGUMENTS = frozenset(
+    {
+        "prompts",
+        "completions",
+        "completion_ids",
+        "turn",
+        "history",
+        "state",
+        "trainer_state",
+        "log_extra",
+        "log_metric",
+    }
+)
+LOCAL_REWARD_ARGUMENTS = frozenset({"prompts", "completions", "turn", "state"})
+TRANSITION_ARGUMENTS = frozenset({"prompt", "joint_action", "history", "turn", "observations", "reward", "state"})
+
+
+def required_columns(func: Callable, provided: Iterable[str]) -> list[str]:
+    """The parameters of `func` without a default that the trainer does not provide: dataset columns it needs."""
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+        return []
+    positional = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    needed = [p for p in parameters if p.kind in positional and p.default is inspect.Parameter.empty]
+    return [p.name for p in needed if p.name not in provided]
+
+
+def check_dataset_columns(dataset: Any, consumers: list[tuple[str, Callable, frozenset]], dataset_name: str) -> None:
+    """Raise a `ValueError` naming the function and the column when `dataset` lacks a column that one of `consumers`
+    (`(kind, function, arguments the trainer provides)`) needs. Datasets without known columns are not checked."""
+    columns = getattr(dataset, "column_names", None)
+    if not columns:
+        return
+    for kind, func, provided in consumers:
+        missing = [name for name in required_columns(func, provided) if name not in columns]
+        if missing:
+            raise ValueError(
+                f"{kind} '{get_callable_name(func)}' reads the dataset column(s) {missing}, which the {dataset_name} "
+                f"lacks (its columns: {sorted(columns)}). Add the column(s) to every row, use the task's own dataset "
+                "(`task.dataset(split)`), or give the parameter a default."
+            )

@@ -43,7 +43,14 @@ from .checkpoints import CheckpointMixin
 from .config import ATGRPOConfig, MAGRPOConfig
 from .metrics import TeamMetricsMixin
 from .registry import load_plugin
-from .rewards import TeamRewardFunc, checked_team_reward
+from .rewards import (
+    LOCAL_REWARD_ARGUMENTS,
+    TEAM_REWARD_ARGUMENTS,
+    TRANSITION_ARGUMENTS,
+    TeamRewardFunc,
+    check_dataset_columns,
+    checked_team_reward,
+)
 from .rollout import JointAction, Rollout, TreeRollout, default_transition, pad_rows
 from .routing import AdapterRouter
 from .scheduling import resolve_scheduler
@@ -113,9 +120,19 @@ class MAGRPOTrainer(CheckpointMixin, TeamMetricsMixin, GRPOTrainer):
             raise ValueError("`reward_funcs` is empty: give at least one team reward function (or a task).")
         # A name is a reward plugin (`trl-marl list rewards`).
         reward_funcs = [load_plugin("rewards", f) if isinstance(f, str) else f for f in reward_funcs]
-        reward_funcs = [checked_team_reward(func) for func in reward_funcs]
+        reward_funcs = [checked_team_reward(func, args.reward_timeout) for func in reward_funcs]
         if transition is not None and not callable(transition):
             raise TypeError(f"`transition` must be callable, got {transition!r}.")
+        # A column that a reward, local reward or transition reads and the data lacks fails here, not mid-training.
+        consumers = [("Team reward", func, TEAM_REWARD_ARGUMENTS) for func in reward_funcs]
+        for agent, funcs in (task.local_reward_funcs if task is not None else {}).items():
+            consumers += [(f"Local reward of agent '{agent}'", func, LOCAL_REWARD_ARGUMENTS) for func in funcs]
+        if transition is not None and args.num_turns > 1:
+            consumers.append(("Transition", transition, TRANSITION_ARGUMENTS))
+        check_dataset_columns(train_dataset, consumers, "train dataset")
+        eval_datasets = eval_dataset if isinstance(eval_dataset, dict) else {"": eval_dataset}
+        for name, dataset in eval_datasets.items():
+            check_dataset_columns(dataset, consumers, f"eval dataset {name}".strip())
         self.task = task
         self.transition = transition or default_transition
         # Resolved before any model loads: an unknown or broken scheduler plugin fails here.
@@ -331,11 +348,29 @@ class MAGRPOTrainer(CheckpointMixin, TeamMetricsMixin, GRPOTrainer):
         self._route_rows(agent_index)
         try:
             prompt_ids, images, multimodal_fields = self._tokenize_prompts(model_inputs)
+            self._check_prompt_lengths(prompt_ids, agent_index)
             completion_ids, _ = self._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations)
         finally:
             self._clear_routing()
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
         return [list(ids) for ids in prompt_ids], completion_ids, texts
+
+    def _check_prompt_lengths(self, prompt_ids: list[list[int]], agent_index: list[int]) -> None:
+        """A prompt that leaves no room for `max_completion_length` new tokens within the model's positions is an
+        error naming the agent and quoting the prompt's end, before anything is generated or trained."""
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if not limit:
+            return
+        room = limit - self.max_completion_length
+        for ids, agent in zip(prompt_ids, agent_index):
+            if len(ids) > room:
+                tail = self.processing_class.decode(ids[-40:], skip_special_tokens=True)
+                raise ValueError(
+                    f"Agent '{self.agent_names[agent]}' got a prompt of {len(ids)} tokens; with "
+                    f"max_completion_length={self.max_completion_length} it exceeds the model's {limit} positions "
+                    f"(max_position_embeddings). The prompt ends: ...{tail!r}. Filter out such rows (prompts of at "
+                    f"most {room} tokens, system prompt and earlier turns included), or lower max_completion_length."
+                )
 
     def _score_joint_actions(self, joint_actions: list[JointAction]) -> torch.Tensor:
         """`(J, F)` team rewards of this process's joint actions (not gathered: processes score different numbers).
