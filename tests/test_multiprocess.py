@@ -1,4 +1,5 @@
-"""Two processes (torchrun, gloo on the CPU): prompt groups span processes and the rollout still lines up."""
+"""Two processes (torchrun, gloo on the CPU): prompt groups span processes, the rollout still lines up, and the
+advantages and the trained adapters are those of one process with the same global batch."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).parent / "scripts" / "two_process_train.py"
 
@@ -44,3 +46,31 @@ def test_two_processes_train_trees_of_different_sizes(tiny_model_dir, tmp_path):
     assert rank1["generated_rows"] == [[4, 20], [4, 20]]
     for report in (rank0, rank1):
         assert report["trained_rows"] == report["generated_rows"]  # one micro-batch per generation
+
+
+def test_two_processes_compute_the_advantages_of_one_process_and_end_with_identical_adapters(tiny_model_dir, tmp_path):
+    script = Path(__file__).parent / "scripts" / "equivalence_train.py"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    single = subprocess.run([sys.executable, str(script), tiny_model_dir, str(tmp_path / "one")], capture_output=True,
+                            text=True, env=env, timeout=600)  # fmt: skip
+    assert single.returncode == 0, single.stderr[-3000:]
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    two = subprocess.run([torchrun, "--nproc_per_node", "2", str(script), tiny_model_dir, str(tmp_path / "two")],
+                         capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+
+    expected = json.loads((tmp_path / "one" / "report-0.json").read_text())["advantages"]
+    rank0, rank1 = (json.loads((tmp_path / "two" / f"report-{r}.json").read_text()) for r in (0, 1))
+    assert rank0["world"] == rank1["world"] == 2
+    # Each process computed advantages for its own rows only; together they are the single process's, row by row.
+    assert rank0["advantages"].keys().isdisjoint(rank1["advantages"])
+    assert {**rank0["advantages"], **rank1["advantages"]} == pytest.approx(expected, abs=1e-5)
+    assert len(expected) == 3 * 8 * 2 and sum(abs(a) > 0.1 for a in expected.values()) > len(expected) // 2
+    # DDP keeps the processes' adapters identical, and they equal the single process's up to summation order.
+    one = torch.load(tmp_path / "one" / "adapters-0.pt")
+    first, second = (torch.load(tmp_path / "two" / f"adapters-{r}.pt") for r in (0, 1))
+    assert first.keys() == second.keys() == one.keys()
+    for name in one:
+        assert torch.equal(first[name], second[name]), name
+        torch.testing.assert_close(first[name], one[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert any(not torch.equal(one[name], torch.zeros_like(one[name])) for name in one if "lora_B" in name)

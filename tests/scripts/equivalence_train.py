@@ -1,0 +1,93 @@
+"""Trains two agents for a few steps, on one process or under `torchrun --nproc_per_node 2` (gloo on the CPU), with
+the same global batch, for tests/test_multiprocess.py.
+
+    equivalence_train.py MODEL OUTPUT_DIR
+
+Generation is replaced by a deterministic function of (prompt, how many times that prompt came before in the global
+batch), so that one process and two processes produce the same completions; everything after it (team rewards
+gathered across processes, advantages, each process's slice, the loss, DDP's gradient averaging) is the real thing.
+Each process writes `report-<rank>.json` (its rows' advantages) and `adapters-<rank>.pt` (its LoRA weights).
+"""
+
+import hashlib
+import json
+import os
+import sys
+from collections import Counter
+
+import torch
+from accelerate.utils import gather_object
+from datasets import Dataset
+
+from trl_marl import MAGRPOConfig, MAGRPOTrainer
+
+model_dir, output_dir = sys.argv[1], sys.argv[2]
+world = int(os.environ.get("WORLD_SIZE", "1"))
+GLOBAL_COPIES = 8  # prompt copies per step over all processes: 2 prompts x G=4
+
+
+def length_gap_reward(prompts, completions, **kwargs):
+    return [float(len(c["detailed"]) - len(c["concise"])) for c in completions]
+
+
+args = MAGRPOConfig(
+    output_dir=output_dir,
+    agents=["concise", "detailed"],
+    num_generations=4,
+    per_device_train_batch_size=GLOBAL_COPIES // world,  # the same global batch; with 2 processes a group spans both
+    max_completion_length=6,
+    max_steps=3,
+    learning_rate=1.0,
+    optim="sgd",  # updates linear in the gradient: Adam would blow float summation-order noise up to ~lr
+    lora_r=2,
+    report_to="none",
+    save_strategy="no",
+    use_cpu=True,
+    gradient_checkpointing=False,
+    seed=7,
+)
+dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": f"Say {i}."}] for i in range(8)]})
+trainer = MAGRPOTrainer(model_dir, length_gap_reward, args=args, train_dataset=dataset)
+eos = trainer.processing_class.eos_token_id
+
+
+def deterministic_generate(prompt_ids, images, multimodal_fields, num_generations, *rest, **kwargs):
+    """Completions that depend only on the prompt and its global occurrence: the rows of lower ranks come first."""
+    local = [tuple(ids) for ids in prompt_ids]
+    everyone = gather_object([local]) if world > 1 else [local]
+    seen = Counter(ids for rank_rows in everyone[: trainer.accelerator.process_index] for ids in rank_rows)
+    completions = []
+    for ids in local:
+        digest = hashlib.sha256(repr((ids, seen[ids])).encode()).digest()
+        seen[ids] += 1
+        length = 1 + digest[0] % 5
+        completions.append([100 + b for b in digest[1 : 1 + length]] + [eos])
+    return completions, None
+
+
+advantages = {}
+score = trainer._generate_and_score_completions
+
+
+def recording_score(inputs):
+    output = score(inputs)
+    for prompt, prompt_mask, completion, completion_mask, agent, advantage, padding in zip(
+        output["prompt_ids"], output["prompt_mask"], output["completion_ids"], output["completion_mask"],
+        output["agent_index"], output["advantages"], output["is_padding"],
+    ):  # fmt: skip
+        if not padding:
+            tokens = (prompt[prompt_mask.bool()].tolist(), completion[completion_mask.bool()].tolist())
+            key = repr((int(agent), *tokens, trainer.state.global_step))
+            advantages[key] = advantage.item()
+    return output
+
+
+trainer._generate_single_turn, trainer._generate_and_score_completions = deterministic_generate, recording_score
+trainer.train()
+rank = trainer.accelerator.process_index
+with open(os.path.join(output_dir, f"report-{rank}.json"), "w") as file:
+    json.dump({"world": world, "advantages": advantages}, file)
+adapters = {n: p.detach().cpu() for n, p in trainer.model.named_parameters() if "lora_" in n}
+torch.save(adapters, os.path.join(output_dir, f"adapters-{rank}.pt"))
+if world > 1:
+    torch.distributed.destroy_process_group()  # let gloo's threads stop before the interpreter exits
