@@ -18,6 +18,7 @@ from typing import Any
 
 from datasets import Dataset
 
+from ...rollout import NextTurn
 from ...sandbox import Limits
 from ...tasks import Task
 from ..code import extract_code, shared_sandbox
@@ -32,7 +33,9 @@ TOOL_LIMITS = Limits(wall_time_s=5.0, memory_bytes=256 * 2**20, output_bytes=64 
 TOOL_OUTPUT_CHARS = 300  # the end of the tool's output shown in the next prompt (the reference truncates to 300)
 TRAIN_SEED, EVAL_SEED = 0, 1_000_000  # the splits' first generator seeds: disjoint seed ranges
 MAX_SEEDS_PER_PUZZLE = 20  # seeds tried per wanted puzzle before a split gives up (duplicates are skipped)
-TURN_LIMIT = 4  # T: the reference's training script for the paper's Sokoban sets env.max_turns=4
+# T: the reference's Qwen3-1.7B puzzle scripts set env.max_turns=4 (scripts/train/game/sokoban_prompt_1.7B_at_grpo.sh,
+# scripts/sokodu.sh)
+TURN_LIMIT = 4
 
 TOOL_PROMPT = (
     "You are the tool agent of a two-agent puzzle team. Write one short Python program in a ```python block that "
@@ -233,6 +236,8 @@ class PuzzleTask(Task):
 
     def __init__(self, difficulty: str | Any = "paper", num_turns: int | None = None, train_size: int | None = None,
                  eval_size: int | None = None):  # fmt: skip
+        if not self.difficulties:
+            raise TypeError("PuzzleTask is a base class: use PlanPathTask, SokobanTask or SudokuTask.")
         if isinstance(difficulty, str):
             if difficulty not in self.difficulties:
                 raise ValueError(
@@ -314,8 +319,6 @@ class PuzzleTask(Task):
     def transition(self, prompt, observations: dict, turn: int, state: PuzzleState | None = None, **kwargs):
         """The next turn's prompt, the same for both agents: the current board, what was committed, what the tool's
         program did; the episode ends once the puzzle is solved (or has failed)."""
-        from ...rollout import NextTurn
-
         if state is None or state.solved or state.failed:
             return NextTurn(done=True)
         content = (
