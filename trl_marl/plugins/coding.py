@@ -281,12 +281,14 @@ def cooperative_code_reward(
 ) -> list[float]:
     """Team reward of cooperative coding, in [−0.5, 4]: the levels of `code_levels` summed (see the constants).
     Dataset columns: `entry_point`, `tests` (JSON, `encode_tests`) and `problem` (the HumanEval prompt, for its
-    imports). In a trainer it also logs the batch's `coding/pass_at_1` (share of joint actions passing every test),
-    `coding/tests_passed`, `coding/syntax_ok` and `coding/uses_aux`."""
-    levels = [
-        code_levels(c["helper"], c["main"], name, decode_tests(cell), text)
-        for c, name, cell, text in zip(completions, entry_point, tests, problem)
-    ]
+    imports). The joint actions' tests run concurrently in the sandbox. In a trainer it also logs the batch's
+    `coding/pass_at_1` (share of joint actions passing every test), `coding/tests_passed`, `coding/syntax_ok` and
+    `coding/uses_aux`."""
+    sandbox = shared_sandbox()
+    rows = list(zip(completions, entry_point, tests, problem))
+    levels = sandbox.map(  # joint actions run concurrently: a timeout costs one slot, not the whole batch
+        lambda row: code_levels(row[0]["helper"], row[0]["main"], row[1], decode_tests(row[2]), row[3], sandbox), rows
+    )
     if log_metric is not None and levels:
         for name, values in level_metrics(levels).items():
             log_metric(f"coding/{name}", values)

@@ -122,17 +122,20 @@ class Sandbox:
     def run_many(self, sources: Sequence[str], stdins: Sequence[str | bytes | None] | None = None, limits=None):
         """`run` for each source, concurrently; results in order."""
         stdins = stdins if stdins is not None else [None] * len(sources)
-        return self._map(lambda pair: self.run(pair[0], pair[1], limits), zip(sources, stdins))
+        return self.map(lambda pair: self.run(pair[0], pair[1], limits), zip(sources, stdins))
 
     def call_many(self, requests: Sequence[tuple[str, str, Sequence[Sequence[Any]]]], limits=None):
         """`call` for each ``(source, entry_point, calls)``, concurrently; results in order."""
-        return self._map(lambda request: self.call(*request, limits=limits), requests)
+        return self.map(lambda request: self.call(*request, limits=limits), requests)
 
     def check_many(self, requests: Sequence[tuple[str, str, Sequence[CallTest]]], limits=None, **tolerance):
         """`check` for each ``(source, entry_point, tests)``, concurrently; pass rates in order."""
-        return self._map(lambda request: self.check(*request, limits=limits, **tolerance), requests)
+        return self.map(lambda request: self.check(*request, limits=limits, **tolerance), requests)
 
-    def _map(self, function: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+    def map(self, function: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+        """`function(item)` for each item on this sandbox's worker threads (within `max_concurrency()` runs at once),
+        results in order. For scoring that runs code in the sandbox and does more around it; on an interruption the
+        sandbox's runs are killed and cleaned up before the exception propagates."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="trl-marl-sandbox")
         futures: list[Future] = [self._pool.submit(function, item) for item in items]
