@@ -74,3 +74,12 @@ def test_two_processes_compute_the_advantages_of_one_process_and_end_with_identi
         assert torch.equal(first[name], second[name]), name
         torch.testing.assert_close(first[name], one[name], rtol=1e-5, atol=1e-6, msg=name)
     assert any(not torch.equal(one[name], torch.zeros_like(one[name])) for name in one if "lora_B" in name)
+
+
+@pytest.mark.parametrize(("config", "kind"), [("multi_gpu.yaml", "MULTI_GPU"), ("deepspeed_zero2.yaml", "DEEPSPEED")])
+def test_the_documented_accelerate_configs_are_valid(config, kind):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    loaded = load_config_from_file(str(Path(__file__).resolve().parents[1] / "recipes" / "accelerate" / config))
+    assert loaded.distributed_type.value == kind and loaded.num_processes == 2 and loaded.mixed_precision == "bf16"
+    assert kind != "DEEPSPEED" or loaded.deepspeed_config["zero_stage"] == 2
