@@ -152,6 +152,28 @@ def evaluate(arguments) -> int:
     return 0
 
 
+def estimate(arguments, overrides: list[str]) -> int:
+    """`trl-marl estimate`: the memory planner's breakdown for a `trl-marl train` config, and whether it fits each
+    card size. Reads the model's config.json only (from the Hub, its cache, or a local folder)."""
+    from .memory import estimate_memory
+
+    script_args, args = parse_train_config(arguments.config, overrides)
+    try:
+        result = estimate_memory(
+            args,
+            model_name_or_path=script_args.model_name_or_path,
+            load_in_4bit=script_args.load_in_4bit,
+            prompt_length=arguments.prompt_length,
+        )
+    except OSError as error:
+        raise SystemExit(
+            f"Could not read the config of {script_args.model_name_or_path}: {error}\nThe planner needs only its "
+            "config.json: go online, or pass --model_name_or_path a local folder holding it."
+        ) from error
+    print(result.table(arguments.gpu_memory_gb))
+    return 0
+
+
 def _check_keys(config_path: str, values: dict, dataclass_types: tuple) -> None:
     """Fail on a key that is no field, before anything is built (TRL's parser would first build the config, whose
     own checks could hide the misspelt key)."""
@@ -201,7 +223,18 @@ def main(argv: list[str] | None = None) -> int:
     evaluating.add_argument("--task_source", default=None, help="the task's data source, e.g. hub (default: offline)")
     evaluating.add_argument("--limit", type=int, default=None, help="only the first N problems")
     evaluating.add_argument("--max_completion_length", type=int, default=256)
+    estimating = commands.add_parser(
+        "estimate",
+        help="predict a training config's peak GPU memory",
+        description="Predict the peak GPU memory of `trl-marl train CONFIG` (memory planner: base, adapters, "
+        "optimizer, activations, KV cache) from the model's config.json alone; --field value overrides as in train.",
+    )
+    estimating.add_argument("config", help="YAML file of `trl-marl train`")
+    estimating.add_argument("--prompt_length", type=int, default=512, help="longest prompt in tokens (default 512)")
+    estimating.add_argument("--gpu_memory_gb", type=float, nargs="*", default=[16, 24], help="card sizes to check")
     arguments, overrides = parser.parse_known_args(argv)
+    if arguments.command == "estimate":
+        return estimate(arguments, overrides)
     if arguments.command == "evaluate":
         if overrides:
             parser.error(f"unrecognized arguments: {' '.join(overrides)}")
