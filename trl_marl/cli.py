@@ -155,8 +155,17 @@ def evaluate(arguments) -> int:
 def estimate(arguments, overrides: list[str]) -> int:
     """`trl-marl estimate`: the memory planner's breakdown for a `trl-marl train` config, and whether it fits each
     card size. Reads the model's config.json only (from the Hub, its cache, or a local folder)."""
+    import torch
+
     from .memory import estimate_memory
 
+    if not torch.cuda.is_available():
+        # transformers accepts bf16 without a GPU only with use_cpu, under which trl_marl turns an unset bf16 off;
+        # the prediction is for a GPU, where bf16 is on unless the config says otherwise (TRL's default).
+        with open(arguments.config) as file:
+            keys = set(yaml.safe_load(file) or {})
+        precision_set = keys & {"bf16", "fp16"} or {"--bf16", "--fp16"} & set(overrides)
+        overrides = ["--use_cpu", "true", *([] if precision_set else ["--bf16", "true"]), *overrides]
     script_args, args = parse_train_config(arguments.config, overrides)
     try:
         result = estimate_memory(

@@ -38,8 +38,9 @@ autocast dtype (2 bytes with `bf16` / `fp16`).
 Rows come from the rollout: MAGRPO turn t (0-based) has `copies·K^t` nodes' worth of rows per acting agent, with
 K = G (aligned) or G^N (cross) and `copies = per_device_train_batch_size · steps_per_generation`; AT-GRPO has
 `copies` rows per agent step. A micro-batch is the rows of a generation batch divided by `steps_per_generation`.
-Prompts at later turns carry the earlier answers: P_t = P + (answers visible before it)·C, an upper bound that
-ignores a transition's own feedback text (raise `prompt_length` to cover it).
+Prompts at later turns carry the earlier answers: P_t = P + (answers visible before it)·C — every earlier answer of
+the episode, or under `debate` the other agents' previous answers — an upper bound that ignores a transition's own
+feedback text (raise `prompt_length` to cover it).
 """
 
 from __future__ import annotations
@@ -331,16 +332,26 @@ def rollout_geometry(config: MAGRPOConfig, prompt_length: int) -> tuple[list[_Ca
         for phase in scheduler.phases(turn, config.num_agents):
             if isinstance(config, ATGRPOConfig):
                 for agent in phase:
-                    calls.append(_Call(copies, prompt_length + answers_before * completion))
+                    visible = _visible_answers(config.scheduler, turn, answers_before, config.num_agents)
+                    calls.append(_Call(copies, prompt_length + visible * completion))
                     train_rows += copies if agent in trained else 0
                     answers_before += 1
             else:
                 nodes = copies * per_node**turn
-                calls.append(_Call(nodes * len(phase), prompt_length + answers_before * completion))
+                visible = _visible_answers(config.scheduler, turn, answers_before, config.num_agents)
+                calls.append(_Call(nodes * len(phase), prompt_length + visible * completion))
                 train_rows += nodes * len(trained.intersection(phase))
                 answers_before += len(phase)
     micro_batch = math.ceil(train_rows / config.steps_per_generation)
     return calls, micro_batch, max(call.prompt_length for call in calls) + completion
+
+
+def _visible_answers(scheduler: str, turn: int, answers_before: int, num_agents: int) -> int:
+    """How many earlier answers a prompt shows, at most: the other agents' previous turn under `debate`, every
+    earlier answer of the episode otherwise (`parallel`, `sequential`, `round_robin`, and plugins, as a bound)."""
+    if scheduler == "debate":
+        return num_agents - 1 if turn > 0 else 0
+    return answers_before
 
 
 @dataclass
@@ -410,10 +421,12 @@ class MemoryEstimate:
             ("generation: prefill working set", self.prefill_working_set),
             ("generation: last-token logits + sampling", self.generation_logits),
             ("= generation phase", self.generation_phase),
-            ("overhead (CUDA context + allocator)" if self.device != "cpu" else "overhead (none on the CPU)", 0),
+            (
+                "overhead (none on the CPU)" if self.device == "cpu" else "overhead (CUDA context + allocator)",
+                self.overhead,
+            ),
+            (f"PEAK ({self.peak_phase} phase)", self.peak),
         ]
-        rows[-1] = (rows[-1][0], self.overhead)
-        rows.append((f"PEAK ({self.peak_phase} phase)", self.peak))
         width = max(len(name) for name, _ in rows)
         lines = [f"{name:<{width}}  {value / MIB:>10,.0f} MiB" for name, value in rows]
         info = ", ".join(f"{key}={value}" for key, value in self.details.items())
@@ -513,7 +526,7 @@ def estimate_memory(
     layer += rows * per_row_lora * dtypes.lora_in if routed else 0  # gathered A and B of every row
     if autocast and not load_in_4bit and b_model != autocast:
         layer += layer_weights * autocast  # autocast's bf16 copy of each frozen weight, kept for the input gradient
-    final_norm = tokens * (4 * h + 4)
+    final_norm = tokens * (4 * h + 4) + tokens * seq_len  # + the boolean (B, 1, S, S) mask all layers share
     checkpointing = bool(getattr(config, "gradient_checkpointing", False))
     residual_grads = 2 * tokens * h * 4
     if checkpointing:

@@ -19,6 +19,8 @@ What is measured, and what is subtracted:
   process itself (interpreter, torch / transformers / TRL code and their first-use state, tokenizer, dataset), which
   on a GPU lives in host memory; what remains is what the planner predicts: weights, adapters, optimizer states,
   gradients, activations and generation buffers.
+- After loading, every parameter is copied into its own buffer (`own_buffers`: loaders leave them as views of
+  larger host buffers, which are not device memory on a GPU), then the peak is reset.
 - Phases: the peak is reset (VmHWM via /proc/self/clear_refs) before each rollout (generation and scoring) and each
   optimisation part, and the larger peak over the steps is kept for each phase; measured = max(phase peaks) - baseline.
   The loading peak (file pages of the checkpoint, the fp32 copy before 4-bit quantization) is not part of it.
@@ -163,6 +165,17 @@ def build_trainer(model_path, settings, tokenizer, output_dir, max_steps):
     return trainer
 
 
+def own_buffers(model) -> None:
+    """Copy every parameter into a buffer of its own. Loaders leave parameters as views of larger host buffers: the
+    4-bit loader keeps about 250 MB of float32 staging alive through them on the CPU, and a float32 checkpoint stays
+    a file mapping. Neither is device memory on a GPU; after this, RSS holds exactly the parameters."""
+    import torch
+
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.clone()
+
+
 class PhasePeaks:
     """Peak RSS of the rollout (generation + scoring) and of the optimisation part of each step."""
 
@@ -215,6 +228,7 @@ def worker(name: str) -> None:
         start = time.perf_counter()
         trainer = build_trainer(model_path, settings, tokenizer, f"{tmp}/run", max_steps=STEPS)
         load_peak = rss_bytes()
+        own_buffers(trainer.model)
         reset_peak()
         phases = PhasePeaks(trainer)
         trainer.train()
