@@ -14,7 +14,7 @@ each as `team_reward_weight` × team + local, trains on each group, and continue
 
 The embedded 135M default model rarely writes a working solver, so expect small numbers: the point is the whole loop
 (generation, sandboxed tool runs, environment steps, groups, training) on a laptop. For the paper's scale see
-`recipes/paper/atgrpo_<task>.yaml`. Every `ATGRPOConfig` / `GRPOConfig` field is a flag. Prints the team reward and
+`recipes/paper/atgrpo_puzzles.yaml`. Every `ATGRPOConfig` / `GRPOConfig` field is a flag. Prints the team reward and
 the success rate on held-out puzzles before and after training; writes `<output_dir>/results.json`.
 """
 
@@ -45,7 +45,7 @@ class PuzzleArguments:
         default=None, metadata={"help": "Base model; defaults to the embedded SmolLM2-135M-Instruct."}
     )
     train_puzzles: int = field(default=64, metadata={"help": "Puzzles generated for training."})
-    eval_puzzles: int = field(default=4, metadata={"help": "Held-out puzzles for the before/after figures."})
+    eval_puzzles: int = field(default=2, metadata={"help": "Held-out puzzles for the before/after figures."})
 
 
 def figures(metrics: dict) -> dict:
@@ -70,10 +70,10 @@ def main() -> None:
         num_turns=2,  # ours, for the CPU (the paper's recipes use 4)
         output_dir=f"outputs/atgrpo-{task_name}",
         num_generations=2,  # K candidates per (puzzle, turn, agent); the paper's K is 4
-        per_device_train_batch_size=4,  # two puzzles per step
-        per_device_eval_batch_size=4,
+        per_device_train_batch_size=2,  # one puzzle (K copies) per step: 2 copies x 2 agents x 2 turns = 8 rows
+        per_device_eval_batch_size=2,
         num_generations_eval=2,
-        max_completion_length=64,
+        max_completion_length=48,
         max_steps=6,
         learning_rate=5e-4,
         lr_scheduler_type="constant",

@@ -418,7 +418,7 @@ def test_an_at_grpo_episode_scores_groups_with_the_puzzle_rewards_and_stops_when
         success=task.success,
     )  # fmt: skip
     result = rollout.run([path_row() for _ in range(3)], 0, generate, score, local_score)
-    rewards = {agent: [s.reward for s in result.joint_actions if s.node[2] == agent] for agent in (0, 1)}
+    rewards = {agent: [ja.reward for ja in result.joint_actions if ja.node[2] == agent] for agent in (0, 1)}
     assert rewards[0] == pytest.approx([0.0 + 1.95, 0.0 - 0.5, 0.0 - 0.5])  # team (nothing committed) + simulated
     assert rewards[1] == pytest.approx([1.95 + 1.95, -0.1 - 0.1, -0.1 - 0.5])  # team + own commit
     assert 'print("Answer:"' in str(generate.inputs[1][0])  # the plan saw the chosen tool program
@@ -439,7 +439,7 @@ class PlanPathWithLengthBonus(PlanPathTask):
 def test_the_puzzle_task_trains_a_few_at_grpo_steps_on_a_tiny_model(tiny_model_dir, tmp_path):
     task = PlanPathWithLengthBonus(difficulty="easy", num_turns=2, train_size=8, eval_size=2)
     args = ATGRPOConfig.for_task(
-        task, output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2, max_completion_length=8,
+        task, output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, max_completion_length=8,
         max_steps=2, learning_rate=5e-2, lora_r=4, lora_alpha=8, logging_steps=1, report_to="none",
         save_strategy="no", use_cpu=True, gradient_checkpointing=False, seed=3,
     )  # fmt: skip
@@ -487,8 +487,8 @@ def test_the_paper_configs_parse_with_the_papers_settings(task):
 def run_recipe(output_dir, *flags):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     command = [sys.executable, str(REPO / "recipes" / "atgrpo_puzzles.py"), "--output_dir", str(output_dir),
-               "--max_steps", "2", "--logging_steps", "1", "--eval_puzzles", "2", "--max_completion_length", "16",
-               *flags]  # fmt: skip
+               "--max_steps", "2", "--logging_steps", "1", "--eval_puzzles", "1", "--max_completion_length", "16",
+               "--num_turns", "1", *flags]  # fmt: skip
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=REPO)
 
 
@@ -508,7 +508,7 @@ def test_the_cpu_recipe_trains_and_reports_the_success_rate(tmp_path, default_mo
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["task"] == task and results["steps"] == 2
     for figures in (results["before"], results["after"]):
-        assert 0.0 <= figures["success_rate"] <= 1.0 and 1.0 <= figures["turns"] <= 2.0
+        assert 0.0 <= figures["success_rate"] <= 1.0 and figures["turns"] == 1.0
         assert figures["team_reward"] <= 2.0
     assert (tmp_path / "tool" / "adapter_config.json").is_file() and (tmp_path / "plan").is_dir()
     assert "Before training:" in result.stdout and "After 2 steps:" in result.stdout

@@ -75,33 +75,40 @@ def conflicts(cells, row: int, col: int, digit: int) -> bool:
 
 
 def count_solutions(cells, limit: int = 2) -> int:
-    """Solutions of a (possibly partial) grid, counted up to `limit` (backtracking, fewest candidates first)."""
-    grid = [list(row) for row in cells]
-    size = len(grid)
+    """Solutions of a (possibly partial) grid, counted up to `limit` (backtracking on the cell with the fewest
+    candidates, with each row's, column's and box's digits kept as sets); 0 when the given digits already clash."""
+    size = len(cells)
+    box = math.isqrt(size)
+    rows, cols, boxes = [set() for _ in range(size)], [set() for _ in range(size)], [set() for _ in range(size)]
+    empty = []
+    for r in range(size):
+        for c in range(size):
+            digit, b = cells[r][c], (r // box) * box + c // box
+            if not digit:
+                empty.append((r, c, b))
+                continue
+            if digit in rows[r] or digit in cols[c] or digit in boxes[b]:
+                return 0
+            rows[r].add(digit), cols[c].add(digit), boxes[b].add(digit)
+    digits = set(range(1, size + 1))
 
-    def search() -> int:
-        best = None
-        for r in range(size):
-            for c in range(size):
-                if grid[r][c] == 0:
-                    options = [d for d in range(1, size + 1) if not conflicts(grid, r, c, d)]
-                    if best is None or len(options) < len(best[2]):
-                        best = (r, c, options)
-        if best is None:
+    def search(open_cells: list) -> int:
+        if not open_cells:
             return 1
-        r, c, options = best
+        options = [(digits - rows[r] - cols[c] - boxes[b], (r, c, b)) for r, c, b in open_cells]
+        candidates, cell = min(options, key=lambda option: len(option[0]))
+        r, c, b = cell
+        rest = [other for other in open_cells if other != cell]
         found = 0
-        for digit in options:
-            grid[r][c] = digit
-            found += search()
-            grid[r][c] = 0
+        for digit in sorted(candidates):
+            rows[r].add(digit), cols[c].add(digit), boxes[b].add(digit)
+            found += search(rest)
+            rows[r].discard(digit), cols[c].discard(digit), boxes[b].discard(digit)
             if found >= limit:
                 break
         return found
 
-    if any(conflicts(grid, r, c, grid[r][c]) for r in range(size) for c in range(size) if grid[r][c]):
-        return 0
-    return search()
+    return search(empty)
 
 
 class Sudoku(Puzzle):
