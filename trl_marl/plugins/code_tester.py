@@ -192,6 +192,7 @@ class Outcome:
     note: str
 
 
+RUN_FAILED = "the run failed: "  # the note of every test of a run that did not end ok
 _CACHE: OrderedDict[tuple, tuple[Outcome, ...]] = OrderedDict()
 _CACHE_SIZE = 4096  # judged (program, tests) pairs kept: rewards, the transition and `success` ask the same questions
 _CACHE_LOCK = threading.Lock()
@@ -220,7 +221,7 @@ def _judge_checkable(program: str, entry_point: str, tests: tuple[AssertTest, ..
     if not result.ok:
         error = [line for line in result.stderr.splitlines() if line.strip()]  # the program's own words: feedback only
         why = _shorten(error[-1], 120) if error and result.status is Status.ERROR else result.reason
-        outcomes = (Outcome(False, f"the run failed: {result.status.value} ({why})"),) * len(tests)
+        outcomes = (Outcome(False, f"{RUN_FAILED}{result.status.value} ({why})"),) * len(tests)
     else:
         outcomes = tuple(
             Outcome(assert_passed(test, output), _shorten(f"raised {output.error}" if output.error is not None
@@ -419,12 +420,15 @@ def code_tester_feedback(prompt, state, turn, entry_point, problem, **kwargs) ->
     code = solution_code(state["code"])
     code_block = f"The coder's code:\n```python\n{code}\n```" if code else "The coder wrote no code."
     if pair.tests:
+        crashed = {o.note for o in pair.outcomes if o.note.startswith(RUN_FAILED)}  # one run: one note for all
         lines = [
-            f"- {'PASS' if o.passed else 'FAIL'}: {_shorten(t.source, 200)}" + ("" if o.passed else f" ({o.note})")
+            f"- {'PASS' if o.passed else 'FAIL'}: {_shorten(t.source, 200)}"
+            + ("" if o.passed or o.note in crashed else f" ({o.note})")
             for t, o in zip(pair.tests, pair.outcomes)
         ]
         passed = sum(o.passed for o in pair.outcomes)
         tests_block = f"The tester's tests on that code ({passed} of {len(lines)} pass):\n" + "\n".join(lines)
+        tests_block += "".join(f"\nThe code could not be run: {note.removeprefix(RUN_FAILED)}" for note in crashed)
     else:
         tests_block = "The tester wrote no tests (write lines such as `assert f(2) == 4`)."
     report = f"After turn {turn + 1}:\n{code_block}\n{tests_block}"

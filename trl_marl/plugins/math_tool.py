@@ -60,25 +60,24 @@ _MARKERS = re.compile(r"\\boxed\s*\{|Answer\s*:|####", re.IGNORECASE)
 
 def parse_number(text: str) -> Fraction | None:
     """The first number in `text`, exactly: an integer (`-12`, `1,234`), a decimal (`3.25`), a fraction (`7/2`,
-    `-7/2`, `\\frac{7}{2}`); None when there is none or a denominator is 0. Dollar signs and LaTeX spacing are
-    ignored; a comma that does not separate thousands ends the number (`3, 4` is 3)."""
+    `-7/2`, `\\frac{7}{2}`); None when there is none, a denominator is 0, or it has more digits than Python converts
+    (`sys.get_int_max_str_digits()`). Dollar signs and LaTeX spacing are ignored; a comma that does not separate
+    thousands ends the number (`3, 4` is 3)."""
     text = text.replace("\u2212", "-").replace("\\$", "").replace("$", "").replace("\\!", "").replace("\\,", "")
     number, fraction = _NUMBER.search(text), _LATEX_FRACTION.search(text)
-    if fraction is not None and (number is None or fraction.start() <= number.start()):
-        numerator, denominator = int(fraction.group(3)), int(fraction.group(5))
-        if denominator == 0:
+    try:
+        if fraction is not None and (number is None or fraction.start() <= number.start()):
+            negative = [fraction.group(i) for i in (1, 2, 4)].count("-") % 2 == 1
+            value = Fraction(int(fraction.group(3)), int(fraction.group(5)))
+            return -value if negative else value
+        if number is None:
             return None
-        negative = [fraction.group(i) for i in (1, 2, 4)].count("-") % 2 == 1
-        return Fraction(-numerator if negative else numerator, denominator)
-    if number is None:
+        value = Fraction(number.group(2).replace(",", ""))
+        if number.group(4) is not None:
+            value /= Fraction(number.group(4).replace(",", ""))
+        return -value if (number.group(1) == "-") != (number.group(3) == "-") else value
+    except (ValueError, ZeroDivisionError):
         return None
-    value = Fraction(number.group(2).replace(",", ""))
-    if number.group(4) is not None:
-        denominator = Fraction(number.group(4).replace(",", ""))
-        if denominator == 0:
-            return None
-        value /= -denominator if number.group(3) else denominator
-    return -value if number.group(1) else value
 
 
 def _boxed_content(text: str, start: int) -> str:
