@@ -32,6 +32,7 @@ from trl_marl.plugins.code_tester import (
     coder_pass_rate,
     generated_tests,
     judge,
+    solution_code,
 )
 from trl_marl.plugins.coding import AssertTest, decode_tests
 from trl_marl.plugins.mutants import mutants
@@ -79,6 +80,10 @@ def test_a_broken_line_costs_only_itself_and_only_the_first_tests_count():
     many = fenced(*[f"assert {ENTRY}([{i}.0], 1.0) == False" for i in range(MAX_GENERATED_TESTS + 4)])
     assert len(generated_tests(many, ENTRY)) == MAX_GENERATED_TESTS
     assert generated_tests("I would test the empty list.", ENTRY) == ()
+    deep = "[" * 1000 + "]" * 1000  # deeper than the parser allows: no test, and no crash
+    hostile = fenced(f"assert {ENTRY}({deep}, 0.5) == False", "assert f('\x00') == 1", "assert " + "(" * 300 + "1")
+    assert generated_tests(hostile, ENTRY) == ()
+    assert solution_code(fenced("def f():", "    return '\x00'")) == "def f():\n    return '\x00'"  # kept as is
 
 
 # ---------------------------------------------------------------------------------------------------------- mutants

@@ -68,6 +68,9 @@ PASS_RATE = 1.0  # team: times the coder's pass rate on the problem's own tests
 TESTS_VALID = 0.5  # tester: at least one test, and every test passes on the canonical solution; else the reward is 0
 CATCHES_MUTANT = 0.5  # tester, with TESTS_VALID: at least one of its tests fails on the broken variant
 MAX_GENERATED_TESTS = 16  # the tester's first 16 asserts count; more are ignored (bounds every run)
+# What `ast.parse`/`ast.unparse` raise on model-written text: a syntax error, a null byte (ValueError), nesting deeper
+# than the parser or the recursion limit allows.
+UNPARSEABLE = (SyntaxError, ValueError, RecursionError, MemoryError)
 MAX_MUTANTS_TRIED = 12  # mutants tried per problem, in `mutants.py`'s order, when choosing the broken variant
 # A canonical solution runs its tests in milliseconds; a mutant still running after 2 s loops, and is not chosen.
 MUTANT_SEARCH_LIMITS = Limits(wall_time_s=2.0)
@@ -109,7 +112,7 @@ def solution_code(text: str) -> str:
     code = extract_code(text)
     try:
         module = ast.parse(code)
-    except SyntaxError:
+    except UNPARSEABLE:
         return code.strip()
     lines = code.splitlines()
     for node in reversed(module.body):
@@ -150,15 +153,14 @@ class _AsCandidate(ast.NodeTransformer):
 
 
 def _checked(node: ast.Assert, entry_point: str) -> AssertTest | None:
-    renamed = _AsCandidate(entry_point).visit(ast.parse(ast.unparse(node.test), mode="eval").body)
-    parsed = parse_check(f"def check(candidate):\n    assert {ast.unparse(renamed)}\n")
-    if not parsed:
-        return None
     try:
-        encode_tests(parsed)  # plain values only (a complex number, say, could not reach the sandbox)
-    except TypeError:
+        renamed = _AsCandidate(entry_point).visit(ast.parse(ast.unparse(node.test), mode="eval").body)
+        parsed = parse_check(f"def check(candidate):\n    assert {ast.unparse(renamed)}\n")
+        if parsed:
+            encode_tests(parsed)  # plain values only (a complex number, say, could not reach the sandbox)
+    except (*UNPARSEABLE, TypeError):
         return None
-    return parsed[0]
+    return parsed[0] if parsed else None
 
 
 def generated_tests(text: str, entry_point: str) -> tuple[GeneratedTest, ...]:
@@ -170,15 +172,22 @@ def generated_tests(text: str, entry_point: str) -> tuple[GeneratedTest, ...]:
         asserts = sorted(
             (n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Assert)), key=lambda n: (n.lineno, n.col_offset)
         )
-    except SyntaxError:
+    except UNPARSEABLE:
         asserts = []
         for line in code.splitlines():
             if line.strip().startswith("assert"):
                 try:
                     asserts += [n for n in ast.parse(line.strip()).body if isinstance(n, ast.Assert)]
-                except SyntaxError:
+                except UNPARSEABLE:
                     continue
-    return tuple(GeneratedTest(ast.unparse(n), _checked(n, entry_point)) for n in asserts[:MAX_GENERATED_TESTS])
+    tests = []
+    for node in asserts[:MAX_GENERATED_TESTS]:
+        try:
+            source = ast.unparse(node)
+        except UNPARSEABLE:
+            source = "assert ... (too deeply nested to show)"
+        tests.append(GeneratedTest(source, _checked(node, entry_point)))
+    return tuple(tests)
 
 
 # ---------------------------------------------------------------------------------------------------------- runs
