@@ -198,6 +198,23 @@ def test_cli_estimate_prints_the_breakdown(tmp_path, capsys):
     assert "PEAK" in printed and "16 GB card: fits" in printed
 
 
+def test_cli_estimate_keeps_bf16_on_without_a_gpu(tmp_path, capsys):
+    from trl_marl.cli import main
+
+    path = tmp_path / "team.yaml"  # no use_cpu: transformers would refuse bf16 here without the planner's help
+    path.write_text(f"agents: [writer, critic]\noutput_dir: {tmp_path}\nnum_generations: 4\nbf16: true\n")
+    assert main(["estimate", str(path), "--gpu_memory_gb", "24"]) == 0
+    assert "24 GB card: fits" in capsys.readouterr().out
+
+
+def test_model_init_kwargs_dtype_is_the_dtype_of_unquantized_weights(default_model_dir, tmp_path):
+    model_config = AutoConfig.from_pretrained(default_model_dir)
+    float32 = estimate_memory(team_config(tmp_path), model_config)
+    bfloat16 = estimate_memory(team_config(tmp_path, model_init_kwargs={"dtype": "bfloat16"}), model_config)
+    assert float32.base_weights == 4 * 134_515_008 and bfloat16.base_weights == 2 * 134_515_008
+    assert bfloat16.kv_cache == float32.kv_cache // 2
+
+
 def test_prediction_is_within_25_percent_of_measured_peak_on_the_cpu():
     """One small configuration (fp32, 1 agent, 2 copies x 60 tokens, 2 steps) measured in its own process by
     recipes/benchmarks/bench_memory.py: peak RSS over the RSS just before the model loads (see its docstring)."""
