@@ -29,7 +29,7 @@ What is measured, and what is subtracted:
   allocator has its own slack, which the planner's GPU overhead covers).
 
 Usage, from the repository root:
-    HF_HUB_OFFLINE=1 python recipes/benchmarks/bench_memory.py            # all configurations (~6 min, 2 CPU cores)
+    HF_HUB_OFFLINE=1 python recipes/benchmarks/bench_memory.py   # all configurations, 2.5-10 min each on 2 cores
     HF_HUB_OFFLINE=1 python recipes/benchmarks/bench_memory.py --only fp32-1a-gc   # one configuration
     ... [--output PATH]   # default results/bench_memory.json
 """
