@@ -277,7 +277,7 @@ def layer_activation_bytes(
 
 
 def log_prob_head_bytes(
-    shape: ModelShape, rows: int, seq_len: int, completion_length: int, dtypes, device: str
+    shape: ModelShape, rows: int, seq_len: int, completion_length: int, dtypes: _Dtypes, device: str
 ) -> int:
     """Working set of TRL 1.16's fused lm-head log-probs (`add_fused_lm_head`), at its largest (the backward).
 
