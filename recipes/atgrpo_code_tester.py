@@ -8,7 +8,7 @@ model-written runs in the sandbox (bubblewrap; see docs/sandbox.md). Rewards: th
 own tests; the tester's tests passing on the canonical solution and catching a broken variant of it; the team's
 agreement plus pass rate (docs/atgrpo_code_math.md).
 
-    python recipes/atgrpo_code_tester.py                                  # defaults below, a few minutes on 2 cores
+    python recipes/atgrpo_code_tester.py                                  # defaults below: ~8 min on 2 busy cores
     python recipes/atgrpo_code_tester.py --max_steps 40 --eval_problems 27 --num_turns 4
 
 Prints pass@1 on held-out problems before and after training: the share of episodes whose final code passes every

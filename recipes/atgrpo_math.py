@@ -6,7 +6,7 @@ with exact answers (offline, seeded). Both agents answer; from the second turn e
 revise; the episode ends when they agree. The tool agent's program runs in the sandbox (bubblewrap; see
 docs/sandbox.md). Rewards: each agent's exact correctness; the team's: both correct (docs/atgrpo_code_math.md).
 
-    python recipes/atgrpo_math.py                                     # defaults below, a few minutes on 2 cores
+    python recipes/atgrpo_math.py                                     # defaults below: ~7 min on 2 busy cores
     python recipes/atgrpo_math.py --steps 2 --max_number 10           # easier problems
     python recipes/atgrpo_math.py --source hub --max_steps 40          # GSM8K (needs the network or a Hub cache)
 

@@ -272,6 +272,15 @@ def test_a_few_at_grpo_steps_train_both_agents_on_a_tiny_model(tiny_model_dir, t
         assert logged["turns/1/agents/reasoner/group_reward_std"] > 0.0  # the length bonus: a signal per group
 
 
+def test_the_paper_scale_recipe_is_predicted_to_fit_one_24_gb_card(capsys):
+    from trl_marl.cli import main
+
+    qwen = REPO / "recipes" / "paper" / "model_configs" / "Qwen3-1.7B"  # its config.json: the planner needs no weights
+    path = REPO / "recipes" / "paper" / "atgrpo_math.yaml"
+    main(["estimate", str(path), "--model_name_or_path", str(qwen), "--prompt_length", "512", "--gpu_memory_gb", "24"])
+    assert "24 GB card: fits" in capsys.readouterr().out
+
+
 def test_the_single_agent_baseline_evaluates_one_answer_in_both_roles(tiny_model_dir):
     from trl_marl.evaluation import evaluate_task
 
@@ -298,6 +307,7 @@ def test_the_paper_scale_recipe_is_a_valid_config_with_the_papers_settings_each_
     assert (args.num_generations, args.num_turns, args.team_reward_weight, args.continuation) == (4, 4, 1.0, "greedy")
     assert (args.learning_rate, args.temperature, args.top_p, args.beta) == (1e-6, 1.0, 1.0, 0.0)
     assert args.chat_template_kwargs == {"enable_thinking": False} and args.generation_batch_size == 8
+    assert args.model_init_kwargs == {"dtype": "bfloat16"}
     settings = [line for line in path.read_text().splitlines() if line and not line.startswith(("#", " "))]
     assert all("#" in line for line in settings if not line.endswith(":")), "a setting without its source"
 
