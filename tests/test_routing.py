@@ -10,18 +10,18 @@ from trl_marl.routing import AdapterRouter
 ROWS = ["left", "right", "right", "left"]
 
 
-def two_adapter_model(model_dir, right_rank):
+def two_adapter_model(model_dir, right_rank, right_dropout=0.0):
     base = AutoModelForCausalLM.from_pretrained(model_dir)
     lora = dict(target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM")
     model = get_peft_model(base, LoraConfig(r=2, **lora), adapter_name="left")
-    model.add_adapter("right", LoraConfig(r=right_rank, lora_alpha=16, **lora))
+    model.add_adapter("right", LoraConfig(r=right_rank, lora_alpha=16, lora_dropout=right_dropout, **lora))
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator))
     model.set_requires_grad(["left", "right"], requires_grad=True)
-    return model
+    return model.eval()  # dropout off, so that outputs can be compared (gradients still flow)
 
 
 def per_adapter_reference(model, input_ids):
@@ -34,9 +34,13 @@ def per_adapter_reference(model, input_ids):
     return torch.cat(logits)
 
 
-@pytest.mark.parametrize(("right_rank", "batched"), [(2, True), (4, False)], ids=["batched", "peft-mixed-batch"])
-def test_routed_forward_and_gradients_equal_per_adapter_forwards(tiny_model_dir, right_rank, batched):
-    model = two_adapter_model(tiny_model_dir, right_rank)
+@pytest.mark.parametrize(
+    ("right_rank", "right_dropout", "batched"),
+    [(2, 0.0, True), (4, 0.0, True), (2, 0.1, False)],
+    ids=["batched", "batched-different-ranks", "peft-mixed-batch-different-dropouts"],
+)
+def test_routed_forward_and_gradients_equal_per_adapter_forwards(tiny_model_dir, right_rank, right_dropout, batched):
+    model = two_adapter_model(tiny_model_dir, right_rank, right_dropout)
     router = AdapterRouter(model, ["left", "right"])
     plain_layers = [m for m in model.modules() if hasattr(m, "lora_A") and router._is_plain_lora(m)]
     assert bool(plain_layers) == batched

@@ -5,10 +5,11 @@ the routing in persistent hooks (not, as PEFT's `adapter_names=`, in hooks that 
 mode), so the routing set before a training forward is still in place when gradient checkpointing replays that
 forward in the backward pass.
 
-Plain LoRA layers (linear, same rank and dropout for every agent) get a batched path: the base layer runs once, then
-each row's LoRA delta is `scale_a · B_a A_a x` with the agents' matrices stacked and gathered per row, two batched
-matmuls whatever the number of agents. Other layers (LoRA variants, `modules_to_save`, …) use PEFT's own mixed-batch
-path (`adapter_names=` injected per call), which loops over the agents.
+Plain LoRA layers (linear, same dropout for every agent) get a batched path: the base layer runs once for the whole
+batch, then for each agent its rows' LoRA delta `scale_a · B_a A_a x` is computed on those rows only and added back in
+place of them (`index_select` / `index_add`). Memory stays that of the activations: no per-row copy of any weight
+(gathering each row's matrices would cost rows × the adapter's size, per layer). Other layers (LoRA variants,
+`modules_to_save`, …) use PEFT's own mixed-batch path (`adapter_names=` injected per call).
 """
 
 from collections.abc import Sequence
@@ -32,8 +33,8 @@ class AdapterRouter:
     def __init__(self, model: PeftModel, adapter_names: Sequence[str]):
         self.adapter_names = list(dict.fromkeys(adapter_names))
         self.row_adapters: list[str] | None = None
-        self._row_index: torch.Tensor | None = None
-        self._row_weight_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # kept while no grad is taken
+        self._rows_by_adapter: list[tuple[str, torch.Tensor]] = []  # (adapter, its row indices), adapters with rows
+        self._rows_on_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
         self._handles = []
         for module in model.modules():
             if isinstance(module, LoraLayer) and self._is_plain_lora(module):
@@ -53,21 +54,24 @@ class AdapterRouter:
             return False
         if not all(isinstance(layer.lora_A[name], torch.nn.Linear) for name in self.adapter_names):
             return False
-        ranks = {layer.r[name] for name in self.adapter_names}
         dropouts = {getattr(layer.lora_dropout[name], "p", 0.0) for name in self.adapter_names}
-        return len(ranks) == 1 and len(dropouts) == 1
+        return len(dropouts) == 1
 
     def route(self, row_adapters: Sequence[str] | None) -> None:
         """Route the rows of the next forward calls; `None` gives the model back to PEFT's active adapter."""
-        self._row_weight_cache.clear()
+        self._rows_on_device = {}
         if row_adapters is None:
-            self.row_adapters = self._row_index = None
+            self.row_adapters, self._rows_by_adapter = None, []
             return
         unknown = set(row_adapters) - set(self.adapter_names)
         if unknown:
             raise ValueError(f"Cannot route rows to adapters {sorted(unknown)}; known: {self.adapter_names}.")
         self.row_adapters = list(row_adapters)
-        self._row_index = torch.tensor([self.adapter_names.index(name) for name in row_adapters])
+        self._rows_by_adapter = [
+            (name, torch.tensor([i for i, row in enumerate(self.row_adapters) if row == name]))
+            for name in self.adapter_names
+            if name in self.row_adapters
+        ]
         self._base_names = ["__base__"] * len(self.row_adapters)
 
     # -- batched path
@@ -79,26 +83,21 @@ class AdapterRouter:
             kwargs["adapter_names"] = self._base_names
         return args, kwargs
 
-    def _row_weights(self, layer: LoraLayer) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's `A` `(rows, r, in)` and scaled `B` `(rows, out, r)`, gathered from the stacked adapters."""
-        cached = self._row_weight_cache.get(id(layer))
-        if cached is not None:
-            return cached
-        lora_a = torch.stack([layer.lora_A[name].weight for name in self.adapter_names])
-        lora_b = torch.stack([layer.lora_B[name].weight * layer.scaling[name] for name in self.adapter_names])
-        rows = self._row_index.to(lora_a.device)
-        row_weights = lora_a[rows], lora_b[rows]
-        if not torch.is_grad_enabled():  # generation: the weights do not change until the next routing
-            self._row_weight_cache[id(layer)] = row_weights
-        return row_weights
+    def _rows(self, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+        if device not in self._rows_on_device:
+            self._rows_on_device[device] = [(name, rows.to(device)) for name, rows in self._rows_by_adapter]
+        return self._rows_on_device[device]
 
     def _add_routed_lora(self, module, args, output):
         if self.row_adapters is None or module.disable_adapters or module.merged:
             return None
-        row_a, row_b = self._row_weights(module)
-        x = module.lora_dropout[self.adapter_names[0]](args[0]).to(row_a.dtype)
-        hidden = torch.einsum("b...i,bri->b...r", x, row_a)
-        return output + torch.einsum("b...r,bor->b...o", hidden, row_b).to(output.dtype)
+        x = module.lora_dropout[self.adapter_names[0]](args[0])
+        for name, rows in self._rows(output.device):
+            lora_a, lora_b = module.lora_A[name], module.lora_B[name]
+            own = x.index_select(0, rows).to(lora_a.weight.dtype)
+            delta = lora_b(lora_a(own)) * module.scaling[name]
+            output = output.index_add(0, rows, delta.to(output.dtype))  # out of place: autograd keeps `output`
+        return output
 
     # -- PEFT's mixed-batch path
 
