@@ -50,3 +50,12 @@ def test_the_evaluate_command_prints_the_metrics(tiny_model_dir):
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout[done.stdout.index("{") :])
     assert report["baseline"] == "single" and report["num_samples"] == 2
+
+
+def test_at_grpo_evaluation_plays_one_candidate_per_turn_and_reports_the_success_rate(tiny_model_dir):
+    metrics = evaluate_task("reach_target", "parallel", model=tiny_model_dir, limit=2, algorithm="at_grpo", **SMALL)
+    # One episode per problem, one candidate per agent and turn: 2 problems x 2 agents x 2 turns, and a success rate.
+    assert metrics["num_samples"] == 2 * 2 * 2
+    assert 0.0 <= metrics["episodes/success_rate"] <= 1.0
+    with pytest.raises(ValueError, match="`algorithm` must be one of"):
+        evaluate_task("reach_target", "parallel", model=tiny_model_dir, algorithm="ppo")

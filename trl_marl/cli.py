@@ -6,8 +6,11 @@
                                                   `task` (and `task_source`), `rewards`, `model_name_or_path` and
                                                   `load_in_4bit`; flags override the file
     trl-marl evaluate TASK [--baseline B] [--team PATH] [--model M] [--limit N] [--split S] [--task_source SRC]
+                      [--algorithm magrpo|at_grpo]
                                                   a saved team or a baseline (single, parallel, sequential) on a task;
                                                   prints the task's metrics as JSON
+    trl-marl estimate CONFIG.yaml [--prompt_length N] [--gpu_memory_gb 16 24]
+                                                  predicted peak GPU memory of a `train` config (no weights load)
 
 `train` parses with TRL's `TrlParser`, as `trl grpo --config ...` does: a key that is no field fails before any
 model loads, naming the key.
@@ -145,6 +148,7 @@ def evaluate(arguments) -> int:
         model=arguments.model,
         split=arguments.split,
         limit=arguments.limit,
+        algorithm=arguments.algorithm,
         max_completion_length=arguments.max_completion_length,
         use_cpu=not torch.cuda.is_available(),
     )
@@ -229,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     evaluating.add_argument("--team", default=None, help="a folder written by save_model")
     evaluating.add_argument("--model", default=None, help="base model of a baseline (default: the embedded model)")
     evaluating.add_argument("--split", default="eval")
+    evaluating.add_argument(
+        "--algorithm", default="magrpo", choices=["magrpo", "at_grpo"],
+        help="at_grpo: one episode per problem, one candidate per turn; adds episodes/success_rate",
+    )  # fmt: skip
     evaluating.add_argument("--task_source", default=None, help="the task's data source, e.g. hub (default: offline)")
     evaluating.add_argument("--limit", type=int, default=None, help="only the first N problems")
     evaluating.add_argument("--max_completion_length", type=int, default=256)

@@ -24,6 +24,7 @@ from .config import MAGRPOConfig
 from .tasks import Task, resolve_task, task_defaults
 
 BASELINES = ("team", "parallel", "sequential", "single")
+ALGORITHMS = ("magrpo", "at_grpo")
 SINGLE_AGENT = "solo"
 
 
@@ -51,24 +52,34 @@ def evaluate_task(
     model: str | None = None,
     split: str = "eval",
     limit: int | None = None,
+    algorithm: str = "magrpo",
     **config: Any,
 ) -> dict[str, float]:
     """Evaluate on `task`'s `split` (its first `limit` rows). `team` (for ``baseline="team"``): a saved team folder;
     `model`: the base model of the baselines (default: the embedded default model). `config`: `MAGRPOConfig` fields
-    (e.g. `max_completion_length`, `temperature`, `use_cpu`)."""
+    (e.g. `max_completion_length`, `temperature`, `use_cpu`).
+
+    `algorithm="magrpo"` scores MAGRPO's tree of joint actions (two samples per agent and node): the mean team reward
+    over them. `algorithm="at_grpo"` plays each problem as one AT-GRPO episode with a single candidate per agent and
+    turn (no choice among candidates, whose rewards may see the answer: the figures are not best-of-K) and adds
+    `episodes/success_rate` for tasks that define success."""
+    from .config import ATGRPOConfig
     from .models import default_model_path
     from .team import load_team, read_team_file
-    from .trainer import MAGRPOTrainer
+    from .trainer import ATGRPOTrainer, MAGRPOTrainer
 
     if baseline not in BASELINES:
         raise ValueError(f"`baseline` must be one of {list(BASELINES)}, got {baseline!r}.")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"`algorithm` must be one of {list(ALGORITHMS)}, got {algorithm!r}.")
     if (baseline == "team") != (team is not None):
         raise ValueError("Pass `team=` (a folder written by save_model) with baseline='team', and only then.")
     task = resolve_task(task)
     dataset = task.dataset(split)
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset))))
-    settings = {**task_defaults(task), "num_generations": 2, "num_generations_eval": 2, "report_to": "none"}
+    candidates = 1 if algorithm == "at_grpo" else 2
+    settings = {**task_defaults(task), "num_generations": 2, "num_generations_eval": candidates, "report_to": "none"}
     settings["per_device_eval_batch_size"] = 2
     reward_funcs = list(task.reward_funcs)
     if baseline == "team":
@@ -85,8 +96,11 @@ def evaluate_task(
         reward_funcs = [_as_team_reward(resolve_reward(func), names) for func in reward_funcs]
     settings.update(config)
     with tempfile.TemporaryDirectory() as output_dir:
-        args = MAGRPOConfig(output_dir=settings.pop("output_dir", output_dir), **settings)
-        trainer = MAGRPOTrainer(
+        config_class, trainer_class = (
+            (ATGRPOConfig, ATGRPOTrainer) if algorithm == "at_grpo" else (MAGRPOConfig, MAGRPOTrainer)
+        )
+        args = config_class(output_dir=settings.pop("output_dir", output_dir), **settings)
+        trainer = trainer_class(
             model if model is not None else default_model_path(),
             reward_funcs,
             args=args,

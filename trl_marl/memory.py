@@ -28,11 +28,11 @@ autocast dtype (2 bytes with `bf16` / `fp16`).
   outputs (`r` per targeted linear). Without gradient checkpointing all L layers are kept; with it, each layer's
   input `h·b_m` is kept and one layer is recomputed at a time. Plus the backward's working set (one layer's
   activations again and the residual gradients) and the log-prob head (TRL's fused lm-head, `log_prob_head_bytes`).
-  With several adapters, the router gathers each row's LoRA weights: `B·r·Σ(in + out)` per layer.
+  With several adapters, the router concatenates the adapters along the rank, `N·r·Σ(in + out)` per layer, and keeps
+  every agent's rank-space projection of every token and its masked copy, `2·N·r` per targeted linear and token.
 - **Generation** (the largest `generate` call: R rows, prompt P_t): KV cache `2·L·n_kv·d·b_m·R·(P_t + C)`, the
-  router's per-row LoRA weights `R·L·r·Σ(in + out)·b_a` (kept for the whole call), the prefill's working set of one
-  layer and the last-token logits with sampling buffers `R·V·(b_m + 12)`
-  (+ `12` when top-p / top-k sort them).
+  router's concatenated LoRA weights `N·L·r·Σ(in + out)·b_a` (kept for the whole call), the prefill's working set of
+  one layer and the last-token logits with sampling buffers `R·V·(b_m + 12)` (+ `12` when top-p / top-k sort them).
 - **Overhead** (GPU only): `CUDA_CONTEXT_BYTES` plus `ALLOCATOR_SLACK` of the dynamic memory.
 
 Rows come from the rollout: MAGRPO turn t (0-based) has `copies·K^t` nodes' worth of rows per acting agent, with
@@ -417,7 +417,7 @@ class MemoryEstimate:
             ("training: backward working set", self.backward_working_set),
             ("= training phase", self.training_phase),
             ("generation: KV cache", self.kv_cache),
-            ("generation: routed per-row LoRA weights", self.routed_lora_weights),
+            ("generation: router's concatenated LoRA weights", self.routed_lora_weights),
             ("generation: prefill working set", self.prefill_working_set),
             ("generation: last-token logits + sampling", self.generation_logits),
             ("= generation phase", self.generation_phase),
@@ -523,7 +523,9 @@ def estimate_memory(
     linears = shape.linears()
     per_row_lora = rank * sum(sum(linears[name]) for name in targets)  # Σ r·(in + out) of one layer
     routed = num_adapters > 1
-    layer += rows * per_row_lora * dtypes.lora_in if routed else 0  # gathered A and B of every row
+    if routed:  # the concatenated A and B, and every agent's projection of every token (and its masked copy)
+        projections = tokens * 2 * num_adapters * rank * len(targets)
+        layer += (num_adapters * per_row_lora + projections) * dtypes.lora_in
     if autocast and not load_in_4bit and b_model != autocast:
         layer += layer_weights * autocast  # autocast's bf16 copy of each frozen weight, kept for the input gradient
     final_norm = tokens * (4 * h + 4) + tokens * seq_len  # + the boolean (B, 1, S, S) mask all layers share
@@ -543,7 +545,7 @@ def estimate_memory(
     def generation(call: _Call) -> tuple[int, int, int, int]:
         length = call.prompt_length + config.max_completion_length
         kv = 2 * layers * shape.num_kv_heads * shape.head_dim * b_model * call.rows * length
-        router = call.rows * layers * per_row_lora * b_adapter if routed else 0
+        router = num_adapters * layers * per_row_lora * b_adapter if routed else 0  # concatenated adapters
         prefill_tokens = call.rows * call.prompt_length
         heads_dim = shape.num_heads * shape.head_dim
         prefill = prefill_tokens * (

@@ -6,10 +6,11 @@ mode), so the routing set before a training forward is still in place when gradi
 forward in the backward pass.
 
 Plain LoRA layers (linear, same dropout for every agent) get a batched path: the base layer runs once for the whole
-batch, then for each agent its rows' LoRA delta `scale_a · B_a A_a x` is computed on those rows only and added back in
-place of them (`index_select` / `index_add`). Memory stays that of the activations: no per-row copy of any weight
-(gathering each row's matrices would cost rows × the adapter's size, per layer). Other layers (LoRA variants,
-`modules_to_save`, …) use PEFT's own mixed-batch path (`adapter_names=` injected per call).
+batch, then the LoRA deltas of every row come from two matmuls against the agents' matrices concatenated along the
+rank: `h = x A_catᵀ` gives every agent's rank-space projection of every row, a mask keeps each row's own agent's
+block, and `h B_catᵀ` (B scaled per agent) is each row's `scale_a · B_a A_a x`. Nothing is copied per row: the extra
+memory is the concatenated adapters (cached during generation) and `h`, rows × tokens × the summed ranks. Other
+layers (LoRA variants, `modules_to_save`, …) use PEFT's own mixed-batch path (`adapter_names=` injected per call).
 """
 
 from collections.abc import Sequence
@@ -33,8 +34,9 @@ class AdapterRouter:
     def __init__(self, model: PeftModel, adapter_names: Sequence[str]):
         self.adapter_names = list(dict.fromkeys(adapter_names))
         self.row_adapters: list[str] | None = None
-        self._rows_by_adapter: list[tuple[str, torch.Tensor]] = []  # (adapter, its row indices), adapters with rows
-        self._rows_on_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+        self._row_index: torch.Tensor | None = None
+        self._masks: dict[tuple, torch.Tensor] = {}  # (ranks, device, dtype) -> (rows, summed ranks) block mask
+        self._weight_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # kept while no grad is taken
         self._handles = []
         for module in model.modules():
             if isinstance(module, LoraLayer) and self._is_plain_lora(module):
@@ -59,19 +61,15 @@ class AdapterRouter:
 
     def route(self, row_adapters: Sequence[str] | None) -> None:
         """Route the rows of the next forward calls; `None` gives the model back to PEFT's active adapter."""
-        self._rows_on_device = {}
+        self._masks, self._weight_cache = {}, {}
         if row_adapters is None:
-            self.row_adapters, self._rows_by_adapter = None, []
+            self.row_adapters = self._row_index = None
             return
         unknown = set(row_adapters) - set(self.adapter_names)
         if unknown:
             raise ValueError(f"Cannot route rows to adapters {sorted(unknown)}; known: {self.adapter_names}.")
         self.row_adapters = list(row_adapters)
-        self._rows_by_adapter = [
-            (name, torch.tensor([i for i, row in enumerate(self.row_adapters) if row == name]))
-            for name in self.adapter_names
-            if name in self.row_adapters
-        ]
+        self._row_index = torch.tensor([self.adapter_names.index(name) for name in row_adapters])
         self._base_names = ["__base__"] * len(self.row_adapters)
 
     # -- batched path
@@ -83,21 +81,35 @@ class AdapterRouter:
             kwargs["adapter_names"] = self._base_names
         return args, kwargs
 
-    def _rows(self, device: torch.device) -> list[tuple[str, torch.Tensor]]:
-        if device not in self._rows_on_device:
-            self._rows_on_device[device] = [(name, rows.to(device)) for name, rows in self._rows_by_adapter]
-        return self._rows_on_device[device]
+    def _concatenated(self, layer: LoraLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        """`A_cat` `(Σr, in)` and `B_cat` `(out, Σr)`, each agent's B scaled by its LoRA scaling."""
+        cached = self._weight_cache.get(id(layer))
+        if cached is not None:
+            return cached
+        lora_a = torch.cat([layer.lora_A[name].weight for name in self.adapter_names])
+        lora_b = torch.cat([layer.lora_B[name].weight * layer.scaling[name] for name in self.adapter_names], dim=1)
+        if not torch.is_grad_enabled():  # generation: the weights do not change until the next routing
+            self._weight_cache[id(layer)] = lora_a, lora_b
+        return lora_a, lora_b
+
+    def _mask(self, layer: LoraLayer, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """`(rows, Σr)`: 1 on the rank block of each row's agent, 0 elsewhere."""
+        ranks = tuple(layer.r[name] for name in self.adapter_names)
+        key = (ranks, device, dtype)
+        if key not in self._masks:
+            block_of_column = torch.repeat_interleave(torch.arange(len(ranks)), torch.tensor(ranks))
+            self._masks[key] = (self._row_index[:, None] == block_of_column[None, :]).to(device=device, dtype=dtype)
+        return self._masks[key]
 
     def _add_routed_lora(self, module, args, output):
         if self.row_adapters is None or module.disable_adapters or module.merged:
             return None
-        x = module.lora_dropout[self.adapter_names[0]](args[0])
-        for name, rows in self._rows(output.device):
-            lora_a, lora_b = module.lora_A[name], module.lora_B[name]
-            own = x.index_select(0, rows).to(lora_a.weight.dtype)
-            delta = lora_b(lora_a(own)) * module.scaling[name]
-            output = output.index_add(0, rows, delta.to(output.dtype))  # out of place: autograd keeps `output`
-        return output
+        lora_a, lora_b = self._concatenated(module)
+        x = module.lora_dropout[self.adapter_names[0]](args[0]).to(lora_a.dtype)
+        hidden = x @ lora_a.T  # (rows, ..., Σr): every agent's projection of every row
+        mask = self._mask(module, hidden.device, hidden.dtype)
+        hidden = hidden * mask.view(mask.shape[0], *([1] * (hidden.dim() - 2)), mask.shape[1])
+        return output + (hidden @ lora_b.T).to(output.dtype)
 
     # -- PEFT's mixed-batch path
 
