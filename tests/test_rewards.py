@@ -141,16 +141,23 @@ def test_async_function_bad_reward_is_checked():
         asyncio.run(call(checked_team_reward(remote_judge)))
 
 
-def test_async_function_raising_is_named_and_chained():
+@pytest.mark.parametrize("timeout", [None, 30.0], ids=["no-timeout", "timeout"])
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
+def test_function_raising_timeout_error_is_named_and_chained_not_a_reward_timeout(is_async, timeout):
+    # The function's own TimeoutError (a judge giving up) is its error, not reward_timeout running out.
     original = TimeoutError("judge did not answer")
+
+    def judge(prompts, completions, **kwargs):
+        raise original
 
     async def remote_judge(prompts, completions, **kwargs):
         raise original
 
+    wrapped = checked_team_reward(remote_judge if is_async else judge, timeout)
     with pytest.raises(RewardFunctionError) as error:
-        asyncio.run(call(checked_team_reward(remote_judge)))
-    assert "'remote_judge'" in str(error.value)
-    assert "judge did not answer" in str(error.value)
+        asyncio.run(call(wrapped)) if is_async else call(wrapped)
+    name = "remote_judge" if is_async else "judge"
+    assert str(error.value) == f"Team reward function '{name}' raised TimeoutError: judge did not answer"
     assert error.value.__cause__ is original
 
 

@@ -62,20 +62,28 @@ def checked_team_reward(func: TeamRewardFunc, timeout: float | None = None) -> T
         raise TypeError(f"Team reward {func!r} is not callable.")
     name = get_callable_name(func)
 
+    def timed_out():
+        raise RewardFunctionError(
+            f"Team reward function '{name}' took longer than reward_timeout={timeout} s for one batch. Make it "
+            "faster (e.g. run external work concurrently, or async), or raise reward_timeout."
+        )
+
     def reraise(error: Exception):
-        if isinstance(error, (TimeoutError, asyncio.TimeoutError, concurrent.futures.TimeoutError)):
-            raise RewardFunctionError(
-                f"Team reward function '{name}' took longer than reward_timeout={timeout} s for one batch. Make it "
-                "faster (e.g. run external work concurrently, or async), or raise reward_timeout."
-            ) from error
         raise RewardFunctionError(f"Team reward function '{name}' raised {type(error).__name__}: {error}") from error
 
     if is_async_callable(func):
 
         @functools.wraps(func)
         async def checked_async(*args, **kwargs):
+            # The function's own TimeoutError (a remote judge giving up) is an error it raised, not our timeout:
+            # the task is awaited by `asyncio.wait`, which never raises on timeout, so the two stay apart.
+            task = asyncio.ensure_future(func(*args, **kwargs))
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+            if not done:
+                task.cancel()
+                timed_out()
             try:
-                rewards = await asyncio.wait_for(func(*args, **kwargs), timeout)
+                rewards = task.result()
             except Exception as error:
                 reraise(error)
             return _check_rewards(name, rewards, len(kwargs["prompts"]))
@@ -89,7 +97,11 @@ def checked_team_reward(func: TeamRewardFunc, timeout: float | None = None) -> T
             return func(*args, **kwargs)
         worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"reward-{name}")
         try:
-            return worker.submit(func, *args, **kwargs).result(timeout=timeout)
+            future = worker.submit(func, *args, **kwargs)
+            done, _ = concurrent.futures.wait([future], timeout=timeout)
+            if not done:
+                timed_out()
+            return future.result()
         finally:
             worker.shutdown(wait=False)
 
@@ -97,6 +109,8 @@ def checked_team_reward(func: TeamRewardFunc, timeout: float | None = None) -> T
     def checked(*args, **kwargs):
         try:
             rewards = call(*args, **kwargs)
+        except RewardFunctionError:
+            raise
         except Exception as error:
             reraise(error)
         return _check_rewards(name, rewards, len(kwargs["prompts"]))
