@@ -8,7 +8,7 @@ import signal
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,12 +144,15 @@ class Sandbox:
         except BaseException:
             # Interrupted (or a run failed to start): start nothing new, kill what runs, wait until each run has
             # reaped its processes and removed its files, then re-raise.
+            # Killing repeatedly until every future is done also catches a run that a worker was starting while
+            # the first kill went out (its process not yet registered), which would otherwise run to its deadline.
             for future in futures:
                 future.cancel()
-            kill_all(owner=self)
-            for future in futures:
-                if not future.cancelled():
-                    future.exception()
+            while True:
+                kill_all(owner=self)
+                _, running = wait(futures, timeout=0.05)
+                if not running:
+                    break
             raise
 
     def close(self) -> None:
