@@ -273,8 +273,9 @@ def mean_std(values: list[float]) -> str:
 
 def table(runs: list[dict]) -> str:
     lines = [
-        "| task | method | seeds | held-out team reward | held-out success rate | minutes per run |",
-        "|---|---|---|---|---|---|",
+        "| task | method | seeds | held-out team reward | held-out success rate | training team reward, mean over "
+        "steps | minutes per run |",
+        "|---|---|---|---|---|---|---|",
     ]
     for task_name, methods in METHODS.items():
         for method in methods:
@@ -284,7 +285,8 @@ def table(runs: list[dict]) -> str:
             minutes = statistics.mean(r["minutes"] for r in done)
             lines.append(
                 f"| {task_name} | {method} | {len(done)} | {mean_std([r['team_reward'] for r in done])} | "
-                f"{mean_std([r['success_rate'] for r in done])} | {minutes:.1f} |"
+                f"{mean_std([r['success_rate'] for r in done])} | "
+                f"{mean_std([statistics.mean(r['curve']) if r['curve'] else None for r in done])} | {minutes:.1f} |"
             )
     return "\n".join(lines)
 
