@@ -48,7 +48,15 @@ def test_single_agent_reach_reward_success_and_format(bench):
 
 def test_table_reports_mean_and_sample_std_over_seeds(bench):
     runs = [
-        {"task": "explain", "method": "magrpo", "seed": s, "team_reward": r, "success_rate": None, "minutes": 4.0, "curve": []}
+        {
+            "task": "explain",
+            "method": "magrpo",
+            "seed": s,
+            "team_reward": r,
+            "success_rate": None,
+            "minutes": 4.0,
+            "curve": [],
+        }
         for s, r in enumerate([0.5, 0.7, 0.9])
     ]
     runs[0]["curve"], runs[1]["curve"], runs[2]["curve"] = [0.0, 1.0], [0.5], []  # means 0.5 and 0.5; none

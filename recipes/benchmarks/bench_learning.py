@@ -250,14 +250,15 @@ def run_single(task_name: str, seed: int, steps: int, output_dir: str) -> dict:
 
 def run(task_name: str, method: str, seed: int, steps: int) -> dict:
     torch.manual_seed(seed)
+    steps = 0 if method == "untrained" else steps
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as output_dir:
         if method == "single":
             result = run_single(task_name, seed, steps, output_dir)
         else:
-            result = run_team(task_name, method, seed, 0 if method == "untrained" else steps, output_dir)
-    return {**result, "task": task_name, "method": method, "seed": seed, "steps": 0 if method == "untrained" else steps,
-            "minutes": (time.perf_counter() - started) / 60}  # fmt: skip
+            result = run_team(task_name, method, seed, steps, output_dir)
+    minutes = (time.perf_counter() - started) / 60
+    return {**result, "task": task_name, "method": method, "seed": seed, "steps": steps, "minutes": minutes}
 
 
 # --- report ---
