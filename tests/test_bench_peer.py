@@ -99,3 +99,16 @@ def test_comlrl_reward_adapter_passes_joint_actions_in_agent_order(runner):
     reward = runner.comlrl_team_reward(team_reward, ["concise", "detailed"])
     assert reward(["a", "bbb"], ["cc", "d"]) == [-1.0, 2.0]
     assert reward.history == [-1.0, 2.0]
+
+
+def test_the_floor_row_shows_ceilings_not_verdicts_and_stays_out_of_the_judged_ratios(bench):
+    gib = 2**30
+    peer = bench.figures(report([0.0, 9.0], 5 * gib, 5 * gib))
+    floor = bench.figures(report([0.0, 3.0], gib // 2, gib // 2))
+    ours = bench.figures(report([0.0, 6.0], gib, gib))
+    text = bench.table({"comlrl": peer, "trl_marl": ours, "floor": floor}, {})
+    floor_row = next(line for line in text.splitlines() if line.startswith(bench.CONFIGURATIONS["floor"]))
+    assert "3.00x ceiling" in floor_row and "10.00x ceiling" in floor_row  # 9 / 3 s, 5 / 0.5 GiB
+    assert "PASS" not in floor_row and "MISS" not in floor_row
+    trl_marl_row = next(line for line in text.splitlines() if line.startswith("trl_marl (LoRA, shared base)"))
+    assert "1.50x MISS (>=4x)" in trl_marl_row and "5.00x PASS (>=5x)" in trl_marl_row

