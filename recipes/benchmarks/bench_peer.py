@@ -67,9 +67,12 @@ Differences that cannot be equalised (each side as its library ships it):
 Usage, from the repository root:
     python recipes/benchmarks/bench_peer.py --quick        # smoke test: 2 prompts of 8 new tokens
     python recipes/benchmarks/bench_peer.py                # figures: 8 prompts of 40 new tokens (~10 min, 2 cores)
-    ... [--steps N] [--threads N] [--comlrl_venv PATH] [--output PATH]
+    ... [--steps N] [--threads N] [--comlrl_venv PATH] [--output PATH] [--logprob_vocab_chunk N]
 
-Results go to recipes/benchmarks/results/bench_peer[_quick].json.
+Results go to recipes/benchmarks/results/bench_peer[_quick][_chunkN].json. `--logprob_vocab_chunk 256` is a
+diagnostic: on a device without Triton (the CPU) TRL's fused lm-head log-prob falls back to torch ops that hold
+several [tokens x 32768] float32 tiles at once in the backward; narrower tiles show how much of trl_marl's CPU peak
+that fallback accounts for. On CUDA the Triton kernel holds one such buffer.
 """
 
 import argparse
@@ -296,6 +299,10 @@ def trl_marl_worker(spec: dict, four_bit: bool) -> None:
 
     torch.set_num_threads(spec["threads"])
     transformers.utils.logging.set_verbosity_error()
+    if spec.get("logprob_vocab_chunk"):  # diagnostic (--logprob_vocab_chunk): TRL's fused lm-head tile width
+        import trl.trainer.utils
+
+        trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE = spec["logprob_vocab_chunk"]
     memory_baseline = baseline_bytes()  # after the imports, before any model
     seed_everything(spec["seed"])
     on_cuda = torch.cuda.is_available()
@@ -467,7 +474,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="prompts = optimizer steps per agent (default 8, quick 2; >= 2)")
     parser.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads of each worker (default 2)")
     parser.add_argument("--comlrl_venv", type=Path, default=DEFAULT_COMLRL_VENV, help="CoMLRL's virtual environment")
-    parser.add_argument("--output", type=Path, help="JSON summary (default results/bench_peer[_quick].json)")
+    parser.add_argument(
+        "--logprob_vocab_chunk",
+        type=int,
+        help="diagnostic: vocabulary entries per tile of TRL's fused lm-head log-prob on the trl_marl side "
+        "(TRL's private `_CHUNKED_LOGPROB_CHUNK_SIZE`, 32768 in TRL 1.16); the default leaves TRL's",
+    )
+    parser.add_argument("--output", type=Path, help="JSON summary (default results/bench_peer[_quick][_chunkN].json)")
     parser.add_argument("--worker", choices=["trl_marl", "trl_marl_4bit", CEILING], help=argparse.SUPPRESS)
     parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -491,7 +504,7 @@ def main() -> None:
     reports = {}
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = Path(tmp) / "spec.json"
-        spec = work_spec(settings, args.threads)
+        spec = {**work_spec(settings, args.threads), "logprob_vocab_chunk": args.logprob_vocab_chunk}
         spec_path.write_text(json.dumps(spec))
         runner = HERE / "peer_comlrl_runner.py"
         reports["comlrl"] = run_worker("comlrl", [str(comlrl_python), str(runner), str(spec_path)], args.threads)
@@ -532,6 +545,7 @@ def main() -> None:
             "team_reward": REWARD_FUNCTION,
             "prompts": [question[-1]["content"] for question in spec["questions"]],
             "lora": "r 16, alpha 32, all linear layers (trl_marl defaults)",
+            "logprob_vocab_chunk": args.logprob_vocab_chunk or "TRL's default",
         },
         "targets": {kind: f"CoMLRL / trl_marl >= {bound}" for kind, bound in TARGETS.items()},
         "figures": {
@@ -554,7 +568,8 @@ def main() -> None:
         f"exactly {settings['max_new_tokens']} new tokens per completion, one optimizer step per prompt and agent\n"
     )
     print(table(measured, skipped))
-    output = args.output or HERE / "results" / f"bench_peer{'_quick' * args.quick}.json"
+    chunk = f"_chunk{args.logprob_vocab_chunk}" if args.logprob_vocab_chunk else ""
+    output = args.output or HERE / "results" / f"bench_peer{'_quick' * args.quick}{chunk}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"\nwritten to {output}")
