@@ -11,7 +11,7 @@ import torch
 
 from trl_marl.advantages import ADVANTAGE_EPS
 from trl_marl.atgrpo import ATGRPORollout, choose
-from trl_marl.scheduling import sequential
+from trl_marl.scheduling import parallel, sequential
 
 NAMES = ["a", "b"]
 
@@ -174,6 +174,28 @@ def test_success_rate_and_episode_length_come_from_the_task():
     assert result.metrics["episodes/success_rate"] == 0.5
     assert result.metrics["episodes/num_turns"] == 2.0
     assert len(grouped(result.samples)) == 2 + 3 * 2
+
+
+def test_episode_team_reward_scores_the_joint_action_each_episode_ended_on():
+    # Parallel, one turn: `a` acts first, so its candidates are scored with `b` still silent (team reward 0); `b`'s
+    # are scored with `a`'s chosen answer. Team reward: 0 if either is silent, else len(b's answer) / 10.
+    result = rollout(num_generations=2, scheduler=parallel).run(
+        copies([{"prompt": "p"}, {"prompt": "q"}], 2),
+        0,
+        Scripted({0: ["x"], 1: ["yy", "yyyy", "yyy", "y"]}),
+        team_score(lambda ja: len(ja.completions["b"]) / 10 if ja.completions["a"] and ja.completions["b"] else 0.0),
+    )
+    # p ends on "yyyy" (0.4, the better of 0.2 and 0.4), q on "yyy" (0.3, the better of 0.3 and 0.1).
+    assert result.metrics["episodes/team_reward"] == pytest.approx(0.35)
+    # The mean over every candidate counts a's four zeros: (0.2 + 0.4 + 0.3 + 0.1) / 8.
+    assert result.batch_rewards_per_func.mean().item() == pytest.approx(0.125)
+
+
+def test_episode_team_reward_is_left_out_when_no_team_reward_applies():
+    result = rollout(num_generations=2, scheduler=parallel).run(
+        copies([{"prompt": "p"}], 2), 0, Scripted({0: ["x"], 1: ["y"]}), team_score(lambda ja: math.nan)
+    )
+    assert "episodes/team_reward" not in result.metrics and result.metrics["episodes/num_turns"] == 1.0
 
 
 class Processes:

@@ -192,4 +192,5 @@ def test_at_grpo_on_the_default_model_trains_every_agent_on_the_puzzle(default_m
         assert any(not torch.equal(params[n], after[n]) for n in params), f"adapter {agent} did not change"
     logged = trainer.state.log_history[0]
     assert 0.0 <= logged["episodes/success_rate"] <= 1.0
+    assert 0.0 <= logged["episodes/team_reward"] <= 1.0  # reach_target_reward's range, of the final joint actions
     assert logged["num_samples"] == 4 * 2 * 2  # one problem: G candidates × 2 agents × 2 turns

@@ -262,17 +262,21 @@ class ATGRPORollout:
 
     # ------------------------------------------------------------------ between turns
 
+    def _turn_outcome(self, branch: Branch, turn: int, chosen) -> tuple[int, float, float]:
+        """(position, reward, team reward) of the candidate chosen for the last agent to act in `turn`: the joint
+        action the turn ended on."""
+        last_agent = [agent for phase in self.phases[turn] for agent in phase][-1]
+        return chosen[(branch.episode, turn, last_agent)]
+
     def _reached_threshold(self, turn: int, branch: Branch, chosen) -> bool:
         if self.termination_threshold is None:
             return False
-        acted = [agent for phase in self.phases[turn] for agent in phase]
-        team = chosen[(branch.episode, turn, acted[-1])][2]
+        team = self._turn_outcome(branch, turn, chosen)[2]
         return team == team and team >= self.termination_threshold
 
     def _next_turn(self, branch: Branch, turn: int, chosen) -> tuple[list[Prompt], bool]:
         name = transition_name(self.transition)
         columns = {key: value for key, value in branch.example.items() if key != "prompt"}
-        acted = [agent for phase in self.phases[turn] for agent in phase]
         extra = {"state": branch.state} if branch.state is not None else {}
         try:
             result = self.transition(
@@ -282,7 +286,7 @@ class ATGRPORollout:
                 history=list(branch.history[:-1]),
                 turn=turn,
                 observations=dict(zip(self.agent_names, branch.observations)),
-                reward=chosen[(branch.episode, turn, acted[-1])][1],
+                reward=self._turn_outcome(branch, turn, chosen)[1],
                 **extra,
             )
         except Exception as error:
@@ -356,13 +360,17 @@ class ATGRPORollout:
             if local:
                 metrics[f"agents/{name}/local_reward"] = sum(local) / len(local)
         outcomes = {}
-        for episode, turns, success in gather([(b.episode, len(b.history), self._success(b)) for b in branches]):
-            outcomes[episode] = (turns, success)
+        ends = [(b.episode, len(b.history), self._success(b), self._final_team_reward(b, chosen)) for b in branches]
+        for episode, turns, success, team in gather(ends):
+            outcomes[episode] = (turns, success, team)
         if outcomes:
-            metrics["episodes/num_turns"] = sum(turns for turns, _ in outcomes.values()) / len(outcomes)
-            judged = [success for _, success in outcomes.values() if success is not None]
+            metrics["episodes/num_turns"] = sum(turns for turns, _, _ in outcomes.values()) / len(outcomes)
+            judged = [success for _, success, _ in outcomes.values() if success is not None]
             if judged:
                 metrics["episodes/success_rate"] = sum(judged) / len(judged)
+            scored = [team for _, _, team in outcomes.values() if team == team]  # NaN: no team reward applied
+            if scored:
+                metrics["episodes/team_reward"] = sum(scored) / len(scored)
         batch_rewards_per_func = torch.tensor([entry[5] for entry in table]).view(len(table), -1)
         batch_turns = torch.tensor([entry[0][1] for entry in table], dtype=torch.long)
         return Rollout(
@@ -373,6 +381,11 @@ class ATGRPORollout:
             batch_turns,
             metrics=metrics,
         )
+
+    def _final_team_reward(self, branch: Branch, chosen) -> float:
+        """The team reward of the joint action the episode ended on. Unlike the mean over every candidate
+        (`rewards/<team reward>/mean`), it never scores a candidate against a teammate who has not answered yet."""
+        return self._turn_outcome(branch, len(branch.history) - 1, chosen)[2]
 
     def _success(self, branch: Branch) -> bool | None:
         result = self.success(branch.example, branch.state, dict(branch.latest))

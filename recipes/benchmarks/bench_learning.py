@@ -23,7 +23,10 @@ two turns (the built-in task, `trl_marl/plugins/tasks.py`).
 
 The team methods are scored by `trl_marl.evaluate_task` on the split (mean team reward over sampled joint actions;
 `episodes/success_rate` for reach_target); the single agent by `GRPOTrainer.evaluate` with the same reward functions
-and sampling (temperature 1). Every run logs its training reward each step: the curves in the PNG.
+and sampling (temperature 1). Every run logs its training team reward each step, the curves in the PNG: MAGRPO's
+mean over its sampled joint actions; for the AT-GRPO trainers (`at_grpo`, `independent`) `episodes/team_reward`, the
+team reward of the joint action each episode ended on, along the greedy path (the best of K candidates by the
+training reward at each step, so it runs above a sampled mean); the single agent's mean team reward.
 
     pip install -e ".[bench]"                                          # matplotlib, for the PNG
     python recipes/benchmarks/bench_learning.py                       # both tasks, every method, seeds 0 1 2
@@ -203,7 +206,12 @@ def run_team(task_name: str, method: str, seed: int, steps: int, output_dir: str
     trainer = trainer_class(default_model_path(), args=args, task=train_task)
     trainer.train()
     trainer.save_model(output_dir)
-    training_curve = curve(trainer, f"rewards/{task.reward_funcs[0].__name__}/mean")  # the team reward alone
+    # The team reward of the joint actions training formed: MAGRPO's sampled ones; AT-GRPO's mean over every candidate
+    # would count the first agent's candidates scored before its teammate answers, so the episodes' final joint actions
+    training_curve = curve(
+        trainer,
+        "episodes/team_reward" if trainer_class is ATGRPOTrainer else f"rewards/{task.reward_funcs[0].__name__}/mean",
+    )
     del trainer
     gc.collect()
     return {**evaluate_team(task, output_dir, seed, algorithm, tokens), "curve": training_curve}
