@@ -61,8 +61,9 @@ def evaluate_task(
 
     `algorithm="magrpo"` scores MAGRPO's tree of joint actions (two samples per agent and node): the mean team reward
     over them. `algorithm="at_grpo"` plays each problem as one AT-GRPO episode with a single candidate per agent and
-    turn (no choice among candidates, whose rewards may see the answer: the figures are not best-of-K) and adds
-    `episodes/success_rate` for tasks that define success."""
+    turn (no choice among candidates, whose rewards may see the answer: the figures are not best-of-K); its
+    `reward` averages every agent's turn, `episodes/team_reward` is the team reward each episode ended on, and
+    `episodes/success_rate` is added for tasks that define success."""
     from .config import ATGRPOConfig
     from .models import default_model_path
     from .team import load_team, read_team_file

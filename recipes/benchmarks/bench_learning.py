@@ -21,12 +21,13 @@ two turns (the built-in task, `trl_marl/plugins/tasks.py`).
 - `single`: one agent asked for the one number that reaches the target, trained with TRL's `GRPOTrainer` on the same
   team reward and local format reward (`is_a_number`).
 
-The team methods are scored by `trl_marl.evaluate_task` on the split (mean team reward over sampled joint actions;
-`episodes/success_rate` for reach_target); the single agent by `GRPOTrainer.evaluate` with the same reward functions
-and sampling (temperature 1). Every run logs its training team reward each step, the curves in the PNG: MAGRPO's
-mean over its sampled joint actions; for the AT-GRPO trainers (`at_grpo`, `independent`) `episodes/team_reward`, the
-team reward of the joint action each episode ended on, along the greedy path (the best of K candidates by the
-training reward at each step, so it runs above a sampled mean); the single agent's mean team reward.
+The team methods are scored by `trl_marl.evaluate_task` on the split (explain: the mean team reward over sampled joint
+actions; reach_target, one AT-GRPO episode per puzzle: `episodes/team_reward`, the team reward of the joint action each
+episode ends on, and `episodes/success_rate`); the single agent by `GRPOTrainer.evaluate` with the same reward
+functions and sampling (temperature 1). Every run logs its training team reward each step, the curves in the PNG:
+MAGRPO's mean over its sampled joint actions; for the AT-GRPO trainers (`at_grpo`, `independent`)
+`episodes/team_reward`, the team reward of the joint action each episode ended on, along the greedy path (the best of K
+candidates by the training reward at each step, so it runs above a sampled mean); the single agent's mean team reward.
 
     pip install -e ".[bench]"                                          # matplotlib, for the PNG
     python recipes/benchmarks/bench_learning.py                       # both tasks, every method, seeds 0 1 2
@@ -175,7 +176,10 @@ def evaluate_team(task, team_dir, seed, algorithm, tokens) -> dict:
         use_cpu=COMMON["use_cpu"],
         **kwargs,
     )
-    return {"team_reward": metrics["reward"], "success_rate": metrics.get("episodes/success_rate")}
+    # AT-GRPO's "reward" averages every agent's turn (the first scored before its teammate answers): take the team
+    # reward each episode ended on, which the single agent's reward (its one answer) compares with
+    team_reward = metrics["episodes/team_reward"] if algorithm == "at_grpo" else metrics["reward"]
+    return {"team_reward": team_reward, "success_rate": metrics.get("episodes/success_rate")}
 
 
 def run_team(task_name: str, method: str, seed: int, steps: int, output_dir: str) -> dict:
