@@ -44,6 +44,7 @@ def figures(metrics: dict) -> dict:
     return {
         "pass_at_1": metrics.get("eval_episodes/success_rate"),
         "team_reward": metrics.get("eval_reward"),
+        "final_team_reward": metrics.get("eval_episodes/team_reward"),
         "tests_agree": metrics.get("eval_code_tester/agreement"),
         "tester_reward": metrics.get("eval_code_tester/tester_reward"),
         "turns": metrics.get("eval_episodes/num_turns"),

@@ -46,6 +46,7 @@ def figures(metrics: dict) -> dict:
     return {
         "accuracy": metrics.get("eval_episodes/success_rate"),
         "team_reward": metrics.get("eval_reward"),
+        "final_team_reward": metrics.get("eval_episodes/team_reward"),
         "tool_accuracy": metrics.get("eval_math/tool_accuracy"),
         "reasoner_accuracy": metrics.get("eval_math/reasoner_accuracy"),
         "turns": metrics.get("eval_episodes/num_turns"),

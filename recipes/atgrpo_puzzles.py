@@ -49,10 +49,11 @@ class PuzzleArguments:
 
 
 def figures(metrics: dict) -> dict:
-    """Team reward (the mean shaped return of the scored candidates), success rate and turns played, from
-    `evaluate()`."""
+    """Team reward (the mean shaped return of the scored candidates), the team reward each episode ended on,
+    success rate and turns played, from `evaluate()`."""
     return {
         "team_reward": metrics.get("eval_reward"),
+        "final_team_reward": metrics.get("eval_episodes/team_reward"),
         "success_rate": metrics.get("eval_episodes/success_rate"),
         "turns": metrics.get("eval_episodes/num_turns"),
     }

@@ -45,6 +45,7 @@ def figures(metrics: dict) -> dict:
     """Team reward and success rate from `evaluate()` metrics (the success rate is logged by AT-GRPO only)."""
     return {
         "team_reward": metrics.get("eval_reward"),
+        "final_team_reward": metrics.get("eval_episodes/team_reward"),  # AT-GRPO only
         "success_rate": metrics.get("eval_episodes/success_rate"),
     }
 

@@ -325,5 +325,6 @@ def test_the_cpu_recipe_trains_and_reports_the_accuracy(tmp_path, default_model_
     for figures in (results["before"], results["after"]):
         assert 0.0 <= figures["accuracy"] <= 1.0 and 1.0 <= figures["turns"] <= 2.0
         assert 0.0 <= figures["tool_accuracy"] <= 1.0 and 0.0 <= figures["reasoner_accuracy"] <= 1.0
+        assert figures["final_team_reward"] is not None
     assert (tmp_path / "tool" / "adapter_config.json").is_file() and (tmp_path / "reasoner").is_dir()
     assert "Before training:" in result.stdout and "After 2 steps:" in result.stdout

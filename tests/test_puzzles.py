@@ -509,6 +509,6 @@ def test_the_cpu_recipe_trains_and_reports_the_success_rate(tmp_path, default_mo
     assert results["task"] == task and results["steps"] == 2
     for figures in (results["before"], results["after"]):
         assert 0.0 <= figures["success_rate"] <= 1.0 and figures["turns"] == 1.0
-        assert figures["team_reward"] <= 2.0
+        assert figures["team_reward"] <= 2.0 and figures["final_team_reward"] <= 2.0
     assert (tmp_path / "tool" / "adapter_config.json").is_file() and (tmp_path / "plan").is_dir()
     assert "Before training:" in result.stdout and "After 2 steps:" in result.stdout

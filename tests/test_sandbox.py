@@ -372,3 +372,21 @@ def test_an_interrupted_or_killed_trainer_leaves_no_sandbox_behind(backend, how,
         assert "KeyboardInterrupt" in stderr
         assert list(shared_tmp.iterdir()) == []  # every run removed its files
     assert wait_until_gone(before, timeout_s=10) == set()
+
+
+@pytest.mark.parametrize("backend, code", [("local", -signal.SIGKILL), ("bubblewrap", 128 + signal.SIGKILL)])
+def test_a_sigkill_at_the_cpu_limit_is_a_timeout_even_a_tick_early_and_an_early_one_is_not(backend, code):
+    from trl_marl.sandbox.process import Finished
+
+    limits = Limits(wall_time_s=10, cpu_time_s=1)
+
+    def classify(wall_time_s):
+        return executor_module._classify(
+            Finished(code, False, False, b"", b"", False, False, wall_time_s), limits, backend
+        )
+
+    # Tick-based CPU accounting charged 1 s of CPU after 0.9993 s of wall time (seen in CI): the CPU limit was reached.
+    assert classify(0.9993)[:2] == (Status.TIMEOUT, signal.SIGKILL) and "CPU-time limit of 1 s" in classify(0.9993)[2]
+    assert classify(1.4)[0] is Status.TIMEOUT
+    # Half a second in, the process cannot have used 1 s of CPU: something else killed it.
+    assert classify(0.5) == (Status.KILLED, signal.SIGKILL, "killed by signal SIGKILL")
