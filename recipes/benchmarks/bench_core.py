@@ -24,11 +24,8 @@ Usage, from the repository root:
 import argparse
 import contextlib
 import ctypes
-import datetime
 import gc
 import json
-import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -48,6 +45,9 @@ from transformers import BitsAndBytesConfig, PrinterCallback, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, default_model_path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run_info import run_header  # noqa: E402
 
 
 def rss_kib(field="VmHWM"):
@@ -382,16 +382,11 @@ def main():
         print(f"   ({time.perf_counter() - start:.0f} s)", flush=True)
 
     summary = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "gpu": torch.cuda.get_device_name() if ON_CUDA else None,
-            "python": platform.python_version(),
+        **run_header(
+            torch_threads=torch.get_num_threads(),
+            gpu=torch.cuda.get_device_name() if ON_CUDA else None,
             **{m.__name__: m.__version__ for m in (torch, transformers, trl, peft)},
-        },
+        ),
         "settings": {"name": "quick" if args.quick else "full", **s},
         "held_equal": held,
         "results": [],

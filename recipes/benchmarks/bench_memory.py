@@ -37,16 +37,17 @@ Usage, from the repository root:
 import argparse
 import contextlib
 import ctypes
-import datetime
 import gc
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run_info import run_header  # noqa: E402
 
 # name -> settings: 4-bit base, agents, prompt copies per micro-batch, G, completion tokens C, gradient checkpointing,
 # sampled generation (else fixed completions). "test" is the configuration tests/test_memory.py measures.
@@ -345,16 +346,11 @@ def main() -> None:
             f"{row['error_percent']:>+6.1f}%   {train:>16}   {gen:>14}"
         )
     summary = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": len(os.sched_getaffinity(0)),
-            "torch_threads": torch.get_num_threads(),
-            "gpu": None,
-            "python": platform.python_version(),
+        **run_header(
+            torch_threads=torch.get_num_threads(),
+            gpu=None,
             **{m.__name__: m.__version__ for m in (torch, transformers, trl, peft)},
-        },
+        ),
         "method": "peak RSS per phase minus the RSS just before the model loads (after a warm-up step of a tiny "
         f"model); MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}; {STEPS} steps, LoRA r=16 all-linear",
         "results": rows,

@@ -76,11 +76,9 @@ that fallback accounts for. On CUDA the Triton kernel holds one such buffer.
 """
 
 import argparse
-import datetime
 import importlib.util
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -99,6 +97,7 @@ from peer_comlrl_runner import (  # noqa: E402
     rss_kib,
     seed_everything,
 )
+from run_info import run_header  # noqa: E402
 
 COMLRL_VERSION, COMLRL_TORCH = "1.4.3", "2.13.0"
 DEFAULT_COMLRL_VENV = REPO_ROOT.parent / ".venv-comlrl"  # next to the repository, outside its work tree
@@ -521,17 +520,12 @@ def main() -> None:
         name: ratios(measured["comlrl"], row) for name, row in measured.items() if name not in ("comlrl", CEILING)
     }
     summary = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-            "threads_per_worker": args.threads,
-            "device": next(iter(devices.values())),
-            "torch": torch.__version__,
-            "comlrl_torch": reports["comlrl"]["versions"]["torch"],
-            "python": platform.python_version(),
-        },
+        **run_header(
+            threads_per_worker=args.threads,
+            device=next(iter(devices.values())),
+            torch=torch.__version__,
+            comlrl_torch=reports["comlrl"]["versions"]["torch"],
+        ),
         "versions": {
             "comlrl": reports["comlrl"]["versions"]["comlrl"],
             **{package: version(package) for package in ("trl", "transformers", "peft", "trl-marl")},
