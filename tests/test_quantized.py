@@ -51,3 +51,32 @@ def test_two_agents_train_on_a_4bit_nf4_base(default_model_dir, tmp_path):
         assert any(not torch.equal(adapters[n], after[n].detach()) for n in names), f"{agent} did not train"
     for name, value in frozen.items():
         assert torch.equal(value, after[name].detach()), f"base weight {name} changed"
+
+
+def test_frozen_adapters_take_the_trained_adapters_dtype_on_a_4bit_base(tiny_model_dir, tmp_path):
+    # TRL casts the adapters that require grad to bf16 on a quantized base; a frozen agent's adapter must follow, or
+    # every routed matmul of a mixed batch (the agents' matrices concatenated) would promote to float32.
+    from transformers import BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+    args = MAGRPOConfig(
+        output_dir=str(tmp_path),
+        agents=["writer", "critic", "reader"],
+        frozen_agents=["reader"],
+        num_generations=2,
+        max_completion_length=3,
+        report_to="none",
+        use_cpu=True,
+    )
+    dataset = Dataset.from_dict({"prompt": ["Say hi."]})
+    trainer = MAGRPOTrainer(
+        tiny_model_dir, team_reward, args=args, train_dataset=dataset, quantization_config=quantization
+    )
+    dtypes = {
+        agent: {p.dtype for n, p in trainer.model.named_parameters() if f".{agent}." in n and "lora_" in n}
+        for agent in ("writer", "critic", "reader")
+    }
+    assert dtypes == {"writer": {torch.bfloat16}, "critic": {torch.bfloat16}, "reader": {torch.bfloat16}}
+    assert not any(p.requires_grad for n, p in trainer.model.named_parameters() if ".reader." in n)

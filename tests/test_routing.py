@@ -5,7 +5,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from trl_marl.routing import AdapterRouter
+from trl_marl.routing import BASE, AdapterRouter
 
 ROWS = ["left", "right", "right", "left"]
 
@@ -76,3 +76,60 @@ def test_disabled_adapters_and_cleared_routing_leave_peft_in_charge(tiny_model_d
     assert not torch.allclose(right, base)
     with pytest.raises(ValueError, match=r"\['middle'\]"):
         router.route(["middle"] * 4)
+
+
+def test_rows_routed_to_the_base_get_the_base_output_and_leave_requires_grad_alone(tiny_model_dir):
+    model = two_adapter_model(tiny_model_dir, right_rank=4)
+    router = AdapterRouter(model, ["left", "right"])
+    input_ids = torch.randint(100, 1000, (4, 6))
+    with torch.no_grad(), model.disable_adapter():
+        base = model(input_ids=input_ids).logits
+    model.set_requires_grad(["left", "right"], requires_grad=True)  # disable_adapter's exit froze "right"
+    expected_right = per_adapter_reference(model, input_ids)[1:3]
+
+    router.route([BASE, "right", "right", BASE])
+    mixed = model(input_ids=input_ids).logits
+    router.route([BASE] * 4)
+    with torch.no_grad():
+        only_base = model(input_ids=input_ids).logits
+    torch.testing.assert_close(mixed[[0, 3]], base[[0, 3]], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mixed[1:3], expected_right, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(only_base, base, rtol=1e-5, atol=1e-5)
+    assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
+
+
+def test_rows_of_one_adapter_skip_the_other_adapters_work_and_match_peft(tiny_model_dir):
+    model = two_adapter_model(tiny_model_dir, right_rank=4)
+    router = AdapterRouter(model, ["left", "right"])
+    concatenations = []
+    concatenated = router._concatenated
+    router._concatenated = lambda layer: concatenations.append(layer) or concatenated(layer)
+    input_ids = torch.randint(100, 1000, (3, 6))
+    model.set_adapter("right")
+    with torch.no_grad():
+        expected = model(input_ids=input_ids).logits
+    model.set_requires_grad(["left", "right"], requires_grad=True)
+
+    router.route(["right"] * 3)
+    routed = model(input_ids=input_ids).logits
+    assert concatenations == [], "one adapter's rows must not compute the other adapters' projections"
+    torch.testing.assert_close(routed, expected, rtol=0, atol=0)  # PEFT's own single-adapter arithmetic
+    routed.square().mean().backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if ".right." in n)
+    assert all(p.grad is None for n, p in model.named_parameters() if ".left." in n)
+
+    router.route(["right", "left", "right"])
+    model(input_ids=input_ids)
+    assert concatenations, "a mixed batch takes the concatenated path"
+
+
+def test_routing_tensors_are_built_on_the_adapters_device(tiny_model_dir):
+    # The meta device stands in for an accelerator: a tensor built on the host would say "cpu".
+    model = two_adapter_model(tiny_model_dir, right_rank=4).to("meta")
+    router = AdapterRouter(model, ["left", "right"])
+    router.route(ROWS)
+    assert router._row_index.device.type == "meta"
+    layer = next(m for m in model.modules() if hasattr(m, "lora_A") and router._is_plain_lora(m))
+    assert router._mask(layer, torch.device("meta"), torch.float32).device.type == "meta"
+    output = model(input_ids=torch.zeros(4, 3, dtype=torch.long, device="meta")).logits
+    assert output.device.type == "meta" and output.shape[:2] == (4, 3)

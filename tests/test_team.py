@@ -186,7 +186,8 @@ def test_a_recorded_transition_that_no_longer_imports_is_an_error_saying_what_to
 
 def test_a_team_sharing_one_adapter_saves_it_once_and_replays(tiny_model_dir, tmp_path):
     trainer = train_team(tiny_model_dir, tmp_path, adapter_mode="shared", max_steps=1)
-    assert trainer.router is None  # one adapter: nothing to route
+    # one adapter, still routed (the KL reference goes to the base through the router); cleared after training
+    assert trainer.router.adapter_names == ["team"] and trainer.router.row_adapters is None
     out = tmp_path / "out"
     assert (out / "team" / "adapter_model.safetensors").is_file()
     assert not (out / "planner").exists()

@@ -11,6 +11,12 @@ rank: `h = x A_catᵀ` gives every agent's rank-space projection of every row, a
 block, and `h B_catᵀ` (B scaled per agent) is each row's `scale_a · B_a A_a x`. Nothing is copied per row: the extra
 memory is the concatenated adapters (cached during generation) and `h`, rows × tokens × the summed ranks. Other
 layers (LoRA variants, `modules_to_save`, …) use PEFT's own mixed-batch path (`adapter_names=` injected per call).
+
+A row routed to `BASE` goes through the base model alone: that is how the KL reference (the base, shared by every
+agent) is computed. PEFT's own ways to the base (`disable_adapter()`, TRL's `use_adapter(model, None)`) end in
+`set_adapter`, which turns gradients off on every adapter but the active one; routing never touches `requires_grad`.
+When every row goes to the same adapter (every AT-GRPO `generate` call, a one-agent team), only that adapter's LoRA
+projection is computed, as PEFT computes it, with no concatenation and no mask.
 """
 
 from collections.abc import Sequence
@@ -22,19 +28,22 @@ from peft.utils import AuxiliaryTrainingWrapper
 
 from .agents import is_4bit_linear
 
+BASE = "__base__"  # PEFT's name for "no adapter": a row routed here goes through the base model alone
+
 
 class AdapterRouter:
     """Routes row `i` of every forward to adapter `row_adapters[i]` until the next `route` call.
 
     Args:
         model: the `PeftModel` carrying the adapters.
-        adapter_names: the adapters rows may be routed to.
+        adapter_names: the adapters rows may be routed to (and `BASE`, the base model alone).
     """
 
     def __init__(self, model: PeftModel, adapter_names: Sequence[str]):
         self.adapter_names = list(dict.fromkeys(adapter_names))
         self.row_adapters: list[str] | None = None
-        self._row_index: torch.Tensor | None = None
+        self._row_index: torch.Tensor | None = None  # (rows,) index into adapter_names, -1 for BASE; model's device
+        self._single: int | None = None  # the one index every row shares, if they do
         self._masks: dict[tuple, torch.Tensor] = {}  # (ranks, device, dtype) -> (rows, summed ranks) block mask
         self._weight_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # kept while no grad is taken
         self._handles = []
@@ -48,6 +57,9 @@ class AdapterRouter:
                     # PEFT's 4-bit layer clones the base output before adding LoRA deltas in its single-adapter path
                     # but not in its mixed-batch path, whose in-place add then fails under autograd.
                     self._handles.append(module.get_base_layer().register_forward_hook(self._clone_output))
+        # Routing tensors are built once per `route` call, on the device the adapters live on (read at each call: the
+        # model may have moved since), never on the host and copied per layer.
+        self._adapter_weight = next((p for n, p in model.named_parameters() if "lora_" in n), None)
 
     def _is_plain_lora(self, layer: LoraLayer) -> bool:
         if getattr(layer, "fan_in_fan_out", False) or not all(name in layer.lora_A for name in self.adapter_names):
@@ -60,17 +72,26 @@ class AdapterRouter:
         return len(dropouts) == 1
 
     def route(self, row_adapters: Sequence[str] | None) -> None:
-        """Route the rows of the next forward calls; `None` gives the model back to PEFT's active adapter."""
+        """Route the rows of the next forward calls (an adapter name per row, or `BASE`); `None` gives the model back
+        to PEFT's active adapter."""
         self._masks, self._weight_cache = {}, {}
         if row_adapters is None:
-            self.row_adapters = self._row_index = None
+            self.row_adapters = self._row_index = self._single = None
             return
-        unknown = set(row_adapters) - set(self.adapter_names)
+        unknown = set(row_adapters) - {*self.adapter_names, BASE}
         if unknown:
             raise ValueError(f"Cannot route rows to adapters {sorted(unknown)}; known: {self.adapter_names}.")
         self.row_adapters = list(row_adapters)
-        self._row_index = torch.tensor([self.adapter_names.index(name) for name in row_adapters])
-        self._base_names = ["__base__"] * len(self.row_adapters)
+        positions = {name: index for index, name in enumerate(self.adapter_names)}
+        row_index = [positions.get(name, -1) for name in self.row_adapters]
+        self._row_index = torch.tensor(row_index, device=self.device)
+        self._single = row_index[0] if len(set(row_index)) == 1 else None
+        self._base_names = [BASE] * len(self.row_adapters)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the routing tensors are built: the adapters' device."""
+        return self._adapter_weight.device if self._adapter_weight is not None else torch.device("cpu")
 
     # -- batched path
 
@@ -93,17 +114,27 @@ class AdapterRouter:
         return lora_a, lora_b
 
     def _mask(self, layer: LoraLayer, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """`(rows, Σr)`: 1 on the rank block of each row's agent, 0 elsewhere."""
+        """`(rows, Σr)`: 1 on the rank block of each row's agent, 0 elsewhere (0 everywhere for a `BASE` row)."""
         ranks = tuple(layer.r[name] for name in self.adapter_names)
         key = (ranks, device, dtype)
         if key not in self._masks:
-            block_of_column = torch.repeat_interleave(torch.arange(len(ranks)), torch.tensor(ranks))
-            self._masks[key] = (self._row_index[:, None] == block_of_column[None, :]).to(device=device, dtype=dtype)
+            row_index = self._row_index.to(device)  # a no-op unless the model is split over devices
+            block_of_column = torch.tensor(
+                [block for block, rank in enumerate(ranks) for _ in range(rank)], device=device
+            )
+            self._masks[key] = (row_index[:, None] == block_of_column[None, :]).to(dtype)
         return self._masks[key]
 
     def _add_routed_lora(self, module, args, output):
         if self.row_adapters is None or module.disable_adapters or module.merged:
             return None
+        if self._single is not None:  # every row on one adapter (or on the base): no concatenation, no mask
+            if self._single < 0:
+                return None
+            name = self.adapter_names[self._single]
+            lora_a, lora_b = module.lora_A[name], module.lora_B[name]
+            x = module.lora_dropout[name](args[0].to(lora_a.weight.dtype))
+            return (output + lora_b(lora_a(x)) * module.scaling[name]).to(output.dtype)
         lora_a, lora_b = self._concatenated(module)
         x = module.lora_dropout[self.adapter_names[0]](args[0]).to(lora_a.dtype)
         hidden = x @ lora_a.T  # (rows, ..., Σr): every agent's projection of every row

@@ -28,7 +28,6 @@ from trl.trainer.utils import (
     create_model_from_path,
     is_async_callable,
     pad,
-    use_adapter,
 )
 
 from .agents import (
@@ -52,10 +51,62 @@ from .rewards import (
     checked_team_reward,
 )
 from .rollout import JointAction, Rollout, TreeRollout, default_transition, pad_rows
-from .routing import AdapterRouter
+from .routing import BASE, AdapterRouter
 from .scheduling import resolve_scheduler
 from .tasks import local_rewards, resolve_task
 from .team import base_model_name, team_spec, write_team_file
+
+BASE_ROW = -1  # the agent index of a row routed to the base model alone (the KL reference)
+
+
+def model_init_kwargs_for(args: MAGRPOConfig, quantization_config=None) -> dict:
+    """`from_pretrained` keywords for a model given by id or path: `args.model_init_kwargs`, the quantization config,
+    and the device map.
+
+    Under DDP or DeepSpeed every process holds the whole model on its own device, so `device_map="auto"` (which would
+    spread it over every visible GPU) is off. A quantized model must still be placed while it loads (bitsandbytes
+    quantizes on the device): it goes to this process's device, `{"": <device>}`, never to `None` (the CPU).
+    """
+    kwargs = dict(args.model_init_kwargs or {})
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
+    state = args.distributed_state
+    if state.distributed_type in ["MULTI_GPU", "DEEPSPEED"]:
+        kwargs["device_map"] = {"": state.device} if kwargs.get("quantization_config") is not None else None
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    return kwargs
+
+
+def adapter_parameters(model: torch.nn.Module, adapter_names: list[str]) -> dict[str, list[torch.nn.Parameter]]:
+    """Each adapter's parameters, found by PEFT's naming: `...<container>.<adapter>.<weight>` where the container is
+    a `lora_*` module dict (`lora_A`, `lora_B`, `lora_magnitude_vector`, ...) or `modules_to_save`."""
+    found = {name: [] for name in adapter_names}
+    for name, parameter in model.named_parameters():
+        parts = name.split(".")
+        for container, adapter in zip(parts, parts[1:]):
+            if adapter in found and (container.startswith("lora_") or container == "modules_to_save"):
+                found[adapter].append(parameter)
+                break
+    return found
+
+
+def cast_frozen_adapters_like_trained(model: torch.nn.Module, trained_adapters: list[str]) -> None:
+    """Give the LoRA matrices of frozen adapters the dtype of the trained ones.
+
+    On a quantized base TRL casts the adapter weights that require grad to bf16 (QLoRA's recommendation); frozen
+    adapters require none, stay float32, and would turn every routed matmul of a mixed batch (the agents' matrices
+    are concatenated) into a float32 one.
+    """
+    parameters = adapter_parameters(model, list(model.peft_config))
+    trained = [p for name in trained_adapters for p in parameters.get(name, []) if p.ndim == 2]
+    if not trained:
+        return
+    dtype = trained[0].dtype
+    for name, params in parameters.items():
+        if name not in trained_adapters:
+            for param in params:
+                if param.ndim == 2 and param.is_floating_point() and param.dtype != dtype:
+                    param.data = param.data.to(dtype)
 
 
 class MAGRPOTrainer(CheckpointMixin, TeamMetricsMixin, GRPOTrainer):
@@ -139,13 +190,7 @@ class MAGRPOTrainer(CheckpointMixin, TeamMetricsMixin, GRPOTrainer):
         self.scheduler = resolve_scheduler(scheduler if scheduler is not None else args.scheduler)
 
         if isinstance(model, str):
-            model_init_kwargs = dict(args.model_init_kwargs or {})
-            if quantization_config is not None:
-                model_init_kwargs["quantization_config"] = quantization_config
-            if args.distributed_state.distributed_type in ["MULTI_GPU", "DEEPSPEED"]:
-                model_init_kwargs["device_map"] = None
-            model_init_kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-            model = create_model_from_path(model, **model_init_kwargs)
+            model = create_model_from_path(model, **model_init_kwargs_for(args, quantization_config))
 
         self.agent_names = args.agent_names
         self.agent_adapters = agent_adapter_names(args)
@@ -157,9 +202,7 @@ class MAGRPOTrainer(CheckpointMixin, TeamMetricsMixin, GRPOTrainer):
         # so the optimizer, built from what requires grad, never holds them.
         self.trained_agents = [i for i, name in enumerate(self.agent_names) if name not in args.frozen_agents]
         self.trained_adapters = list(dict.fromkeys(self.agent_adapters[i] for i in self.trained_agents))
-        frozen_adapters = [name for name in self.adapter_names if name not in self.trained_adapters]
-        if frozen_adapters:
-            model.set_requires_grad(frozen_adapters, requires_grad=False)
+        self._set_adapter_trainability(model)
 
         if args.ddp_find_unused_parameters is None and len(self.adapter_names) > 1:
             # A micro-batch may hold rows of only some agents; the other adapters then get no gradient under DDP.
@@ -196,23 +239,69 @@ class MAGRPOTrainer(CheckpointMixin, TeamMetricsMixin, GRPOTrainer):
         self.joint_mode = args.joint_mode
         self.baseline = args.baseline
         self._use_chat_template = getattr(self.processing_class, "chat_template", None) is not None
-        # One adapter needs no routing, which keeps the single-agent case numerically identical to GRPOTrainer.
         unwrapped = self.accelerator.unwrap_model(self.model)
-        self.router = AdapterRouter(unwrapped, self.adapter_names) if len(self.adapter_names) > 1 else None
+        # Every forward is routed, a one-adapter team's too: the KL reference goes to the base model through the router
+        # (PEFT's `disable_adapter` would change which adapters require grad). One adapter's rows are computed as PEFT
+        # computes them, so a one-agent team stays numerically identical to GRPOTrainer.
+        self.router = AdapterRouter(unwrapped, self.adapter_names)
         keep_4bit_weights_trainable(unwrapped)
+        cast_frozen_adapters_like_trained(unwrapped, self.trained_adapters)
+        self._adapter_parameters = adapter_parameters(unwrapped, self.adapter_names)
         self._rows_agent_index: torch.Tensor | None = None
+
+    def _set_adapter_trainability(self, model) -> None:
+        """Trained adapters require grad, frozen ones do not. Set at creation and after a checkpoint reload (which
+        leaves only PEFT's active adapter trainable); the optimizer is built from what requires grad."""
+        model.set_requires_grad(self.trained_adapters, requires_grad=True)
+        frozen_adapters = [name for name in self.adapter_names if name not in self.trained_adapters]
+        if frozen_adapters:
+            model.set_requires_grad(frozen_adapters, requires_grad=False)
+
+    def _check_adapters_train(self) -> None:
+        """Every trained agent's adapter requires grad and is in the optimizer; a frozen one requires no grad.
+
+        A PEFT call that ends in `set_adapter` (`disable_adapter()`, `use_adapter(model, None)`) turns gradients off on
+        every adapter but the active one, and the agents concerned would silently stop learning. Checked before every
+        loss (a few hundred flag reads); the optimizer's membership is not checked where DeepSpeed or FSDP flatten the
+        parameters into their own buffers.
+        """
+        optimizer = getattr(self, "optimizer", None)
+        flattened = self.is_deepspeed_enabled or self.is_fsdp_enabled
+        in_optimizer = None
+        if optimizer is not None and not flattened:
+            in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        problems = []
+        for adapter, parameters in self._adapter_parameters.items():
+            agents = [name for name, used in zip(self.agent_names, self.agent_adapters) if used == adapter]
+            trained = adapter in self.trained_adapters
+            if trained and not all(p.requires_grad for p in parameters):
+                problems.append(f"adapter '{adapter}' of agents {agents} no longer requires grad")
+            elif trained and in_optimizer is not None and not all(id(p) in in_optimizer for p in parameters):
+                problems.append(f"adapter '{adapter}' of agents {agents} is not in the optimizer")
+            elif not trained and any(p.requires_grad for p in parameters):
+                problems.append(f"adapter '{adapter}' of frozen agents {agents} requires grad")
+        if problems:
+            raise RuntimeError(
+                "The agents' adapters are not all training as configured: "
+                + "; ".join(problems)
+                + ". Something called PEFT's `set_adapter` (directly, or through `disable_adapter()` / TRL's "
+                "`use_adapter`), which turns gradients off on every adapter but the active one, or built the "
+                "optimizer from some adapters only. Route rows with `trainer.router` instead, and pass an optimizer "
+                "over every trained adapter."
+            )
 
     # ------------------------------------------------------------------ routing
 
     def _route_rows(self, agent_index: torch.Tensor | list[int]) -> None:
-        if self.router is not None:
-            self.router.route([self.agent_adapters[int(i)] for i in agent_index])
+        """Route each row to its agent's adapter; a row of agent index `BASE_ROW` (-1) to the base model alone."""
+        indices = agent_index.tolist() if isinstance(agent_index, torch.Tensor) else agent_index  # one device sync
+        self.router.route([self.agent_adapters[i] if i != BASE_ROW else BASE for i in indices])
 
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kwargs
     ):
         agent_index = self._rows_agent_index
-        if self.router is None or agent_index is None:
+        if agent_index is None:
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs
             )
@@ -236,14 +325,20 @@ class MAGRPOTrainer(CheckpointMixin, TeamMetricsMixin, GRPOTrainer):
         aux_loss = torch.stack(aux_losses).mean() if aux_losses[0] is not None else None
         return torch.cat(logps), entropies, aux_loss
 
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if model.training:
+            self._check_adapters_train()
+        return super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+
     def _compute_loss(self, model, inputs):
         self._rows_agent_index = inputs["agent_index"]
         return super()._compute_loss(model, inputs)
 
     def _clear_routing(self) -> None:
         self._rows_agent_index = None
-        if self.router is not None:
-            self.router.route(None)
+        self.router.route(None)
 
     def training_step(self, model, inputs, num_items_in_batch):
         # The routing of a micro-batch must outlive its forward (checkpointing replays it in the backward) but not
@@ -273,8 +368,10 @@ class MAGRPOTrainer(CheckpointMixin, TeamMetricsMixin, GRPOTrainer):
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model=model)
         # Trainer reloads every adapter of a PeftModel but leaves only the active one trainable, and builds the
-        # optimizer afterwards: without this, a resumed run would train a single agent.
-        self.accelerator.unwrap_model(model or self.model).set_requires_grad(self.trained_adapters, requires_grad=True)
+        # optimizer afterwards: without this, a resumed run would train a single agent (or a frozen one).
+        unwrapped = self.accelerator.unwrap_model(model or self.model)
+        self._set_adapter_trainability(unwrapped)
+        self._adapter_parameters = adapter_parameters(unwrapped, self.adapter_names)
 
     # ------------------------------------------------------------------ rollout
 
@@ -442,7 +539,7 @@ class MAGRPOTrainer(CheckpointMixin, TeamMetricsMixin, GRPOTrainer):
 
     def _reference_logps(self, samples: dict, mode: str) -> dict:
         """Old log-probs (when generation and optimisation steps are misaligned, as TRL) and, with `beta != 0`, the
-        base model's log-probs (adapters disabled: the shared reference of every agent)."""
+        base model's log-probs (every row routed to the base: the shared reference of every agent)."""
         generate_every = self.args.steps_per_generation * self.num_iterations
         need_old = self.args.gradient_accumulation_steps % generate_every != 0
         if not need_old and self.beta == 0.0:
@@ -459,10 +556,10 @@ class MAGRPOTrainer(CheckpointMixin, TeamMetricsMixin, GRPOTrainer):
                     self.model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
                 )
             if self.beta != 0.0:
-                with use_adapter(self.accelerator.unwrap_model(self.model), adapter_name=None):
-                    logps["ref_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
-                        self.model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
-                    )
+                self._rows_agent_index = torch.full_like(samples["agent_index"], BASE_ROW)
+                logps["ref_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
+                    self.model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
+                )
         self._clear_routing()
         return logps
 
