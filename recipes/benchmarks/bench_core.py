@@ -226,7 +226,29 @@ def bench_generate(model_path, s, num_agents):
         trainer.model.set_adapter(names[0])
         return trainer._generate([p for p in prompts for _ in names])[1]
 
-    modes = (("routed", routed), ("per_agent", per_agent), ("one_adapter", one_adapter))
+    def one_agent_routed():  # an AT-GRPO call: every row is the first agent's (the router's one-adapter path)
+        return trainer._generate_team([p for p in prompts for _ in names], [0] * len(prompts) * num_agents, G)[1]
+
+    def one_agent_concatenated():  # the same call made to pay every agent's projection and the mask, as before
+        route = trainer.router.route
+
+        def mixed_path(row_adapters):
+            route(row_adapters)
+            trainer.router._single = None
+
+        trainer.router.route = mixed_path
+        try:
+            return one_agent_routed()
+        finally:
+            trainer.router.route = route
+
+    modes = (
+        ("routed", routed),
+        ("per_agent", per_agent),
+        ("one_adapter", one_adapter),
+        ("one_agent_routed", one_agent_routed),
+        ("one_agent_concatenated", one_agent_concatenated),
+    )
     totals = {mode: [0, 0.0] for mode, _ in modes}  # tokens, seconds
     for rep in range(s["gen_reps"] + 1):  # rep 0 is a warm-up
         for mode, generate in modes:
@@ -240,7 +262,8 @@ def bench_generate(model_path, s, num_agents):
     speed = {mode: n / t for mode, (n, t) in totals.items()}
     print(
         f"  {num_agents} agents: routed {speed['routed']:.1f} tok/s, per agent {speed['per_agent']:.1f} tok/s, "
-        f"same rows on one adapter {speed['one_adapter']:.1f} tok/s"
+        f"same rows on one adapter {speed['one_adapter']:.1f} tok/s; one agent's rows routed "
+        f"{speed['one_agent_routed']:.1f} tok/s, through the concatenated path {speed['one_agent_concatenated']:.1f}"
     )
     return [
         (f"generate {num_agents} agents: same rows on one adapter, tok/s", speed["one_adapter"], None),
@@ -248,6 +271,12 @@ def bench_generate(model_path, s, num_agents):
         (f"generate {num_agents} agents: one routed call, tok/s", speed["routed"], None),
         (f"generate {num_agents} agents: one call per agent, tok/s", speed["per_agent"], None),
         (f"generate {num_agents} agents: speed-up", speed["routed"] / speed["per_agent"], f"generate_{num_agents}"),
+        (f"generate one agent's rows of {num_agents}: routed, tok/s", speed["one_agent_routed"], None),
+        (
+            f"generate one agent's rows of {num_agents}: routed / concatenated path",
+            speed["one_agent_routed"] / speed["one_agent_concatenated"],
+            None,
+        ),
     ]
 
 
