@@ -42,8 +42,9 @@ def make_trainer(model_dir, output_dir, **overrides):
         use_cpu=True,
         seed=3,
     )
+    dataset_size = overrides.pop("dataset_size", len(PROMPTS))
     settings.update(overrides)
-    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS[:dataset_size]]})
     return MAGRPOTrainer(model_dir, team_reward, args=MAGRPOConfig(**settings), train_dataset=dataset)
 
 
@@ -64,9 +65,13 @@ def adapters(trainer):
 
 def logged_after(trainer, step):
     """{(step, key): value} of the logged loss and team reward after `step`."""
+    return logged_after_history(trainer.state.log_history, step)
+
+
+def logged_after_history(log_history, step):
     return {
         (log["step"], key): log[key]
-        for log in trainer.state.log_history
+        for log in log_history
         for key in ("loss", "reward")
         if key in log and log["step"] > step
     }
@@ -98,6 +103,38 @@ def test_stopping_and_resuming_equals_the_uninterrupted_run(tiny_model_dir, tmp_
     after, expected_logs = logged_after(resumed, 3), logged_after(uninterrupted, 3)
     assert sorted(after) == [(4, "loss"), (5, "loss"), (5, "reward"), (6, "loss")]
     assert after == pytest.approx(expected_logs, rel=1e-5, abs=1e-7)
+
+
+@pytest.fixture(scope="module")
+def three_epochs(tiny_model_dir, tmp_path_factory):
+    """An uninterrupted run over 3 epochs of 4 prompts: 2 prompts per generation, each generation serving 2 steps, so
+    an epoch is 4 steps (boundaries after steps 4 and 8)."""
+    settings = dict(max_steps=12, dataset_size=4)
+    trainer = make_trainer(tiny_model_dir, tmp_path_factory.mktemp("uninterrupted"), **settings)
+    trainer.train()
+    assert trainer.state.epoch == 3.0
+    return settings, adapters(trainer), trainer.state.log_history
+
+
+@pytest.mark.parametrize(
+    "stop", [3, 4, 6, 8], ids=["mid-epoch-0", "at-first-boundary", "mid-epoch-1", "at-second-boundary"]
+)
+def test_resuming_before_at_and_after_an_epoch_boundary_equals_the_uninterrupted_run(
+    tiny_model_dir, tmp_path, three_epochs, stop
+):
+    settings, expected, expected_log = three_epochs
+    first = make_trainer(tiny_model_dir, tmp_path, save_strategy="steps", save_steps=stop, **settings)
+    first.add_callback(StopAt(stop))
+    first.train()
+    resumed = make_trainer(tiny_model_dir, tmp_path, **settings)
+    resumed.train(resume_from_checkpoint=True)
+
+    assert resumed.state.global_step == 12
+    final = adapters(resumed)
+    for name in expected:
+        torch.testing.assert_close(final[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+    after = logged_after(resumed, stop)
+    assert after == pytest.approx(logged_after_history(expected_log, stop), rel=1e-5, abs=1e-7)
 
 
 def test_resume_true_takes_the_latest_complete_checkpoint_and_an_incomplete_one_is_refused(tiny_model_dir, tmp_path):

@@ -10,9 +10,11 @@ a process killed while writing leaves a folder that looks like the latest checkp
 - older checkpoints are rotated away (`save_total_limit`) only after the new one is complete.
 
 Resuming is exact: besides what `Trainer` restores (every agent's adapter, the optimizer, the scheduler, the RNG
-states, the data order), each process saves GRPO's generation buffer — the completions generated for
+states, the position in the epoch), each process saves GRPO's generation buffer — the completions generated for
 `steps_per_generation` optimizer steps and the position in them (`_buffered_inputs`, `_step`) — so a run resumed
-between two generations trains on the same completions as one that never stopped.
+between two generations trains on the same completions as one that never stopped. And the order of the prompts in
+each epoch is a function of the seed and the epoch (`ResumableRepeatSampler`), so a run resumed in a later epoch, or
+exactly at an epoch boundary, sees the prompts in the order the uninterrupted run saw them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import re
 
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from trl.trainer.utils import RepeatSampler
 
 logger = logging.getLogger("trl_marl")
 
@@ -59,8 +62,38 @@ def write_json_atomically(path: str, content: dict) -> None:
     os.replace(temporary, path)
 
 
+class ResumableRepeatSampler(RepeatSampler):
+    """TRL's `RepeatSampler` whose shuffle in epoch `e` is the same whether or not training stopped before it.
+
+    `RepeatSampler` seeds its generator once and draws one permutation per epoch, so epoch `e`'s order is the
+    `e+1`-th draw. A resumed run builds a new sampler, whose first draw is epoch 0's order: from the first epoch
+    boundary on, it trained on other prompts than the run that never stopped. `Trainer` calls `set_epoch(e)` before
+    every epoch (through accelerate's data loader); this puts the generator where the uninterrupted run's generator is
+    at the start of epoch `e`: seeded, with `e` permutations drawn.
+    """
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.shuffle:
+            self.generator.manual_seed(self.seed)
+            for _ in range(epoch):
+                torch.randperm(self.num_samples, generator=self.generator)
+
+
 class CheckpointMixin:
     """Crash-safe checkpoints and exact resume for a `GRPOTrainer` subclass (see the module docstring)."""
+
+    def _get_train_sampler(self, dataset=None):
+        sampler = super()._get_train_sampler(dataset)
+        if type(sampler) is not RepeatSampler or not sampler.shuffle or sampler.seed is None:
+            return sampler
+        return ResumableRepeatSampler(
+            data_source=sampler.data_source,
+            mini_repeat_count=sampler.mini_repeat_count,
+            batch_size=sampler.batch_size,
+            repeat_count=sampler.repeat_count,
+            shuffle=sampler.shuffle,
+            seed=sampler.seed,
+        )
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         if resume_from_checkpoint is True:
