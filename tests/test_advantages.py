@@ -185,7 +185,15 @@ def test_batch_scaling_divides_by_std_of_all_rewards():
     # all rewards: mean 1, deviations 3,-1,-1,-1 -> (9+1+1+1)/3 = 4 -> batch std 2
     # (group 0 alone would have std sqrt(8)): group means 2 and 0 -> r - b = 2, -2, 0, 0; / (2 + EPS)
     assert_close(advantages, [[2 / 2.0001, -2 / 2.0001], [0.0, 0.0]])
-    assert_close(std, [[2.0, 2.0], [2.0, 2.0]])
+    # the std returned is each group's own (for the zero-std metric: group 1 carries no signal), not the batch's
+    assert_close(std, [[8**0.5, 8**0.5], [0.0, 0.0]])
+
+
+def test_batch_scaling_divides_by_a_given_batch_std():
+    rewards = torch.tensor([[4.0, 0.0]])
+    advantages, std = group_advantages(rewards, "mean", "batch", batch_std=torch.tensor(4.0))
+    assert_close(advantages, [[2 / 4.0001, -2 / 4.0001]])
+    assert_close(std, [[8**0.5, 8**0.5]])
 
 
 def test_unknown_scale_rewards_raises_with_allowed_values():

@@ -244,3 +244,100 @@ def test_a_problem_split_over_processes_continues_from_one_choice_on_both():
     ]
     assert spanning[0].state[0] == "r0-2"  # the greedy choice, taken by both ranks
     assert results[0].metrics == results[1].metrics
+
+
+def test_copies_of_different_rows_in_one_group_are_an_error_naming_the_sampler():
+    problems = [{"prompt": f"problem {i}", "id": i} for i in range(2)]
+    interleaved = [dict(problems[copy_index % 2]) for copy_index in range(6)]  # p0 p1 p0 p1 ...: not G in a row
+    generate = Scripted({0: ["1"], 1: ["x"]})
+    with pytest.raises(ValueError, match=r"Rows 0 and 1 .* different dataset rows.*RepeatSampler.*_get_train_sampler"):
+        rollout(num_generations=3).run(interleaved, 0, generate, team_score(lambda ja: 1.0))
+    assert generate.calls == [], "nothing is generated for a batch with a broken layout"
+
+
+def test_a_group_spanning_processes_is_checked_across_them():
+    # copies 0-1: problem 0 on rank 0; copies 2-3: problem 1 on rank 0 and ... problem 2 on rank 1
+    parts = [[{"prompt": "problem 0"}] * 2 + [{"prompt": "problem 1"}], [{"prompt": "problem 2"}] * 3]
+    processes, errors = Processes(2), {}
+
+    def run(rank):
+        try:
+            rollout(num_generations=2).run(
+                parts[rank], 3 * rank, Scripted({0: ["1"], 1: ["x"]}), team_score(lambda ja: 1.0),
+                gather=processes.gather_for(rank),
+            )  # fmt: skip
+        except ValueError as error:
+            errors[rank] = str(error)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(errors) == [0, 1] and all("Rows 2 and 3 " in message for message in errors.values())
+
+
+def test_batch_scaling_divides_by_the_batch_std_and_zero_std_counts_each_group_alone():
+    texts = {0: ["1", "22", "333"], 1: ["x", "yy", "zzz"]}
+    result = rollout(scale_rewards="batch").run(
+        copies([{"prompt": "p"}], 3), 0, Scripted(texts), team_score(lambda ja: len(ja.completions["a"]))
+    )
+    # a's candidates score 1, 2, 3; b acts after a's best ("333"), so its three candidates all score 3
+    batch_std = statistics.stdev([1, 2, 3, 3, 3, 3])
+    by_agent = {agent: [s.advantage for s in result.samples if s.agent == agent] for agent in (0, 1)}
+    assert by_agent[0] == pytest.approx([(r - 2) / (batch_std + ADVANTAGE_EPS) for r in (1, 2, 3)])
+    assert by_agent[1] == pytest.approx([0.0, 0.0, 0.0])
+    assert result.metrics["turns/0/agents/a/frac_reward_zero_std"] == 0.0
+    assert result.metrics["turns/0/agents/b/frac_reward_zero_std"] == 1.0
+    assert result.turn_stats[0]["frac_reward_zero_std"] == 0.5
+
+
+class PerAgentScript:
+    """`generate` stand-in whose n-th row for agent `a` (over all calls) says `texts[a][n]`, whatever the calls'
+    grouping; records each call's agents."""
+
+    def __init__(self, texts):
+        self.texts, self.counts, self.calls = texts, defaultdict(int), []
+
+    def __call__(self, model_inputs, agents):
+        self.calls.append(list(agents))
+        texts = []
+        for agent in agents:
+            texts.append(self.texts[agent][self.counts[agent] % len(self.texts[agent])])
+            self.counts[agent] += 1
+        return [[1, 2]] * len(texts), [[3, 4]] * len(texts), texts
+
+
+class ParallelViewInTwoPhases(type(parallel)):
+    """What each agent sees under `parallel`, but one phase per agent: one generate call per agent."""
+
+    def phases(self, turn, num_agents):
+        return [[agent] for agent in range(num_agents)]
+
+    def observe(self, agent, prompt, history, current, names):
+        return super().observe(agent, prompt, history, {}, names)  # nothing of this turn, as in one parallel phase
+
+
+def test_agents_of_one_phase_share_one_generate_call_with_unchanged_groups_and_advantages():
+    texts = {0: ["1", "22", "333", "4444"], 1: ["x", "yy", "zzz", "w"]}
+    state = dict(reset=lambda example: [], step=lambda state, agent, text, turn: [*state, text])
+    score = team_score(lambda ja: len(ja.completions["a"]) * 2 - len(ja.completions["b"]) + len(ja.state))
+    examples = copies([{"prompt": "p"}, {"prompt": "q"}], 2)
+    one_call, two_calls = PerAgentScript(texts), PerAgentScript(texts)
+    grouped_run = rollout(num_generations=2, num_turns=2, scheduler=parallel, **state).run(
+        examples, 0, one_call, score
+    )
+    reference = rollout(num_generations=2, num_turns=2, scheduler=ParallelViewInTwoPhases(), **state).run(
+        examples, 0, two_calls, score
+    )
+    assert one_call.calls == [[0, 0, 0, 0, 1, 1, 1, 1]] * 2  # one call per phase (= per turn), both agents' rows
+    assert two_calls.calls == [[0] * 4, [1] * 4] * 2
+
+    def outcome(result):
+        return [
+            (s.node, s.position, s.text, str(s.model_input), s.group, round(s.advantage, 6)) for s in result.samples
+        ]
+
+    assert outcome(grouped_run) == outcome(reference)
+    assert any(s.advantage != 0 for s in grouped_run.samples if s.agent == 1)
+    assert grouped_run.metrics == reference.metrics

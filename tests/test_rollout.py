@@ -2,6 +2,7 @@
 `done` and transitions; the padding of rows for TRL's equal micro-batches."""
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -294,3 +295,22 @@ def test_pad_rows_to_the_same_count_adds_nothing():
     samples = {"advantages": torch.tensor([1.0, 2.0]), "completion_mask": torch.ones(2, 3)}
     padded = pad_rows(samples, 2)
     assert padded["advantages"].tolist() == [1.0, 2.0] and not padded["is_padding"].any()
+
+
+def test_prompt_copies_of_different_rows_in_one_group_are_an_error_naming_the_sampler():
+    examples = [{"prompt": "task", "level": 1}, {"prompt": "task", "level": 2}]  # one group of G=2, two rows
+    with pytest.raises(ValueError, match=r"Rows 0 and 1 .* different dataset rows.*RepeatSampler"):
+        run_tree([1, 2, 3, 4], examples=examples)
+
+
+def test_batch_scaling_divides_by_the_std_of_every_return_of_the_batch_all_turns():
+    # The tree of test_aligned_two_turn_tree_returns_and_advantages_match_hand_computation, with scale_rewards="batch".
+    rollout, _ = run_tree([1, 0, 0, 0] + [1, 1, 0, 1] + [0, 0, 1, 1], scale_rewards="batch")
+    returns = [2.35, 0.9, 2.0, 1.0, 0.0, 2.0]  # turn 0 (root), then the two child nodes of turn 1
+    batch_std = statistics.stdev(returns)  # every return of the batch, not only those of one turn
+    by_turn = {t: [ja.advantage for ja in rollout.joint_actions if ja.turn == t] for t in (0, 1)}
+    root_mean = (2.35 + 0.9) / 2
+    assert by_turn[0] == approx([(r - root_mean) / (batch_std + 1e-4) for r in (2.35, 0.9)])
+    assert by_turn[1] == approx([(r - m) / (batch_std + 1e-4) for r, m in zip([2, 1, 0, 2], [1.5, 1.5, 1, 1])])
+    # zero-std fraction counts nodes whose own returns are all equal: none here
+    assert [stats["frac_reward_zero_std"] for stats in rollout.turn_stats] == [0.0, 0.0]

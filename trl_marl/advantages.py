@@ -54,19 +54,21 @@ def baseline_values(rewards: torch.Tensor, baseline: str) -> torch.Tensor:
 
 
 def group_advantages(
-    rewards: torch.Tensor, baseline: str = "mean", scale_rewards: str = "group"
+    rewards: torch.Tensor, baseline: str = "mean", scale_rewards: str = "group", batch_std: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages of the joint actions of each group: `A = (r − b) / (σ + 1e-4)`.
 
     Args:
         rewards: `(num_groups, K)` team rewards, NaN for unscorable joint actions.
         baseline: see [`baseline_values`].
-        scale_rewards: `"group"` (σ = std within the group), `"batch"` (σ = std of all rewards) or `"none"` (no
-            division), as TRL's `scale_rewards`.
+        scale_rewards: `"group"` (σ = std within the group), `"batch"` (σ = std of every reward of the batch) or
+            `"none"` (no division), as TRL's `scale_rewards`.
+        batch_std: σ for `"batch"` when the batch holds more than `rewards` (a MAGRPO tree's other turns); by
+            default the std of `rewards`.
 
     Returns:
-        `(advantages, std)`, both `(num_groups, K)`. Unscorable members get advantage 0. `std` is the group std
-        (batch std with `"batch"`), also when not dividing, for the zero-std metric.
+        `(advantages, group_std)`, both `(num_groups, K)`. Unscorable members get advantage 0. `group_std` is each
+        group's own std whatever the scaling: the zero-std metric counts groups that carry no signal.
     """
     if rewards.size(1) > 1:
         group_std = nanstd(rewards, dim=1).unsqueeze(1).expand_as(rewards)
@@ -75,13 +77,15 @@ def group_advantages(
     if scale_rewards in ("group", "none"):
         std = group_std
     elif scale_rewards == "batch":
-        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+        if batch_std is None:
+            batch_std = nanstd(rewards) if rewards.numel() > 1 else torch.zeros(())
+        std = torch.as_tensor(batch_std, dtype=rewards.dtype).expand_as(rewards)
     else:
         raise ValueError(f"Unknown scale_rewards {scale_rewards!r}; expected 'group', 'batch' or 'none'.")
     advantages = rewards - baseline_values(rewards, baseline)
     if scale_rewards != "none":
         advantages = advantages / (std + ADVANTAGE_EPS)
-    return torch.nan_to_num(advantages, nan=0.0), std
+    return torch.nan_to_num(advantages, nan=0.0), group_std
 
 
 def aligned_credit(advantages: torch.Tensor, num_agents: int) -> torch.Tensor:
@@ -142,18 +146,25 @@ def tree_returns(rewards: torch.Tensor, parents: torch.Tensor, discount: float) 
 
 
 def node_credit(
-    returns: torch.Tensor, joint_mode: str, num_agents: int, num_generations: int, baseline: str, scale_rewards: str
+    returns: torch.Tensor,
+    joint_mode: str,
+    num_agents: int,
+    num_generations: int,
+    baseline: str,
+    scale_rewards: str,
+    batch_std: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Advantages of the sibling joint actions of each node, and each agent's credit.
 
     Args:
         returns: `(num_nodes, K)` returns of each node's joint actions, in the layout of this module's docstring.
+        batch_std: σ of `scale_rewards="batch"`, see [`group_advantages`].
 
     Returns:
         `(credit, advantages, std)`: `credit` is `(num_nodes, G, N)`, the advantage of agent `i`'s completion `g`;
-        `advantages` and `std` are `(num_nodes, K)` as [`group_advantages`].
+        `advantages` and `std` (each node's own std) are `(num_nodes, K)` as [`group_advantages`].
     """
-    advantages, std = group_advantages(returns, baseline, scale_rewards)
+    advantages, std = group_advantages(returns, baseline, scale_rewards, batch_std)
     if joint_mode == "aligned":
         credit = aligned_credit(advantages, num_agents)
     else:

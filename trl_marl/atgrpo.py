@@ -24,7 +24,15 @@ import torch
 
 from .advantages import group_advantages, team_rewards
 from .config import CONTINUATIONS
-from .rollout import JointAction, Rollout, Sample, TransitionError, checked_next_turn, transition_name
+from .rollout import (
+    JointAction,
+    Rollout,
+    Sample,
+    TransitionError,
+    check_group_layout,
+    checked_next_turn,
+    transition_name,
+)
 from .scheduling import Prompt, Said, parallel
 
 GroupKey = tuple[int, int, int]  # (episode, turn, agent): the episode is the problem's global prompt-group index
@@ -157,6 +165,7 @@ class ATGRPORollout:
             gather: concatenates a list over processes (every process calls it in the same order).
         """
         num_generations = self.num_generations
+        check_group_layout(examples, first_copy, num_generations, gather)
         branches = []
         for row, example in enumerate(examples):
             copy_index = first_copy + row
@@ -169,13 +178,14 @@ class ATGRPORollout:
         for turn in range(self.num_turns):
             said_this_turn = [{} for _ in branches]
             for phase in self.phases[turn]:
-                seen = [dict(said) for said in said_this_turn]  # agents of one phase do not see each other
+                active = [i for i, branch in enumerate(branches) if not branch.done]
+                acting = [branches[i] for i in active]
+                # Agents of one phase do not see each other's answers: their prompts are fixed when the phase begins,
+                # so one generate call serves them all. Each is then scored and continued in turn, the next one from
+                # the state (and team answers) its predecessor's chosen candidate left.
+                generated = self._generate_phase(phase, acting, [said_this_turn[i] for i in active], generate)
                 for agent in phase:
-                    active = [i for i, branch in enumerate(branches) if not branch.done]
-                    acting = [branches[i] for i in active]
-                    step_candidates = self._sample(
-                        turn, agent, acting, [seen[i] for i in active], generate, score, local_score
-                    )
+                    step_candidates = self._candidates(turn, agent, acting, generated[agent], score, local_score)
                     candidates += step_candidates
                     self._continue(turn, agent, active, branches, step_candidates, said_this_turn, chosen, gather)
             for i, branch in enumerate(branches):
@@ -191,18 +201,30 @@ class ATGRPORollout:
 
     # ------------------------------------------------------------------ one agent's step
 
-    def _sample(self, turn, agent, branches, seen, generate, score, local_score) -> list[Candidate]:
+    def _generate_phase(self, phase, branches, seen, generate) -> dict[int, list[tuple]]:
+        """Every agent of `phase` samples one candidate in every branch, in one `generate` call. Returns, per agent,
+        one `(model_input, prompt_ids, completion_ids, text)` per branch."""
+        if not branches:
+            return {agent: [] for agent in phase}
+        names = self.agent_names
+        model_inputs, agents = [], []
+        for agent in phase:
+            for branch, current in zip(branches, seen):
+                prompt = self.scheduler.observe(
+                    agent, branch.observations[agent], branch.history, dict(current), names
+                )
+                model_inputs.append(self.agent_input(agent, prompt))
+                agents.append(agent)
+        rows = list(zip(model_inputs, *generate(model_inputs, agents)))
+        return {agent: rows[k * len(branches) : (k + 1) * len(branches)] for k, agent in enumerate(phase)}
+
+    def _candidates(self, turn, agent, branches, generated, score, local_score) -> list[Candidate]:
+        """Score the acting agent's candidates, each on its own copy of its branch's state."""
         if not branches:
             return []
         names = self.agent_names
-        model_inputs = [
-            self.agent_input(agent, self.scheduler.observe(agent, b.observations[agent], b.history, current, names))
-            for b, current in zip(branches, seen)
-        ]
-        prompt_ids, completion_ids, texts = generate(model_inputs, [agent] * len(branches))
         states, joint_actions, samples = [], [], []
-        generated = zip(branches, model_inputs, prompt_ids, completion_ids, texts)
-        for branch, model_input, ids, completion, text in generated:
+        for branch, (model_input, ids, completion, text) in zip(branches, generated):
             state = self.step(copy.deepcopy(branch.state), names[agent], text, turn)
             states.append(state)
             node = (branch.episode, turn, agent)

@@ -13,6 +13,7 @@ group for root nodes. A node's joint actions are numbered in row-major order of 
 """
 
 import copy
+import hashlib
 import itertools
 import math
 from collections import defaultdict
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from trl.trainer.utils import get_callable_name
+from trl.trainer.utils import get_callable_name, nanstd
 
 from .advantages import node_credit, team_rewards, tree_returns
 from .scheduling import Prompt, Said, parallel
@@ -110,6 +111,37 @@ class Rollout:
 
 def _local(items: list) -> list:
     return list(items)
+
+
+def check_group_layout(
+    examples: list[dict], first_copy: int, num_generations: int, gather: Callable[[list], list] = _local
+) -> None:
+    """Check that the copies grouped as one problem are one dataset row.
+
+    Groups are keyed by the global copy index `// num_generations`: that is right only under the layout of TRL's
+    `RepeatSampler`, which yields each dataset row `num_generations` times in a row, identically on every process. A
+    sampler that breaks it would silently compare candidates of different problems. Rows are compared by a digest of
+    their contents, gathered over processes (a group may span them).
+
+    Raises:
+        ValueError: a group holds copies of different rows; it names the copies and the sampler.
+    """
+    digests = [
+        (first_copy + row, hashlib.blake2b(repr(example).encode(), digest_size=8).hexdigest())
+        for row, example in enumerate(examples)
+    ]
+    first_of_group: dict[int, tuple[int, str]] = {}
+    for copy_index, digest in gather(digests):
+        group = copy_index // num_generations
+        first_index, first_digest = first_of_group.setdefault(group, (copy_index, digest))
+        if digest != first_digest:
+            raise ValueError(
+                f"Rows {first_index} and {copy_index} of the generation batch are grouped as copies of one problem "
+                f"(every {num_generations} consecutive rows, num_generations={num_generations}) but are different "
+                "dataset rows. Groups follow the layout of TRL's `RepeatSampler` (the trainer's "
+                "`_get_train_sampler`): each dataset row `num_generations` times in a row, in the same order on "
+                "every process. Keep that sampler, or make yours yield that layout."
+            )
 
 
 def default_transition(prompt: Prompt, observations: dict[str, Prompt], **kwargs) -> list[Prompt]:
@@ -245,6 +277,7 @@ class TreeRollout:
                 there is one process.
         """
         num_generations, num_agents = self.num_generations, self.num_agents
+        check_group_layout(examples, first_copy, num_generations, gather)
         slots = [
             Slot(
                 node=(0, -1, (first_copy + row) // num_generations),
@@ -412,8 +445,11 @@ class TreeRollout:
         self, samples: list[Sample], joint_actions: list[JointAction], table: list[tuple]
     ) -> list[dict[str, float]]:
         """Advantages among the siblings of every node, from the joint actions of all processes (`table`: root groups
-        span processes, and `scale_rewards="batch"` needs every node of a turn); each process keeps its own back."""
+        span processes, and `scale_rewards="batch"` divides by the std of every return of the batch, all turns and
+        processes, as TRL divides by the std of its whole batch); each process keeps its own back."""
         size = self.joint_actions_per_node
+        all_values = torch.tensor([entry[4] for entry in table], dtype=torch.float32)
+        batch_std = nanstd(all_values) if all_values.numel() > 1 else torch.zeros(())
         turn_stats, node_row, first_group = [], {}, 0
         for turn in range(self.num_turns):
             rows = [entry for entry in table if entry[0] == turn]
@@ -429,7 +465,13 @@ class TreeRollout:
             if not filled.all():
                 raise RuntimeError(f"Turn {turn} has incomplete nodes: joint actions were lost between processes.")
             credit, advantages, std = node_credit(
-                values, self.joint_mode, self.num_agents, self.num_generations, self.baseline, self.scale_rewards
+                values,
+                self.joint_mode,
+                self.num_agents,
+                self.num_generations,
+                self.baseline,
+                self.scale_rewards,
+                batch_std,
             )
             for node, i in index_of.items():
                 node_row[node] = (first_group + i, credit[i], advantages[i])
