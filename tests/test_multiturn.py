@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, NextTurn, TransitionError
 from trl_marl.agents import agent_prompt
+from trl_marl.rollout import pad_rows, padding_loss_scale
 from trl_marl.scheduling import parallel
 
 AGENTS = [{"name": "planner", "system_prompt": "Plan briefly."}, {"name": "checker"}]
@@ -251,3 +252,58 @@ def test_two_turn_training_on_the_default_model_trains_every_row_of_every_tree(d
         assert set(output["turn_index"][~output["is_padding"]].tolist()) <= {0, 1}
     logged = [entry["num_samples"] for entry in trainer.state.log_history if "num_samples" in entry]
     assert logged == [float((~output["is_padding"]).sum()) for output in counter.generated]
+
+
+def test_padding_loss_scale_by_hand():
+    # 2 processes, 12 rows each after padding, 20 real rows in all: every real row weighs as in a 20-row batch
+    assert padding_loss_scale("grpo", 12, 20, 2) == pytest.approx(24 / 20)
+    assert padding_loss_scale("dr_grpo", 12, 24, 2) == 1.0  # no padding
+    assert padding_loss_scale("dapo", 12, 20, 2) == 1.0  # token-normalised: already exact
+    assert padding_loss_scale("grpo", 12, 0, 2) == 1.0  # nothing trains
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "sapo", "dr_grpo", "luspo", "dapo", "bnpo"])
+def test_padding_rows_change_neither_the_loss_nor_the_gradient(tiny_model_dir, tmp_path, loss_type):
+    trainer = make_trainer(tiny_model_dir, tmp_path, num_turns=1, loss_type=loss_type)
+    trainer.model.train()
+    batch = [example for example in trainer.train_dataset.select(range(1)) for _ in range(2)]
+    real = trainer._generate_and_score_completions(batch)
+    assert not real["is_padding"].any() and real["row_loss_scale"].item() == 1.0
+    real_rows = len(real["advantages"])
+    padded = pad_rows(real, real_rows + 3)
+    padded["row_loss_scale"] = torch.tensor(padding_loss_scale(loss_type, real_rows + 3, real_rows, 1))
+    trainer.current_gradient_accumulation_steps = 1
+
+    def loss_and_gradients(inputs):
+        trainer.model.zero_grad()
+        loss = trainer._compute_loss(trainer.model, inputs)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+    (loss, grads), (padded_loss, padded_grads) = loss_and_gradients(real), loss_and_gradients(padded)
+    torch.testing.assert_close(padded_loss, loss, rtol=1e-5, atol=1e-7)
+    assert grads and grads.keys() == padded_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(padded_grads[name], grad, rtol=1e-4, atol=1e-7)
+
+
+def test_a_padded_tree_batch_carries_the_scale_of_its_real_rows(tiny_model_dir, tmp_path):
+    def stop_first_prompt(prompt, joint_action, history, turn, **kwargs):
+        return NextTurn(done=True) if "colour" in prompt[-1]["content"] else [prompt[-1]["content"]] * 2
+
+    # 3 prompts per generation, 3 micro-batches: the colour prompt's tree is its root (2 slots x 2 agents = 4 rows),
+    # the others grow a turn (4 + 2 children x 4 = 12 rows each): 28 rows, padded to 30
+    trainer = make_trainer(
+        tiny_model_dir, tmp_path, transition=stop_first_prompt, steps_per_generation=3, loss_type="grpo"
+    )
+    trainer.model.train()
+    prompts = ["Name a colour.", "Name a fruit.", "Count to three."]
+    batch = [{"prompt": [{"role": "user", "content": p}]} for p in prompts for _ in range(2)]
+    output = trainer._generate_and_score_completions(batch)
+    assert int((~output["is_padding"]).sum()) == 28 and len(output["advantages"]) == 30
+    assert output["row_loss_scale"].item() == pytest.approx(30 / 28)
+
+
+def test_a_per_row_loss_with_an_entropy_bonus_is_refused_for_trees(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"loss_type='grpo'.*num_turns=2.*entropy bonus.*loss_type='dapo'"):
+        make_trainer(tiny_model_dir, tmp_path, loss_type="grpo", entropy_coef=0.01)

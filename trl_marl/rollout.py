@@ -516,3 +516,24 @@ def pad_rows(samples: dict, num_rows: int) -> dict:
     is_padding[num_real:] = True
     padded["is_padding"] = is_padding
     return padded
+
+
+# Loss types that TRL normalises by the rows of a micro-batch (padding rows included) rather than by loss tokens.
+PER_ROW_LOSS_TYPES = ("grpo", "sapo", "dr_grpo", "luspo")
+
+
+def padding_loss_scale(loss_type: str, padded_rows: int, real_rows: int, num_processes: int) -> float:
+    """The factor that makes TRL's loss of a padded generation batch equal the loss of its real rows alone.
+
+    TRL divides `grpo`/`sapo` (mean of per-row means), `dr_grpo` (sum / (rows · max length)) and `luspo` (mean of
+    per-row sums) by the rows of a micro-batch, padding rows included. With `B` rows per process after padding (split
+    into S micro-batches, GA per optimizer step, averaged over P processes by DDP) every row weighs `S / (GA · P · B)`;
+    the same batch without padding would give each real row `S / (GA · R)`, `R` the real rows of every process. So:
+
+        scale = P · B / R    (1 without padding: R = P · B)
+
+    Token-normalised loss types (`dapo`, `bnpo`, `cispo`, `vespo`) count real tokens only already: scale 1.
+    """
+    if loss_type not in PER_ROW_LOSS_TYPES or real_rows == 0:
+        return 1.0
+    return num_processes * padded_rows / real_rows

@@ -50,7 +50,15 @@ from .rewards import (
     check_dataset_columns,
     checked_team_reward,
 )
-from .rollout import JointAction, Rollout, TreeRollout, default_transition, pad_rows
+from .rollout import (
+    PER_ROW_LOSS_TYPES,
+    JointAction,
+    Rollout,
+    TreeRollout,
+    default_transition,
+    pad_rows,
+    padding_loss_scale,
+)
 from .routing import BASE, AdapterRouter
 from .scheduling import resolve_scheduler
 from .tasks import local_rewards, resolve_task
@@ -235,6 +243,17 @@ class MAGRPOTrainer(CheckpointMixin, TeamMetricsMixin, GRPOTrainer):
                 "processes, so they run different numbers of `generate` calls, which sharded parameters cannot serve. "
                 "Use DDP or ZeRO-1/2, or `num_turns=1`."
             )
+        if (
+            args.num_turns > 1
+            and self.loss_type in PER_ROW_LOSS_TYPES
+            and (self._entropy_bonus_enabled or self.aux_loss_enabled)
+        ):
+            raise ValueError(
+                f"`loss_type={self.loss_type!r}` with `num_turns={args.num_turns}` and an entropy bonus "
+                "(`entropy_coef` / `use_adaptive_entropy`) or a router aux loss is not supported: trees pad their "
+                "rows, and the padding correction of this per-row loss would scale those terms too. Use "
+                "`loss_type='dapo'` (or 'bnpo'), which count real tokens only, or turn the extra term off."
+            )
         self.num_agents = args.num_agents
         self.joint_mode = args.joint_mode
         self.baseline = args.baseline
@@ -334,7 +353,9 @@ class MAGRPOTrainer(CheckpointMixin, TeamMetricsMixin, GRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         self._rows_agent_index = inputs["agent_index"]
-        return super()._compute_loss(model, inputs)
+        loss = super()._compute_loss(model, inputs)
+        scale = inputs.get("row_loss_scale")  # padding rows out of the per-row loss types' denominators
+        return loss * scale if scale is not None else loss
 
     def _clear_routing(self) -> None:
         self._rows_agent_index = None
@@ -428,10 +449,15 @@ class MAGRPOTrainer(CheckpointMixin, TeamMetricsMixin, GRPOTrainer):
         # Trees differ in size; TRL needs equal micro-batches (train) and equal row counts on every process (its loss
         # gathers per-row metrics). Rows are padded to the largest count over processes, rounded up to a multiple of
         # `steps_per_generation`, with loss-free copies (see `pad_rows`).
+        # The per-row loss types then count padding rows in their denominators: `row_loss_scale` undoes that.
         split = self.args.steps_per_generation if mode == "train" else 1
-        local_rows = torch.tensor([len(samples)], device=device)
-        most_rows = self.accelerator.gather(local_rows).max().item()
-        return pad_rows(output, -(-most_rows // split) * split)
+        rows = torch.tensor([[len(samples), 0 if no_loss else len(samples)]], device=device)
+        rows = self.accelerator.gather(rows).view(-1, 2)
+        num_rows = -(-rows[:, 0].max().item() // split) * split
+        output = pad_rows(output, num_rows)
+        scale = padding_loss_scale(self.loss_type, num_rows, rows[:, 1].sum().item(), self.accelerator.num_processes)
+        output["row_loss_scale"] = torch.tensor(scale, device=device)
+        return output
 
     def _agent_input(self, agent: int, prompt):
         return agent_prompt(self.args.agents[agent]["system_prompt"], prompt, self._use_chat_template)
