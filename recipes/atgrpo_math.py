@@ -73,7 +73,6 @@ def main() -> None:
         report_to="none",
         seed=0,
         use_cpu=not on_gpu,
-        bf16=on_gpu,
     )
     script_args, args = parser.parse_args_and_config()
     task = MathTool(script_args.source, steps=script_args.steps, max_number=script_args.max_number)

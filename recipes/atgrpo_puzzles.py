@@ -84,7 +84,6 @@ def main() -> None:
         report_to="none",
         seed=0,
         use_cpu=not on_gpu,
-        bf16=on_gpu,
         gradient_checkpointing=on_gpu,  # TRL turns it on; on the CPU it only recomputes activations
     )
     script_args, args = parser.parse_args_and_config()

@@ -1,10 +1,16 @@
 """Configuration of the MAGRPO trainer: TRL's `GRPOConfig` plus the team."""
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from trl import GRPOConfig
+
+from .models import half_precision_dtype
+
+logger = logging.getLogger("trl_marl")
 
 JOINT_MODES = ("aligned", "cross")
 BASELINES = ("mean", "rloo", "max", "none")
@@ -13,6 +19,28 @@ SHARED_ADAPTER_NAME = "team"
 # "ref" would be taken by TRL for its reference adapter, "__base__" means "no adapter" to PEFT.
 RESERVED_AGENT_NAMES = ("ref", "__base__", "default")
 _AGENT_NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
+
+
+def default_mixed_precision(bf16: bool | None, fp16: bool, use_cpu: bool) -> tuple[bool | None, bool]:
+    """`(bf16, fp16)` when the user left `bf16` unset (None), which TRL would turn on.
+
+    - On the CPU (`use_cpu`): float32 (`bf16=False`): bf16 autocast on a CPU without native bf16 made a training step
+      9.9x slower (README, Benchmarks).
+    - On a GPU without bf16 (T4, V100; `half_precision_dtype()` is fp16), where bf16 fails: fp16, with a warning.
+    - Otherwise unchanged: TRL's default (bf16 on a GPU that has it). An explicit choice is always kept.
+    """
+    if bf16 is not None or fp16:
+        return bf16, fp16
+    if use_cpu:
+        return False, False
+    if half_precision_dtype() is torch.float16:
+        logger.warning(
+            "This GPU (%s) does not support bf16, which TRL turns on by default: training in fp16 mixed precision "
+            "instead. Set `bf16` or `fp16` explicitly to choose.",
+            torch.cuda.get_device_name(),
+        )
+        return False, True
+    return bf16, fp16
 
 
 def _choice_error(field_name: str, value: Any, allowed: tuple[str, ...]) -> ValueError:
@@ -245,10 +273,13 @@ class MAGRPOConfig(GRPOConfig):
                 "`use_transformers_continuous_batching=True` is not supported: it does not keep rows in order, so "
                 "rows cannot be routed to their agents' adapters. Set it to False."
             )
-        if self.bf16 is None and self.use_cpu:
-            # TRL turns bf16 on unless told otherwise; on a CPU without native bf16 that made a training step 9.9x
-            # slower (README, Benchmarks). Training on the CPU stays in float32 unless bf16=True is asked for.
-            self.bf16 = False
+        self.bf16, self.fp16 = default_mixed_precision(self.bf16, self.fp16, self.use_cpu)
+        if self.torch_compile:
+            raise ValueError(
+                "`torch_compile=True` is not supported: the per-row adapter routing runs in forward hooks whose "
+                "routing changes with every batch, so the compiled model would recompile at every step. Set "
+                "`torch_compile=False`."
+            )
         if self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
                 f"`multi_objective_aggregation={self.multi_objective_aggregation!r}` is not supported by MAGRPO: "

@@ -21,7 +21,7 @@ from huggingface_hub import constants, snapshot_download
 if TYPE_CHECKING:
     from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["DEFAULT_MODEL_ID", "default_model_path", "four_bit_config", "load_default_model"]
+__all__ = ["DEFAULT_MODEL_ID", "default_model_path", "four_bit_config", "half_precision_dtype", "load_default_model"]
 
 logger = logging.getLogger("trl_marl")
 
@@ -104,9 +104,20 @@ def load_default_model(
     return AutoModelForCausalLM.from_pretrained(path, **from_pretrained_kwargs), AutoTokenizer.from_pretrained(path)
 
 
+def half_precision_dtype():
+    """The half-precision dtype this machine's accelerator computes in: bf16 on a CUDA GPU that supports it (Ampere
+    and newer), fp16 on one that does not (T4, V100: bf16 there fails or is emulated), None without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
 def four_bit_config() -> BitsAndBytesConfig:
-    """The QLoRA base: 4-bit NF4 weights with double quantization, computing in bf16 on a GPU and in float32 on a CPU
-    (where bf16 matmuls are emulated and were 9.9x slower, README "Benchmarks")."""
+    """The QLoRA base: 4-bit NF4 weights with double quantization, computing in the GPU's half precision
+    (`half_precision_dtype`: bf16, or fp16 where bf16 is unsupported) and in float32 on a CPU (where bf16 matmuls are
+    emulated and were 9.9x slower, README "Benchmarks")."""
     import torch
     from transformers import BitsAndBytesConfig
 
@@ -114,7 +125,7 @@ def four_bit_config() -> BitsAndBytesConfig:
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
         bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16 if torch.cuda.is_available() else torch.float32,
+        bnb_4bit_compute_dtype=half_precision_dtype() or torch.float32,
     )
 
 
