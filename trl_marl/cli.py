@@ -156,32 +156,40 @@ def evaluate(arguments) -> int:
     return 0
 
 
-def estimate(arguments, overrides: list[str]) -> int:
-    """`trl-marl estimate`: the memory planner's breakdown for a `trl-marl train` config, and whether it fits each
-    card size. Reads the model's config.json only (from the Hub, its cache, or a local folder)."""
+def estimate_config(config_path: str, overrides: list[str] = (), prompt_length: int | None = None):
+    """The memory planner's `MemoryEstimate` for a `trl-marl train` config on a GPU, from the model's config.json only
+    (from the Hub, its cache, or a local folder: `--model_name_or_path` in `overrides`). Raises `OSError` when that
+    config cannot be read."""
     import torch
 
-    from .memory import estimate_memory
+    from .memory import DEFAULT_PROMPT_LENGTH, estimate_memory
 
+    overrides = list(overrides)
     if not torch.cuda.is_available():
         # transformers accepts bf16 without a GPU only with use_cpu, under which trl_marl turns an unset bf16 off;
         # the prediction is for a GPU, where bf16 is on unless the config says otherwise (TRL's default).
-        with open(arguments.config) as file:
+        with open(config_path) as file:
             keys = set(yaml.safe_load(file) or {})
         precision_set = keys & {"bf16", "fp16"} or {"--bf16", "--fp16"} & set(overrides)
         overrides = ["--use_cpu", "true", *([] if precision_set else ["--bf16", "true"]), *overrides]
-    script_args, args = parse_train_config(arguments.config, overrides)
+    script_args, args = parse_train_config(config_path, overrides)
+    return estimate_memory(
+        args,
+        model_name_or_path=script_args.model_name_or_path,
+        load_in_4bit=script_args.load_in_4bit,
+        prompt_length=prompt_length or DEFAULT_PROMPT_LENGTH,
+    )
+
+
+def estimate(arguments, overrides: list[str]) -> int:
+    """`trl-marl estimate`: the memory planner's breakdown for a `trl-marl train` config, and whether it fits each
+    card size. Reads the model's config.json only (from the Hub, its cache, or a local folder)."""
     try:
-        result = estimate_memory(
-            args,
-            model_name_or_path=script_args.model_name_or_path,
-            load_in_4bit=script_args.load_in_4bit,
-            prompt_length=arguments.prompt_length,
-        )
+        result = estimate_config(arguments.config, overrides, arguments.prompt_length)
     except OSError as error:
         raise SystemExit(
-            f"Could not read the config of {script_args.model_name_or_path}: {error}\nThe planner needs only its "
-            "config.json: go online, or pass --model_name_or_path a local folder holding it."
+            f"Could not read the model's config: {error}\nThe planner needs only its config.json: go online, or pass "
+            "--model_name_or_path a local folder holding it."
         ) from error
     print(result.table(arguments.gpu_memory_gb))
     return 0
