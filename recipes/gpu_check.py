@@ -137,8 +137,8 @@ def training_check(report: Report, steps: int):
             output_dir=output_dir,
             agents=agents,
             num_generations=2,
-            per_device_train_batch_size=4,
-            max_completion_length=16 if on_gpu else 8,
+            per_device_train_batch_size=4 if on_gpu else 2,  # prompt copies: 2 prompts a step on a GPU, 1 on a CPU
+            max_completion_length=16 if on_gpu else 4,
             max_steps=steps,
             learning_rate=1e-3,
             beta=0.04,  # KL to the base: the path that must keep every agent training
