@@ -8,6 +8,7 @@ import pytest
 import torch
 from datasets import Dataset
 from transformers import AutoTokenizer
+from trl.trainer.utils import split_tensor_dict
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, NextTurn, TransitionError
 from trl_marl.agents import agent_prompt
@@ -255,11 +256,18 @@ def test_two_turn_training_on_the_default_model_trains_every_row_of_every_tree(d
 
 
 def test_padding_loss_scale_by_hand():
-    # 2 processes, 12 rows each after padding, 20 real rows in all: every real row weighs as in a 20-row batch
-    assert padding_loss_scale("grpo", 12, 20, 2) == pytest.approx(24 / 20)
-    assert padding_loss_scale("dr_grpo", 12, 24, 2) == 1.0  # no padding
-    assert padding_loss_scale("dapo", 12, 20, 2) == 1.0  # token-normalised: already exact
-    assert padding_loss_scale("grpo", 12, 0, 2) == 1.0  # nothing trains
+    # 2 processes, 12 rows each after padding, 3 micro-batches of 4 rows, 20 real rows in all; this micro-batch holds
+    # 1 real row. Per-row types: every real row weighs as in a 20-row generation (P·S·b / R = 2·3·4 / 20)
+    settings = dict(rows=4, real_rows=1, total_real_rows=20, num_chunks=3, num_processes=2)
+    for loss_type in ("grpo", "sapo", "dr_grpo", "luspo"):
+        assert padding_loss_scale(loss_type, **settings) == pytest.approx(24 / 20)
+    # bnpo: the micro-batch weighs as its real rows (P·S·r / R = 2·3·1 / 20), not as a full one
+    assert padding_loss_scale("bnpo", **settings) == pytest.approx(6 / 20)
+    for loss_type in ("dapo", "cispo", "vespo"):  # normalised by the real tokens of the generation: exact already
+        assert padding_loss_scale(loss_type, **settings) == 1.0
+    no_padding = dict(rows=4, real_rows=4, total_real_rows=24, num_chunks=3, num_processes=2)
+    assert all(padding_loss_scale(t, **no_padding) == 1.0 for t in ("grpo", "bnpo", "dr_grpo", "dapo"))
+    assert padding_loss_scale("grpo", 4, 0, 0, 3, 2) == 1.0  # nothing trains
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "sapo", "dr_grpo", "luspo", "dapo", "bnpo"])
@@ -268,10 +276,9 @@ def test_padding_rows_change_neither_the_loss_nor_the_gradient(tiny_model_dir, t
     trainer.model.train()
     batch = [example for example in trainer.train_dataset.select(range(1)) for _ in range(2)]
     real = trainer._generate_and_score_completions(batch)
-    assert not real["is_padding"].any() and real["row_loss_scale"].item() == 1.0
     real_rows = len(real["advantages"])
+    assert not real["is_padding"].any() and real["num_real_rows"].item() == real_rows
     padded = pad_rows(real, real_rows + 3)
-    padded["row_loss_scale"] = torch.tensor(padding_loss_scale(loss_type, real_rows + 3, real_rows, 1))
     trainer.current_gradient_accumulation_steps = 1
 
     def loss_and_gradients(inputs):
@@ -301,9 +308,48 @@ def test_a_padded_tree_batch_carries_the_scale_of_its_real_rows(tiny_model_dir, 
     batch = [{"prompt": [{"role": "user", "content": p}]} for p in prompts for _ in range(2)]
     output = trainer._generate_and_score_completions(batch)
     assert int((~output["is_padding"]).sum()) == 28 and len(output["advantages"]) == 30
-    assert output["row_loss_scale"].item() == pytest.approx(30 / 28)
+    assert output["num_real_rows"].item() == 28
 
 
 def test_a_per_row_loss_with_an_entropy_bonus_is_refused_for_trees(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match=r"loss_type='grpo'.*num_turns=2.*entropy bonus.*loss_type='dapo'"):
         make_trainer(tiny_model_dir, tmp_path, loss_type="grpo", entropy_coef=0.01)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "sapo", "dr_grpo", "luspo", "bnpo", "dapo", "cispo", "vespo"])
+def test_padding_rows_spread_unevenly_over_micro_batches_leave_the_step_gradient_exact(
+    tiny_model_dir, tmp_path, loss_type
+):
+    """A generation of 4 real rows padded to 6 and split into 2 micro-batches of one optimizer step, {r0 r1 r2} and
+    {r3 pad pad}: the step's gradient is that of the 4 real rows as one unpadded micro-batch (for bnpo, a
+    per-micro-batch token mean: its two micro-batches unpadded, weighted by their real rows, 3/4 and 1/4)."""
+    trainer = make_trainer(tiny_model_dir, tmp_path, num_turns=1, loss_type=loss_type)
+    trainer.model.train()
+    batch = [example for example in trainer.train_dataset.select(range(1)) for _ in range(2)]
+    real = trainer._generate_and_score_completions(batch)
+    assert len(real["advantages"]) == 4 and real["advantages"].abs().sum() > 0
+
+    def rows(indices):
+        return {k: v[indices] if isinstance(v, torch.Tensor) and v.ndim > 0 else v for k, v in real.items()}
+
+    def step_gradient(micro_batches, steps_per_generation, weights):
+        trainer.args.steps_per_generation = trainer.current_gradient_accumulation_steps = steps_per_generation
+        trainer.model.zero_grad()
+        for inputs, weight in zip(micro_batches, weights):
+            (weight * trainer._compute_loss(trainer.model, inputs)).backward()
+        return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+
+    padded = split_tensor_dict(pad_rows(real, 6), 2)
+    assert padded[1]["is_padding"].tolist() == [False, True, True]
+    gradient = step_gradient(padded, 2, [1.0, 1.0])
+    if loss_type == "bnpo":
+        pieces = [rows([0, 1, 2]), rows([3])]
+        for piece in pieces:
+            piece["num_real_rows"] = torch.tensor(len(piece["advantages"]))
+        expected = step_gradient(pieces, 1, [3 / 4, 1 / 4])
+    else:
+        expected = step_gradient([real], 1, [1.0])
+    assert expected and gradient.keys() == expected.keys()
+    assert any(g.abs().sum() > 0 for g in expected.values())
+    for name, grad in expected.items():
+        torch.testing.assert_close(gradient[name], grad, rtol=1e-4, atol=1e-7)

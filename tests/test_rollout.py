@@ -4,11 +4,12 @@
 import math
 import statistics
 
+import numpy as np
 import pytest
 import torch
 
 from trl_marl.advantages import tree_returns
-from trl_marl.rollout import NextTurn, TransitionError, TreeRollout, default_transition, pad_rows
+from trl_marl.rollout import NextTurn, TransitionError, TreeRollout, default_transition, pad_rows, row_digest
 
 EPS = 1e-4
 AGENTS = ["a", "b"]
@@ -314,3 +315,26 @@ def test_batch_scaling_divides_by_the_std_of_every_return_of_the_batch_all_turns
     assert by_turn[1] == approx([(r - m) / (batch_std + 1e-4) for r, m in zip([2, 1, 0, 2], [1.5, 1.5, 1, 1])])
     # zero-std fraction counts nodes whose own returns are all equal: none here
     assert [stats["frac_reward_zero_std"] for stats in rollout.turn_stats] == [0.0, 0.0]
+
+
+class Opaque:
+    """A value whose `repr` names its address, as a decoded image's does: every copy of a row gets a new one."""
+
+
+def test_copies_of_one_row_with_opaque_values_are_one_row():
+    examples = [{"prompt": "task", "image": Opaque(), "pixels": np.zeros(5000)} for _ in range(2)]  # new objects
+    assert repr(examples[0]) != repr(examples[1])
+    assert row_digest(examples[0]) == row_digest(examples[1])
+    run_tree([1, 2, 3, 4] + [0] * 8, examples=examples)  # no error
+
+
+def test_rows_that_differ_inside_a_large_array_are_different_rows():
+    different = np.zeros(5000)
+    different[2500] = 1.0
+    examples = [{"prompt": "task", "pixels": np.zeros(5000)}, {"prompt": "task", "pixels": different}]
+    assert repr(examples[0]) == repr(examples[1])  # numpy elides the middle: a repr cannot tell them apart
+    with pytest.raises(ValueError, match=r"Rows 0 and 1 .* different dataset rows.*RepeatSampler"):
+        run_tree([1, 2, 3, 4], examples=examples)
+    tensors = [{"prompt": "task", "ids": torch.zeros(5000)}, {"prompt": "task", "ids": torch.zeros(5000)}]
+    tensors[1]["ids"][2500] = 1.0
+    assert row_digest(tensors[0]) != row_digest(tensors[1])

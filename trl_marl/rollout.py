@@ -16,6 +16,7 @@ import copy
 import hashlib
 import itertools
 import math
+import re
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -113,6 +114,43 @@ def _local(items: list) -> list:
     return list(items)
 
 
+def _feed(hasher, value: Any) -> None:
+    """Feed a dataset value's contents to `hasher`: equal contents, equal bytes, whatever the objects.
+
+    A row's copies are separate objects (one `__getitem__` each), so identities and memory addresses must not count,
+    and arrays must count whole (their `repr` elides the middle of a large one)."""
+    if value is None or isinstance(value, bool | int | float | complex | str | bytes):
+        hasher.update(f"{type(value).__name__}:{value!r};".encode())
+    elif isinstance(value, dict):
+        hasher.update(b"{")
+        for key in sorted(value, key=repr):
+            _feed(hasher, key)
+            _feed(hasher, value[key])
+        hasher.update(b"}")
+    elif isinstance(value, list | tuple):
+        hasher.update(b"[")
+        for item in value:
+            _feed(hasher, item)
+        hasher.update(b"]")
+    elif isinstance(value, torch.Tensor):
+        hasher.update(f"tensor{tuple(value.shape)}{value.dtype};".encode())
+        hasher.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    elif callable(getattr(value, "tobytes", None)):  # numpy arrays, PIL images
+        shape = getattr(value, "shape", None) or (getattr(value, "mode", None), getattr(value, "size", None))
+        hasher.update(f"{type(value).__name__}{shape}{getattr(value, 'dtype', '')};".encode())
+        hasher.update(value.tobytes())
+    else:  # anything else: its repr, unless that names an address (the default `object.__repr__`)
+        text = repr(value)
+        hasher.update((type(value).__qualname__ if re.search(r" at 0x[0-9a-fA-F]+", text) else text).encode())
+
+
+def row_digest(example: dict) -> str:
+    """A digest of a dataset row's contents (see `_feed`): two copies of one row get the same one."""
+    hasher = hashlib.blake2b(digest_size=8)
+    _feed(hasher, example)
+    return hasher.hexdigest()
+
+
 def check_group_layout(
     examples: list[dict], first_copy: int, num_generations: int, gather: Callable[[list], list] = _local
 ) -> None:
@@ -120,16 +158,15 @@ def check_group_layout(
 
     Groups are keyed by the global copy index `// num_generations`: that is right only under the layout of TRL's
     `RepeatSampler`, which yields each dataset row `num_generations` times in a row, identically on every process. A
-    sampler that breaks it would silently compare candidates of different problems. Rows are compared by a digest of
-    their contents, gathered over processes (a group may span them).
+    sampler that breaks it would silently compare candidates of different problems. A row has no index of its own
+    once it reaches the trainer, so rows are compared by a digest of their contents ([`row_digest`]), gathered over
+    processes (a group may span them). Identical rows at different dataset indices are one problem to this check,
+    which is harmless: their candidates answer the same question.
 
     Raises:
         ValueError: a group holds copies of different rows; it names the copies and the sampler.
     """
-    digests = [
-        (first_copy + row, hashlib.blake2b(repr(example).encode(), digest_size=8).hexdigest())
-        for row, example in enumerate(examples)
-    ]
+    digests = [(first_copy + row, row_digest(example)) for row, example in enumerate(examples)]
     first_of_group: dict[int, tuple[int, str]] = {}
     for copy_index, digest in gather(digests):
         group = copy_index // num_generations
@@ -140,7 +177,8 @@ def check_group_layout(
                 f"(every {num_generations} consecutive rows, num_generations={num_generations}) but are different "
                 "dataset rows. Groups follow the layout of TRL's `RepeatSampler` (the trainer's "
                 "`_get_train_sampler`): each dataset row `num_generations` times in a row, in the same order on "
-                "every process. Keep that sampler, or make yours yield that layout."
+                "every process. Keep that sampler, or make yours yield that layout; a dataset transform that "
+                "returns different contents for the same row (random augmentation) breaks it too."
             )
 
 
@@ -520,20 +558,37 @@ def pad_rows(samples: dict, num_rows: int) -> dict:
 
 # Loss types that TRL normalises by the rows of a micro-batch (padding rows included) rather than by loss tokens.
 PER_ROW_LOSS_TYPES = ("grpo", "sapo", "dr_grpo", "luspo")
+# Loss types that TRL normalises by the real tokens of one micro-batch.
+MICRO_BATCH_TOKEN_LOSS_TYPES = ("bnpo",)
 
 
-def padding_loss_scale(loss_type: str, padded_rows: int, real_rows: int, num_processes: int) -> float:
-    """The factor that makes TRL's loss of a padded generation batch equal the loss of its real rows alone.
+def padding_loss_scale(
+    loss_type: str, rows: int, real_rows: int, total_real_rows: int, num_chunks: int, num_processes: int
+) -> float:
+    """The factor by which the trainer multiplies TRL's loss of one micro-batch so that padding rows change nothing.
 
-    TRL divides `grpo`/`sapo` (mean of per-row means), `dr_grpo` (sum / (rows · max length)) and `luspo` (mean of
-    per-row sums) by the rows of a micro-batch, padding rows included. With `B` rows per process after padding (split
-    into S micro-batches, GA per optimizer step, averaged over P processes by DDP) every row weighs `S / (GA · P · B)`;
-    the same batch without padding would give each real row `S / (GA · R)`, `R` the real rows of every process. So:
+    A generation batch holds `B` rows per process after padding, `R` real rows over the `P` processes
+    (`total_real_rows`); TRL splits it into `S` micro-batches (`num_chunks`; 1 in evaluation) of `b = B / S` rows
+    (`rows`), `r` of them real (`real_rows`), accumulates GA of them per optimizer step and DDP averages the processes.
+    Without padding (`R = P · B`) TRL weighs every row of a generation alike, `S / (GA · R)` (`1 / R` per step when
+    `S = GA`); the factor gives the real rows exactly that weight, as if they were the whole generation batch:
 
-        scale = P · B / R    (1 without padding: R = P · B)
+    - `grpo`, `sapo` (mean over rows of per-row token means), `dr_grpo` (sum / (rows · max length)) and `luspo` (mean
+      over rows of per-row sums) divide a micro-batch by its `b` rows, padding rows included, so a row weighs
+      `1 / (GA · P · b)`:  `scale = P · S · b / R`  (= `P · B / R`, the same for every micro-batch).
+    - `bnpo` divides a micro-batch by its own real tokens, so padding rows change no micro-batch's loss; but TRL weighs
+      every micro-batch `1 / (GA · P)` however few real rows it holds (one that is all padding still counts in the
+      average). Weighted by its real rows instead, as every micro-batch holds `b` real rows without padding:
+      `scale = P · S · r / R`.
+    - `dapo`, `cispo` and `vespo` divide by `num_items_in_batch`, the real tokens of the whole generation over every
+      process: exact already, `scale = 1`.
 
-    Token-normalised loss types (`dapo`, `bnpo`, `cispo`, `vespo`) count real tokens only already: scale 1.
+    Without padding (`r = b`, `R = P · S · b`) every factor is 1; with `R = 0` nothing trains and the factor is 1.
     """
-    if loss_type not in PER_ROW_LOSS_TYPES or real_rows == 0:
+    if total_real_rows == 0:
         return 1.0
-    return num_processes * padded_rows / real_rows
+    if loss_type in PER_ROW_LOSS_TYPES:
+        return num_processes * num_chunks * rows / total_real_rows
+    if loss_type in MICRO_BATCH_TOKEN_LOSS_TYPES:
+        return num_processes * num_chunks * real_rows / total_real_rows
+    return 1.0

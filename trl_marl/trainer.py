@@ -354,8 +354,19 @@ class MAGRPOTrainer(CheckpointMixin, TeamMetricsMixin, GRPOTrainer):
     def _compute_loss(self, model, inputs):
         self._rows_agent_index = inputs["agent_index"]
         loss = super()._compute_loss(model, inputs)
-        scale = inputs.get("row_loss_scale")  # padding rows out of the per-row loss types' denominators
-        return loss * scale if scale is not None else loss
+        if "num_real_rows" not in inputs:
+            return loss
+        # Padding rows out of the loss's normalisation: the real rows weigh as in a generation of them alone.
+        is_padding = inputs["is_padding"]
+        scale = padding_loss_scale(
+            self.loss_type,
+            rows=len(is_padding),
+            real_rows=int((~is_padding).sum()),
+            total_real_rows=int(inputs["num_real_rows"]),
+            num_chunks=self.args.steps_per_generation if self.model.training else 1,
+            num_processes=self.accelerator.num_processes,
+        )
+        return loss * scale if scale != 1.0 else loss
 
     def _clear_routing(self) -> None:
         self._rows_agent_index = None
@@ -449,14 +460,14 @@ class MAGRPOTrainer(CheckpointMixin, TeamMetricsMixin, GRPOTrainer):
         # Trees differ in size; TRL needs equal micro-batches (train) and equal row counts on every process (its loss
         # gathers per-row metrics). Rows are padded to the largest count over processes, rounded up to a multiple of
         # `steps_per_generation`, with loss-free copies (see `pad_rows`).
-        # The per-row loss types then count padding rows in their denominators: `row_loss_scale` undoes that.
+        # The loss then takes padding rows out of its normalisation (`_compute_loss`), from `num_real_rows`: the real
+        # rows of every process.
         split = self.args.steps_per_generation if mode == "train" else 1
         rows = torch.tensor([[len(samples), 0 if no_loss else len(samples)]], device=device)
         rows = self.accelerator.gather(rows).view(-1, 2)
         num_rows = -(-rows[:, 0].max().item() // split) * split
         output = pad_rows(output, num_rows)
-        scale = padding_loss_scale(self.loss_type, num_rows, rows[:, 1].sum().item(), self.accelerator.num_processes)
-        output["row_loss_scale"] = torch.tensor(scale, device=device)
+        output["num_real_rows"] = rows[:, 1].sum()
         return output
 
     def _agent_input(self, agent: int, prompt):
