@@ -312,6 +312,7 @@ def test_the_paper_scale_recipe_is_a_valid_config_with_the_papers_settings_each_
     assert all("#" in line for line in settings if not line.endswith(":")), "a setting without its source"
 
 
+@pytest.mark.slow  # ~150 s; the default run trains math_tool with AT-GRPO and the sandbox on a tiny model
 def test_the_cpu_recipe_trains_and_reports_the_accuracy(tmp_path, default_model_dir):
     require_bubblewrap()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
