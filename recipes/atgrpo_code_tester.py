@@ -27,8 +27,8 @@ import torch
 from trl import TrlParser
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, default_model_path
-from trl_marl.plugins.code_tester import CodeTester
 from trl_marl.tasks import task_defaults
+from trl_marl.tasks.coding.code_tester import CodeTester
 
 
 @dataclass

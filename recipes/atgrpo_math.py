@@ -26,8 +26,8 @@ import torch
 from trl import TrlParser
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, default_model_path
-from trl_marl.plugins.math_tool import MathTool
 from trl_marl.tasks import task_defaults
+from trl_marl.tasks.math_tool import MathTool
 
 
 @dataclass

@@ -28,8 +28,8 @@ import torch
 from trl import TrlParser
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, default_model_path
-from trl_marl.plugins.puzzles import PlanPathTask, SokobanTask, SudokuTask
-from trl_marl.plugins.puzzles.tasks import PUZZLE_AGENTS
+from trl_marl.tasks.puzzles import PlanPathTask, SokobanTask, SudokuTask
+from trl_marl.tasks.puzzles.tool_and_plan import PUZZLE_AGENTS
 
 TASKS = {task.name: task for task in (PlanPathTask, SokobanTask, SudokuTask)}
 

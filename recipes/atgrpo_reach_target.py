@@ -26,8 +26,8 @@ import torch
 from trl import TrlParser
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, default_model_path
-from trl_marl.plugins.tasks import ReachTarget
 from trl_marl.tasks import task_defaults
+from trl_marl.tasks.toy import ReachTarget
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch
 from trl import TrlParser
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, default_model_path, load_team
-from trl_marl.plugins.tasks import (  # the `describe_word` task
+from trl_marl.tasks.toy import (  # the `describe_word` task
     DESCRIBE_AGENTS,
     WORDS,
     brief_description_reward,

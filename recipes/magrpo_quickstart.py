@@ -21,7 +21,7 @@ import torch
 from trl import TrlParser
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, default_model_path
-from trl_marl.plugins.tasks import EXPLAIN_AGENTS, explain_ratio_reward, question_dataset  # the `explain` task
+from trl_marl.tasks.toy import EXPLAIN_AGENTS, explain_ratio_reward, question_dataset  # the `explain` task
 
 AGENTS = EXPLAIN_AGENTS
 

@@ -11,6 +11,7 @@ import torch
 
 from trl_marl.advantages import ADVANTAGE_EPS
 from trl_marl.atgrpo import ATGRPORollout, choose
+from trl_marl.episode import RolloutSettings
 from trl_marl.scheduling import parallel, sequential
 
 NAMES = ["a", "b"]
@@ -48,7 +49,9 @@ def rollout(num_generations=3, num_turns=1, **overrides):
         scheduler=sequential,
     )
     values.update(overrides)
-    return ATGRPORollout(**values)
+    own_keys = ("num_generations", "team_reward_weight", "continuation", "seed")
+    own = {key: values.pop(key) for key in own_keys if key in values}
+    return ATGRPORollout(RolloutSettings(**values), **own)
 
 
 def copies(problems, num_generations):

@@ -10,7 +10,7 @@ from datasets import Dataset
 from test_trainer import lora_params, randomize_adapters
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, Task
-from trl_marl.plugins.tasks import ReachTarget
+from trl_marl.tasks.toy import ReachTarget
 
 AGENTS = [{"name": "writer", "system_prompt": "Write something."}, {"name": "editor", "system_prompt": "Edit it."}]
 

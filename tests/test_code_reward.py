@@ -7,9 +7,9 @@ from datasets import Dataset
 from sandbox_helpers import require_bubblewrap
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer
-from trl_marl.plugins import code
 from trl_marl.registry import load_plugin
 from trl_marl.sandbox import CallTest
+from trl_marl.tasks.coding import unit_tests as code
 
 TESTS = json.dumps([{"args": [2], "expected": 5}, {"args": [10], "expected": 21}, {"args": [0], "expected": 1}])
 HELPER = "Here is the helper:\n```python\ndef double(x):\n    return 2 * x\n```"

@@ -14,14 +14,17 @@ import torch
 from sandbox_helpers import require_bubblewrap
 from test_trainer import lora_params, randomize_adapters
 
-import trl_marl.plugins.code_tester as code_tester
+import trl_marl.tasks.coding.code_tester as code_tester
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, NextTurn
 from trl_marl.atgrpo import ATGRPORollout
-from trl_marl.plugins.code_tester import (
+from trl_marl.episode import RolloutSettings
+from trl_marl.registry import load_plugin
+from trl_marl.scheduling import sequential
+from trl_marl.tasks import local_rewards
+from trl_marl.tasks.coding.code_tester import (
     AGREEMENT,
     CATCHES_MUTANT,
     CODER,
-    MAX_GENERATED_TESTS,
     PASS_RATE,
     TESTER,
     TESTS_VALID,
@@ -30,15 +33,10 @@ from trl_marl.plugins.code_tester import (
     code_tester_problems,
     code_tester_reward,
     coder_pass_rate,
-    generated_tests,
-    judge,
-    solution_code,
 )
-from trl_marl.plugins.coding import AssertTest, decode_tests
-from trl_marl.plugins.mutants import mutants
-from trl_marl.registry import load_plugin
-from trl_marl.scheduling import sequential
-from trl_marl.tasks import local_rewards
+from trl_marl.tasks.coding.humaneval import AssertTest, decode_tests
+from trl_marl.tasks.coding.judging import MAX_GENERATED_TESTS, generated_tests, judge, solution_code
+from trl_marl.tasks.coding.mutants import mutants
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRY = "has_close_elements"  # HumanEval/0
@@ -119,8 +117,8 @@ def eval_problems():
 
 
 def test_every_chosen_mutant_runs_and_fails_some_of_its_problems_own_tests(eval_problems):
-    from trl_marl.plugins.code import shared_sandbox
-    from trl_marl.plugins.coding import assert_passed
+    from trl_marl.tasks.coding.humaneval import assert_passed
+    from trl_marl.tasks.sandbox_runs import shared_sandbox
 
     problems = list(eval_problems.values())
     assert len(problems) >= 25
@@ -135,7 +133,7 @@ def test_every_chosen_mutant_runs_and_fails_some_of_its_problems_own_tests(eval_
 
 def test_problems_without_a_failing_mutant_are_left_out_and_named(monkeypatch):
     require_bubblewrap()
-    from trl_marl.plugins.mutants import Mutant
+    from trl_marl.tasks.coding.mutants import Mutant
 
     # Every "mutant" is the canonical solution itself: none fails the tests, so every problem is left out.
     monkeypatch.setattr(code_tester, "mutants", lambda program, first_line: [Mutant(program, "nothing changed")])
@@ -358,12 +356,12 @@ def test_an_at_grpo_episode_scores_candidates_with_the_task_rewards_and_ends_whe
             1: [[good_tests, wrong_tests, "no tests"], [good_tests, wrong_tests, "no tests"], ["no tests"]],
         }
     )
-    rollout = ATGRPORollout(
-        agent_names=names, num_generations=3, num_turns=3, reward_weights=torch.ones(1), team_reward_weight=1.0,
-        continuation="greedy", baseline="mean", scale_rewards="group", transition=task.transition,
-        agent_input=lambda agent, prompt: prompt, scheduler=sequential, reset=task.reset, step=task.step,
-        success=task.success,
+    settings = RolloutSettings(
+        agent_names=names, num_turns=3, reward_weights=torch.ones(1), baseline="mean", scale_rewards="group",
+        transition=task.transition, agent_input=lambda agent, prompt: prompt, scheduler=sequential, reset=task.reset,
+        step=task.step, success=task.success,
     )  # fmt: skip
+    rollout = ATGRPORollout(settings, num_generations=3, team_reward_weight=1.0, continuation="greedy")
     result = rollout.run([row] * 3, 0, generate, score, local_score)
     rewards = {(turn, agent): [ja.reward for ja in result.joint_actions if ja.node[1:] == (turn, agent)]
                for turn in (0, 1) for agent in (0, 1)}  # fmt: skip

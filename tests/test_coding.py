@@ -6,7 +6,8 @@ import json
 import pytest
 from sandbox_helpers import require_bubblewrap
 
-from trl_marl.plugins.coding import (
+from trl_marl.registry import load_plugin
+from trl_marl.tasks.coding.coop_coding import (
     AUX_DEFINED,
     IGNORED_AUX_RESULT,
     MAIN_DEFINED,
@@ -15,16 +16,11 @@ from trl_marl.plugins.coding import (
     SYNTAX_OK,
     TESTS_PASSED,
     USES_AUX,
-    AssertTest,
     code_levels,
     coding_dataset,
     cooperative_code_reward,
-    decode_tests,
-    encode_tests,
-    humaneval_problems,
-    parse_check,
 )
-from trl_marl.registry import load_plugin
+from trl_marl.tasks.coding.humaneval import AssertTest, decode_tests, encode_tests, humaneval_problems, parse_check
 
 CHECK = """
 METADATA = {}
@@ -172,7 +168,7 @@ def test_each_level_scores_what_the_rules_say(sandbox, helper, main, expected):
 
 
 def test_the_reward_function_reads_its_dataset_columns(sandbox, monkeypatch):
-    import trl_marl.plugins.coding as coding
+    import trl_marl.tasks.coding.coop_coding as coding
 
     monkeypatch.setattr(coding, "shared_sandbox", lambda: sandbox)
     rewards = cooperative_code_reward(
@@ -189,7 +185,7 @@ def test_every_usable_humaneval_canonical_solution_passes_its_parsed_tests(sandb
     kept, _ = humaneval_problems()
     requests = [(p["prompt"] + p["canonical_solution"], p["entry_point"], [t.args for t in p["tests"]]) for p in kept]
     results = sandbox.call_many(requests)
-    from trl_marl.plugins.coding import assert_passed
+    from trl_marl.tasks.coding.humaneval import assert_passed
 
     failing = [
         p["task_id"]
@@ -201,7 +197,7 @@ def test_every_usable_humaneval_canonical_solution_passes_its_parsed_tests(sandb
 
 
 def test_the_multiturn_transition_tells_each_agent_what_went_wrong_by_level(sandbox, monkeypatch):
-    import trl_marl.plugins.coding as coding
+    import trl_marl.tasks.coding.coop_coding as coding
 
     monkeypatch.setattr(coding, "shared_sandbox", lambda: sandbox)
     prompt = [{"role": "user", "content": "Problem: has_close_elements"}]

@@ -11,7 +11,7 @@ from transformers import BitsAndBytesConfig
 
 from trl_marl import MAGRPOConfig, models
 from trl_marl.config import default_mixed_precision
-from trl_marl.trainer import model_init_kwargs_for
+from trl_marl.models import model_init_kwargs_for
 
 GPU_1 = torch.device("cuda", 1)
 

@@ -16,9 +16,10 @@ import torch
 from sandbox_helpers import require_bubblewrap
 from test_trainer import lora_params, randomize_adapters
 
-import trl_marl.plugins.math_tool as math_tool
+import trl_marl.tasks.math_tool as math_tool
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, NextTurn
-from trl_marl.plugins.math_tool import (
+from trl_marl.registry import load_plugin
+from trl_marl.tasks.math_tool import (
     REASONER,
     TOOL,
     MathTool,
@@ -31,7 +32,6 @@ from trl_marl.plugins.math_tool import (
     run_tool,
     tool_correct,
 )
-from trl_marl.registry import load_plugin
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,7 @@ from trl.trainer.utils import split_tensor_dict
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, NextTurn, TransitionError
 from trl_marl.agents import agent_prompt
-from trl_marl.rollout import pad_rows, padding_loss_scale
+from trl_marl.rows import pad_rows, padding_loss_scale
 from trl_marl.scheduling import parallel
 
 AGENTS = [{"name": "planner", "system_prompt": "Plan briefly."}, {"name": "checker"}]

@@ -17,7 +17,11 @@ from test_trainer import lora_params, randomize_adapters
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, NextTurn
 from trl_marl.atgrpo import ATGRPORollout
-from trl_marl.plugins.puzzles import (
+from trl_marl.episode import RolloutSettings
+from trl_marl.sandbox import Limits
+from trl_marl.scheduling import sequential
+from trl_marl.tasks import local_rewards, resolve_task
+from trl_marl.tasks.puzzles import (
     PLAN,
     PLAN_PATH,
     SOKOBAN,
@@ -39,10 +43,7 @@ from trl_marl.plugins.puzzles import (
     puzzle_reward,
     tool_proposal_reward,
 )
-from trl_marl.plugins.puzzles import tasks as puzzle_tasks
-from trl_marl.sandbox import Limits
-from trl_marl.scheduling import sequential
-from trl_marl.tasks import local_rewards, resolve_task
+from trl_marl.tasks.puzzles import tool_and_plan as puzzle_tasks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -411,12 +412,12 @@ def test_an_at_grpo_episode_scores_groups_with_the_puzzle_rewards_and_stops_when
 
     texts = {0: [BFS_PROGRAM, CRASH, "I would walk."], 1: ["Answer: R R R D D", "Answer: U", "No idea."]}
     generate = Scripted(texts)
-    rollout = ATGRPORollout(
-        agent_names=names, num_generations=3, num_turns=2, reward_weights=torch.ones(1), team_reward_weight=1.0,
-        continuation="greedy", baseline="mean", scale_rewards="group", transition=task.transition,
-        agent_input=lambda agent, prompt: prompt, scheduler=sequential, reset=task.reset, step=task.step,
-        success=task.success,
+    settings = RolloutSettings(
+        agent_names=names, num_turns=2, reward_weights=torch.ones(1), baseline="mean", scale_rewards="group",
+        transition=task.transition, agent_input=lambda agent, prompt: prompt, scheduler=sequential, reset=task.reset,
+        step=task.step, success=task.success,
     )  # fmt: skip
+    rollout = ATGRPORollout(settings, num_generations=3, team_reward_weight=1.0, continuation="greedy")
     result = rollout.run([path_row() for _ in range(3)], 0, generate, score, local_score)
     rewards = {agent: [ja.reward for ja in result.joint_actions if ja.node[2] == agent] for agent in (0, 1)}
     assert rewards[0] == pytest.approx([0.0 + 1.95, 0.0 - 0.5, 0.0 - 0.5])  # team (nothing committed) + simulated

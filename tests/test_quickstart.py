@@ -67,5 +67,5 @@ def test_multiturn_recipe_trains_saves_and_replays_the_team(tmp_path, default_mo
     assert [sorted(turn) for turn in results["episode"]["turns"]] == [["plain", "precise"]] * 2
     assert "turn 2 [precise]" in result.stdout
     team_file = json.loads((tmp_path / "team.json").read_text())
-    assert team_file["transition"] == "trl_marl.plugins.tasks:word_count_feedback"
+    assert team_file["transition"] == "trl_marl.tasks.toy:word_count_feedback"
     assert team_file["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"

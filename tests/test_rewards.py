@@ -13,7 +13,7 @@ import pytest
 import torch
 from trl.trainer.utils import get_callable_name, is_async_callable
 
-from trl_marl.rewards import RewardFunctionError, checked_team_reward
+from trl_marl.reward_checks import RewardFunctionError, checked_team_reward
 
 PROMPTS = ["Say hi.", "Say bye."]
 COMPLETIONS = [{"a": "hi", "b": "hello"}, {"a": "bye", "b": "farewell"}]
@@ -179,7 +179,7 @@ def test_non_callable_is_rejected():
 
 
 def test_answer_match_is_the_share_of_agents_naming_the_answer_as_a_word():
-    from trl_marl.plugins.rewards import answer_match
+    from trl_marl.tasks.toy import answer_match
 
     completions = [{"a": "It is 12.", "b": "112"}, {"a": "twelve", "b": "Twelve!"}]
     # "112" does not contain 12 as a whole word; matching ignores case
@@ -187,7 +187,7 @@ def test_answer_match_is_the_share_of_agents_naming_the_answer_as_a_word():
 
 
 def test_word_budget_is_the_share_of_non_empty_answers_within_the_limit():
-    from trl_marl.plugins.rewards import word_budget
+    from trl_marl.tasks.toy import word_budget
 
     completions = [{"a": "one two three", "b": ""}, {"a": "one two", "b": "one two three four"}]
     assert word_budget(["q", "q"], completions, word_limit=[3, 3]) == [0.5, 0.5]

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from trl_marl.advantages import tree_returns
-from trl_marl.rollout import NextTurn, TransitionError, TreeRollout, default_transition, pad_rows, row_digest
+from trl_marl.rollout import NextTurn, RolloutSettings, TransitionError, TreeRollout, default_transition
+from trl_marl.rows import pad_rows, row_digest
 
 EPS = 1e-4
 AGENTS = ["a", "b"]
@@ -76,7 +77,10 @@ def run_tree(script, joint_mode="aligned", num_turns=2, transition=default_trans
     )
     settings.update(overrides)
     examples = examples or [{"prompt": "task", "level": 1}] * 2
-    rollout = TreeRollout(**settings).run(examples, first_copy=0, generate=team.generate, score=team.score)
+    tree_keys = ("num_generations", "joint_mode", "discount", "process_index")
+    tree = {key: settings.pop(key) for key in tree_keys if key in settings}
+    rollout = TreeRollout(RolloutSettings(**settings), **tree)
+    rollout = rollout.run(examples, first_copy=0, generate=team.generate, score=team.score)
     assert not team.script, "the tree generated fewer completions than the script holds"
     return rollout, team
 

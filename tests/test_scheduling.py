@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from trl_marl.registry import load_plugin
-from trl_marl.rollout import TreeRollout, default_transition
+from trl_marl.rollout import RolloutSettings, TreeRollout, default_transition
 
 NAMES = ["ann", "bob", "cy"]
 TASK = "Plan a picnic."
@@ -23,12 +23,9 @@ def episode(scheduler_name, joint_mode="aligned"):
             texts.append(f"{NAMES[agent]}@{turn}")
         return [[0]] * len(texts), [[1]] * len(texts), texts
 
-    rollout = TreeRollout(
+    settings = RolloutSettings(
         agent_names=NAMES,
-        num_generations=1,
         num_turns=2,
-        joint_mode=joint_mode,
-        discount=1.0,
         termination_threshold=None,
         reward_weights=torch.ones(1),
         baseline="none",
@@ -36,7 +33,10 @@ def episode(scheduler_name, joint_mode="aligned"):
         transition=default_transition,
         agent_input=lambda agent, prompt: prompt,
         scheduler=load_plugin("schedulers", scheduler_name),
-    ).run([{"prompt": TASK}], first_copy=0, generate=generate, score=lambda jas: torch.zeros(len(jas), 1))
+    )
+    rollout = TreeRollout(settings, num_generations=1, joint_mode=joint_mode, discount=1.0)
+    score = lambda joint_actions: torch.zeros(len(joint_actions), 1)  # noqa: E731
+    rollout = rollout.run([{"prompt": TASK}], first_copy=0, generate=generate, score=score)
     return seen, rollout
 
 

@@ -6,29 +6,26 @@ import math
 import datasets
 import pytest
 
-from trl_marl.plugins import writing_tasks
-from trl_marl.plugins.writing import (
+from trl_marl.registry import load_plugin
+from trl_marl.tasks import resolve_task, task_defaults
+from trl_marl.tasks.writing import summaries_expansion as writing_tasks
+from trl_marl.tasks.writing.levels import (
     EXPANSION_LENGTH_BAND,
     EXPANSION_VOCABULARY_BAND,
     SUMMARY_LENGTH_BAND,
     SUMMARY_VOCABULARY_BAND,
     Band,
     content_jaccard,
-    expansion_levels,
-    expansion_reward,
     jaccard_score,
     length_ratio,
     structure_gate,
     style_score,
-    summary_levels,
-    summary_reward,
     transition_categories,
     transition_score,
     unique_word_ratio,
 )
-from trl_marl.plugins.writing_tasks import Expansion, Summaries
-from trl_marl.registry import load_plugin
-from trl_marl.tasks import resolve_task, task_defaults
+from trl_marl.tasks.writing.rewards import expansion_levels, expansion_reward, summary_levels, summary_reward
+from trl_marl.tasks.writing.summaries_expansion import Expansion, Summaries
 
 ZERO = {"structure": 0.0, "coordination": 0.0, "vocabulary": 0.0, "style": 0.0, "total": 0.0}
 

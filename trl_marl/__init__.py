@@ -1,14 +1,16 @@
 """trl_marl: cooperative multi-agent reinforcement learning for teams of LLM agents, on top of TRL."""
 
 from .advantages import aligned_credit, baseline_values, cross_credit, group_advantages, team_rewards
-from .config import ATGRPOConfig, MAGRPOConfig
+from .atgrpo_trainer import ATGRPOTrainer
+from .config import ATGRPOConfig, MAGRPOConfig, TeamConfig
+from .episode import NextTurn, RolloutSettings, TransitionError, default_transition
+from .magrpo_trainer import MAGRPOTrainer
 from .models import DEFAULT_MODEL_ID, default_model_path
 from .registry import PluginError, register_reward, register_scheduler, register_task
-from .rewards import RewardFunctionError, for_agent
-from .rollout import NextTurn, TransitionError, default_transition
+from .reward_checks import RewardFunctionError, for_agent
 from .tasks import Task
 from .team import Team, TeamRun, load_team
-from .trainer import ATGRPOTrainer, MAGRPOTrainer
+from .team_trainer import TeamTrainer
 
 __version__ = "0.1.0.dev0"
 
@@ -22,8 +24,11 @@ __all__ = [
     "PluginError",
     "Task",
     "RewardFunctionError",
+    "RolloutSettings",
     "Team",
+    "TeamConfig",
     "TeamRun",
+    "TeamTrainer",
     "TransitionError",
     "aligned_credit",
     "baseline_values",

@@ -1,4 +1,4 @@
-"""MAGRPO's advantage math as pure functions on tensors (DESIGN.md §3).
+"""MAGRPO's advantage math as pure functions on tensors (docs/design.md, §5).
 
 Shapes: `num_groups` prompt groups (tree nodes), `G` completions per agent, `N` agents, `K` joint actions per group
 (`G` aligned, `G**N` cross). A group's joint actions are laid out in row-major order of the agents' completion

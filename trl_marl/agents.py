@@ -1,23 +1,80 @@
 """Agents on one base model: one LoRA adapter per agent, and the prompt each agent sees."""
 
 import copy
+import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from .config import SHARED_ADAPTER_NAME, MAGRPOConfig
+if TYPE_CHECKING:
+    from .config import TeamConfig
+
+SHARED_ADAPTER_NAME = "team"
+# "ref" would be taken by TRL for its reference adapter, "__base__" means "no adapter" to PEFT.
+RESERVED_AGENT_NAMES = ("ref", "__base__", "default")
+_AGENT_NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
 
 
-def agent_adapter_names(args: MAGRPOConfig) -> list[str]:
+def normalize_agents(agents: Any) -> list[dict[str, str]]:
+    """Turn the `agents` field into a list of `{"name": str, "system_prompt": str}` dicts.
+
+    Each entry may be a name (`"writer"`) or a mapping with a `name` and an optional `system_prompt` (alias `role`).
+    Raises `ValueError` naming the field and the offending entry when an entry is malformed, a name is not a valid
+    adapter / folder name, or two agents share a name.
+    """
+    if agents is None or (isinstance(agents, (list, tuple)) and len(agents) == 0):
+        raise ValueError(
+            f"`agents` is empty (got {agents!r}): a team needs at least one agent, e.g. "
+            "agents=[{'name': 'concise', 'system_prompt': 'Answer in one sentence.'}, {'name': 'detailed'}]."
+        )
+    if isinstance(agents, (str, dict)) or not isinstance(agents, (list, tuple)):
+        raise ValueError(
+            f"`agents` must be a list of agent names or {{'name', 'system_prompt'}} dicts, not {agents!r}."
+        )
+    normalized = []
+    for index, agent in enumerate(agents):
+        if isinstance(agent, str):
+            agent = {"name": agent}
+        if not isinstance(agent, dict) or "name" not in agent:
+            raise ValueError(f"`agents[{index}]` must be a name or a dict with a 'name' key, got {agent!r}.")
+        unknown = set(agent) - {"name", "system_prompt", "role"}
+        if unknown:
+            raise ValueError(
+                f"`agents[{index}]` has unknown keys {sorted(unknown)}; allowed keys are 'name' and 'system_prompt'."
+            )
+        name = agent["name"]
+        if not isinstance(name, str) or not _AGENT_NAME_PATTERN.match(name) or name in RESERVED_AGENT_NAMES:
+            raise ValueError(
+                f"`agents[{index}]` has name {name!r}: an agent name names its LoRA adapter and its output folder, so "
+                f"it must start with a letter and contain only letters, digits, '_' and '-', and must not be one of "
+                f"{list(RESERVED_AGENT_NAMES)}."
+            )
+        if name in "lora_":
+            raise ValueError(
+                f"`agents[{index}]` has name {name!r}, which is part of PEFT's parameter prefix 'lora_': PEFT may "
+                "re-initialise such an adapter when loading it. Choose a longer name."
+            )
+        system_prompt = agent.get("system_prompt", agent.get("role")) or ""
+        if not isinstance(system_prompt, str):
+            raise ValueError(f"`agents[{index}]['system_prompt']` must be a string, got {system_prompt!r}.")
+        normalized.append({"name": name, "system_prompt": system_prompt})
+    names = [agent["name"] for agent in normalized]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"`agents` has duplicate names {duplicates} (got {names}); every agent needs a unique name.")
+    return normalized
+
+
+def agent_adapter_names(args: "TeamConfig") -> list[str]:
     """The adapter each agent trains with, in agent order (`"team"` for every agent when adapters are shared)."""
     if args.adapter_mode == "shared":
         return [SHARED_ADAPTER_NAME] * args.num_agents
     return list(args.agent_names)
 
 
-def lora_config_from_args(args: MAGRPOConfig) -> LoraConfig:
+def lora_config_from_args(args: "TeamConfig") -> LoraConfig:
     return LoraConfig(
         r=args.lora_r,
         lora_alpha=args.lora_alpha,
@@ -93,3 +150,76 @@ def agent_prompt(system_prompt: str, prompt: str | list[dict], use_chat_template
         messages[0]["content"] = f"{system_prompt}\n\n{messages[0]['content']}"
         return messages
     return [{"role": "system", "content": system_prompt}, *messages]
+
+
+def adapter_parameters(model: torch.nn.Module, adapter_names: list[str]) -> dict[str, list[torch.nn.Parameter]]:
+    """Each adapter's parameters, found by PEFT's naming: `...<container>.<adapter>.<weight>` where the container is
+    a `lora_*` module dict (`lora_A`, `lora_B`, `lora_magnitude_vector`, ...) or `modules_to_save`."""
+    found = {name: [] for name in adapter_names}
+    for name, parameter in model.named_parameters():
+        parts = name.split(".")
+        for container, adapter in zip(parts, parts[1:]):
+            if adapter in found and (container.startswith("lora_") or container == "modules_to_save"):
+                found[adapter].append(parameter)
+                break
+    return found
+
+
+def cast_frozen_adapters_like_trained(model: torch.nn.Module, trained_adapters: list[str]) -> None:
+    """Give the LoRA matrices of frozen adapters the dtype of the trained ones.
+
+    On a quantized base TRL casts the adapter weights that require grad to bf16 (QLoRA's recommendation); frozen
+    adapters require none, stay float32, and would turn every routed matmul of a mixed batch (the agents' matrices
+    are concatenated) into a float32 one.
+    """
+    parameters = adapter_parameters(model, list(model.peft_config))
+    trained = [p for name in trained_adapters for p in parameters.get(name, []) if p.ndim == 2]
+    if not trained:
+        return
+    dtype = trained[0].dtype
+    for name, params in parameters.items():
+        if name not in trained_adapters:
+            for param in params:
+                if param.ndim == 2 and param.is_floating_point() and param.dtype != dtype:
+                    param.data = param.data.to(dtype)
+
+
+def check_adapters_train(
+    parameters: dict[str, list[torch.nn.Parameter]],
+    agent_names: list[str],
+    agent_adapters: list[str],
+    trained_adapters: list[str],
+    optimizer: torch.optim.Optimizer | None,
+) -> None:
+    """Every trained agent's adapter requires grad and is in `optimizer`; a frozen one requires no grad.
+
+    A PEFT call that ends in `set_adapter` (`disable_adapter()`, `use_adapter(model, None)`) turns gradients off on
+    every adapter but the active one, and the agents concerned would silently stop learning. `parameters` are
+    [`adapter_parameters`]; pass `optimizer=None` where DeepSpeed or FSDP flatten the parameters into their own buffers
+    (its membership is then not checked).
+
+    Raises:
+        RuntimeError: naming each adapter, its agents and what is wrong.
+    """
+    in_optimizer = None
+    if optimizer is not None:
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    problems = []
+    for adapter, params in parameters.items():
+        agents = [name for name, used in zip(agent_names, agent_adapters) if used == adapter]
+        trained = adapter in trained_adapters
+        if trained and not all(p.requires_grad for p in params):
+            problems.append(f"adapter '{adapter}' of agents {agents} no longer requires grad")
+        elif trained and in_optimizer is not None and not all(id(p) in in_optimizer for p in params):
+            problems.append(f"adapter '{adapter}' of agents {agents} is not in the optimizer")
+        elif not trained and any(p.requires_grad for p in params):
+            problems.append(f"adapter '{adapter}' of frozen agents {agents} requires grad")
+    if problems:
+        raise RuntimeError(
+            "The agents' adapters are not all training as configured: "
+            + "; ".join(problems)
+            + ". Something called PEFT's `set_adapter` (directly, or through `disable_adapter()` / TRL's "
+            "`use_adapter`), which turns gradients off on every adapter but the active one, or built the "
+            "optimizer from some adapters only. Route rows with `trainer.router` instead, and pass an optimizer "
+            "over every trained adapter."
+        )

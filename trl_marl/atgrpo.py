@@ -1,4 +1,4 @@
-"""AT-GRPO's rollout (arXiv 2510.11062; DESIGN.md §4), independent of any model.
+"""AT-GRPO's rollout (arXiv 2510.11062; docs/design.md, §6), independent of any model.
 
 Every problem is played as one episode along a single path. At each turn the acting agents act one after another in
 the scheduler's order; for the acting agent, each of the problem's G copies (TRL's repeated rows, here *branches*)
@@ -24,16 +24,18 @@ import torch
 
 from .advantages import group_advantages, team_rewards
 from .config import CONTINUATIONS
-from .rollout import (
+from .episode import (
+    EpisodeRollout,
     JointAction,
     Rollout,
+    RolloutSettings,
     Sample,
     TransitionError,
-    check_group_layout,
     checked_next_turn,
     transition_name,
 )
-from .scheduling import Prompt, Said, parallel
+from .rows import check_group_layout
+from .scheduling import Prompt, Said
 
 GroupKey = tuple[int, int, int]  # (episode, turn, agent): the episode is the problem's global prompt-group index
 
@@ -82,66 +84,35 @@ def mixed_rewards(team: torch.Tensor, local: list[float] | None, alpha: float) -
     return [alpha * t + own for t, own in zip(team.tolist(), local)]
 
 
-class ATGRPORollout:
+class ATGRPORollout(EpisodeRollout):
     """Builds one batch of AT-GRPO episodes and assigns group advantages.
 
     Args:
-        agent_names: the agents, in order.
+        settings: the agents, turns, reward weights, baseline and scaling, transition (which also receives `state`
+            when the task keeps one), scheduler and task hooks ([`~trl_marl.episode.RolloutSettings`]). Here an episode
+            ends after a turn whose last chosen candidate's team reward reached `termination_threshold`.
         num_generations: G, candidates per (problem, turn, agent) group.
-        num_turns: T.
-        reward_weights: `(F,)` weights of the team reward functions.
         team_reward_weight: α.
         continuation: `"greedy"` (argmax) or `"sample"`.
-        baseline, scale_rewards: as [`~trl_marl.advantages.group_advantages`].
-        transition: as in [`~trl_marl.rollout.TreeRollout`]; also receives `state` when the task keeps one.
-        agent_input: `f(agent_index, prompt)` → the model input of that agent (its role added).
-        scheduler: which agents act at each turn and what each sees.
-        reset: `f(example)` → the episode's initial state (None: no state).
-        step: `f(state, agent_name, text, turn)` → the state after the agent said `text` (on a private copy).
-        success: `f(example, state, completions)` → whether the episode succeeded, or None when undefined.
-        termination_threshold: an episode ends after a turn whose last chosen candidate's team reward reached it.
         seed: seeds `continuation="sample"`, identically on every process.
     """
 
     def __init__(
         self,
-        agent_names: list[str],
+        settings: RolloutSettings,
         num_generations: int,
-        num_turns: int,
-        reward_weights: torch.Tensor,
-        team_reward_weight: float,
-        continuation: str,
-        baseline: str,
-        scale_rewards: str,
-        transition: Callable,
-        agent_input: Callable[[int, Prompt], Any],
-        scheduler: Any = parallel,
-        reset: Callable[[dict], Any] | None = None,
-        step: Callable[..., Any] | None = None,
-        success: Callable[..., bool | None] | None = None,
-        termination_threshold: float | None = None,
+        team_reward_weight: float = 1.0,
+        continuation: str = "greedy",
         seed: int = 0,
     ):
         if continuation not in CONTINUATIONS:
             raise ValueError(f"`continuation` must be one of {list(CONTINUATIONS)}, got {continuation!r}.")
-        self.agent_names = agent_names
-        self.num_agents = len(agent_names)
-        self.num_generations = num_generations
-        self.num_turns = num_turns
-        self.reward_weights = reward_weights
+        super().__init__(settings, num_generations)
         self.alpha = team_reward_weight
         self.continuation = continuation
-        self.baseline = baseline
-        self.scale_rewards = scale_rewards
-        self.transition = transition
-        self.agent_input = agent_input
-        self.scheduler = scheduler
-        self.reset = reset or (lambda example: None)
-        self.step = step or (lambda state, agent, text, turn: state)
-        self.success = success or (lambda example, state, completions: None)
-        self.termination_threshold = termination_threshold
+        self.step = settings.step or (lambda state, agent, text, turn: state)
+        self.success = settings.success or (lambda example, state, completions: None)
         self.rng = random.Random(seed)
-        self.phases = [scheduler.phases(turn, self.num_agents) for turn in range(num_turns)]
 
     def run(
         self,
@@ -213,7 +184,7 @@ class ATGRPORollout:
                 prompt = self.scheduler.observe(
                     agent, branch.observations[agent], branch.history, dict(current), names
                 )
-                model_inputs.append(self.agent_input(agent, prompt))
+                model_inputs.append(self.settings.agent_input(agent, prompt))
                 agents.append(agent)
         rows = list(zip(model_inputs, *generate(model_inputs, agents)))
         return {agent: rows[k * len(branches) : (k + 1) * len(branches)] for k, agent in enumerate(phase)}
@@ -244,7 +215,7 @@ class ATGRPORollout:
                 Sample(turn, node, branch.position, agent, model_input, ids, completion, text, example=branch.example)
             )
         rewards_per_func = score(joint_actions)
-        team = team_rewards(rewards_per_func, self.reward_weights)
+        team = team_rewards(rewards_per_func, self.settings.reward_weights)
         local = local_score(agent, joint_actions)
         rewards = mixed_rewards(team, local, self.alpha)
         result = []
@@ -291,17 +262,17 @@ class ATGRPORollout:
         return chosen[(branch.episode, turn, last_agent)]
 
     def _reached_threshold(self, turn: int, branch: Branch, chosen) -> bool:
-        if self.termination_threshold is None:
+        if self.settings.termination_threshold is None:
             return False
         team = self._turn_outcome(branch, turn, chosen)[2]
-        return team == team and team >= self.termination_threshold
+        return team == team and team >= self.settings.termination_threshold
 
     def _next_turn(self, branch: Branch, turn: int, chosen) -> tuple[list[Prompt], bool]:
-        name = transition_name(self.transition)
+        name = transition_name(self.settings.transition)
         columns = {key: value for key, value in branch.example.items() if key != "prompt"}
         extra = {"state": branch.state} if branch.state is not None else {}
         try:
-            result = self.transition(
+            result = self.settings.transition(
                 **columns,
                 prompt=branch.example["prompt"],
                 joint_action=dict(branch.history[-1]),
@@ -343,7 +314,7 @@ class ATGRPORollout:
             rewards[index_of[node], position], filled[index_of[node], position] = reward, True
         if not filled.all():
             raise RuntimeError("AT-GRPO groups are incomplete: candidates were lost between processes.")
-        advantages, std = group_advantages(rewards, self.baseline, self.scale_rewards)
+        advantages, std = group_advantages(rewards, self.settings.baseline, self.settings.scale_rewards)
         for c in candidates:
             i = index_of[c.sample.node]
             c.sample.group = i

@@ -125,8 +125,9 @@ ALGORITHMS = ("magrpo", "at_grpo")
 
 
 def _algorithm_classes(algorithm: str) -> tuple[type, type]:
+    from .atgrpo_trainer import ATGRPOTrainer
     from .config import ATGRPOConfig, MAGRPOConfig
-    from .trainer import ATGRPOTrainer, MAGRPOTrainer
+    from .magrpo_trainer import MAGRPOTrainer
 
     return (ATGRPOConfig, ATGRPOTrainer) if algorithm == "at_grpo" else (MAGRPOConfig, MAGRPOTrainer)
 
@@ -200,6 +201,11 @@ def _check_keys(config_path: str, values: dict, dataclass_types: tuple) -> None:
     own checks could hide the misspelt key)."""
     known = {f.name for cls in dataclass_types for f in dataclasses.fields(cls)} | {"env"}
     unknown = sorted(set(values) - known)
+    config_class = dataclass_types[-1]
+    for key in unknown:
+        if key in config_class.not_applicable:  # the other algorithm's field
+            raise SystemExit(f"{config_path}: `{key}` does not apply to {config_class._algorithm}: "
+                             f"{config_class.not_applicable[key]}")  # fmt: skip
     if unknown:
         hints = [
             f"'{key}' (did you mean '{close[0]}'?)"

@@ -1,13 +1,14 @@
-"""Configuration of the MAGRPO trainer: TRL's `GRPOConfig` plus the team."""
+"""Configurations of the two trainers: `TeamConfig` (TRL's `GRPOConfig` plus the team) and its two siblings,
+`MAGRPOConfig` and `ATGRPOConfig`, each with the fields of its algorithm."""
 
 import logging
-import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from trl import GRPOConfig
 
+from .agents import normalize_agents
 from .models import half_precision_dtype
 
 logger = logging.getLogger("trl_marl")
@@ -15,10 +16,6 @@ logger = logging.getLogger("trl_marl")
 JOINT_MODES = ("aligned", "cross")
 BASELINES = ("mean", "rloo", "max", "none")
 ADAPTER_MODES = ("per_agent", "shared")
-SHARED_ADAPTER_NAME = "team"
-# "ref" would be taken by TRL for its reference adapter, "__base__" means "no adapter" to PEFT.
-RESERVED_AGENT_NAMES = ("ref", "__base__", "default")
-_AGENT_NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
 
 
 def default_mixed_precision(bf16: bool | None, fp16: bool, use_cpu: bool) -> tuple[bool | None, bool]:
@@ -47,66 +44,14 @@ def _choice_error(field_name: str, value: Any, allowed: tuple[str, ...]) -> Valu
     return ValueError(f"`{field_name}` must be one of {list(allowed)}, got {value!r}.")
 
 
-def normalize_agents(agents: Any) -> list[dict[str, str]]:
-    """Turn the `agents` field into a list of `{"name": str, "system_prompt": str}` dicts.
-
-    Each entry may be a name (`"writer"`) or a mapping with a `name` and an optional `system_prompt` (alias `role`).
-    Raises `ValueError` naming the field and the offending entry when an entry is malformed, a name is not a valid
-    adapter / folder name, or two agents share a name.
-    """
-    if agents is None or (isinstance(agents, (list, tuple)) and len(agents) == 0):
-        raise ValueError(
-            f"`agents` is empty (got {agents!r}): a team needs at least one agent, e.g. "
-            "agents=[{'name': 'concise', 'system_prompt': 'Answer in one sentence.'}, {'name': 'detailed'}]."
-        )
-    if isinstance(agents, (str, dict)) or not isinstance(agents, (list, tuple)):
-        raise ValueError(
-            f"`agents` must be a list of agent names or {{'name', 'system_prompt'}} dicts, not {agents!r}."
-        )
-    normalized = []
-    for index, agent in enumerate(agents):
-        if isinstance(agent, str):
-            agent = {"name": agent}
-        if not isinstance(agent, dict) or "name" not in agent:
-            raise ValueError(f"`agents[{index}]` must be a name or a dict with a 'name' key, got {agent!r}.")
-        unknown = set(agent) - {"name", "system_prompt", "role"}
-        if unknown:
-            raise ValueError(
-                f"`agents[{index}]` has unknown keys {sorted(unknown)}; allowed keys are 'name' and 'system_prompt'."
-            )
-        name = agent["name"]
-        if not isinstance(name, str) or not _AGENT_NAME_PATTERN.match(name) or name in RESERVED_AGENT_NAMES:
-            raise ValueError(
-                f"`agents[{index}]` has name {name!r}: an agent name names its LoRA adapter and its output folder, so "
-                f"it must start with a letter and contain only letters, digits, '_' and '-', and must not be one of "
-                f"{list(RESERVED_AGENT_NAMES)}."
-            )
-        if name in "lora_":
-            raise ValueError(
-                f"`agents[{index}]` has name {name!r}, which is part of PEFT's parameter prefix 'lora_': PEFT may "
-                "re-initialise such an adapter when loading it. Choose a longer name."
-            )
-        system_prompt = agent.get("system_prompt", agent.get("role")) or ""
-        if not isinstance(system_prompt, str):
-            raise ValueError(f"`agents[{index}]['system_prompt']` must be a string, got {system_prompt!r}.")
-        normalized.append({"name": name, "system_prompt": system_prompt})
-    names = [agent["name"] for agent in normalized]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
-    if duplicates:
-        raise ValueError(f"`agents` has duplicate names {duplicates} (got {names}); every agent needs a unique name.")
-    return normalized
-
-
 @dataclass
-class MAGRPOConfig(GRPOConfig):
+class TeamConfig(GRPOConfig):
     r"""
-    Configuration class for [`MAGRPOTrainer`]: everything [`~trl.GRPOConfig`] has, plus the team.
+    What [`MAGRPOConfig`] and [`ATGRPOConfig`] share: everything [`~trl.GRPOConfig`] has, plus the team.
 
-    In MAGRPO (arXiv 2508.04652) every agent samples `num_generations` (G) completions for each prompt; joint actions
-    combine them and receive one team reward; each agent's completion is trained with an advantage derived from the
-    rewards of the joint actions it took part in. `per_device_train_batch_size` and `generation_batch_size` count
-    prompt copies as in TRL; each copy yields one completion *per agent*, so a micro-batch trains
-    `len(agents) * per_device_train_batch_size` sequences.
+    `per_device_train_batch_size` and `generation_batch_size` count prompt copies as in TRL; each copy yields one
+    completion *per agent*, so a micro-batch trains `len(agents) * per_device_train_batch_size` sequences. Build one of
+    the two algorithm configs; this class holds no algorithm of its own.
 
     Parameters:
         > Parameters that define the team
@@ -114,28 +59,22 @@ class MAGRPOConfig(GRPOConfig):
         agents (`list[str | dict]`):
             The agents, in order. Each is a name or a dict `{"name": ..., "system_prompt": ...}`. The name names the
             agent's LoRA adapter and its output folder; the system prompt (its role) is prepended to the task prompt.
-        joint_mode (`str`, *optional*, defaults to `"aligned"`):
-            How agents' completions form joint actions: `"aligned"` pairs the g-th completion of every agent (G joint
-            actions per prompt); `"cross"` takes the Cartesian product (G^N joint actions per prompt).
         baseline (`str`, *optional*, defaults to `"mean"`):
-            Baseline subtracted from a joint action's team reward within its prompt group: `"mean"` (MAGRPO, as
-            GRPO), `"rloo"` (mean of the other joint actions), `"max"`, or `"none"`. Scaling then follows
-            `scale_rewards` (`"group"`, `"batch"` or `"none"`), as in TRL.
+            Baseline subtracted from a reward within its group: `"mean"` (as GRPO), `"rloo"` (mean of the others),
+            `"max"`, or `"none"`. Scaling then follows `scale_rewards` (`"group"`, `"batch"` or `"none"`), as in TRL.
         max_joint_actions (`int`, *optional*, defaults to `256`):
-            Upper bound on the joint actions (team reward evaluations) of one prompt's whole tree, all turns counted;
-            a configuration whose full tree exceeds it is rejected before any model is loaded.
+            Upper bound on the team reward evaluations of one prompt, all turns counted; a configuration that exceeds
+            it is rejected before any model is loaded.
+        reward_timeout (`float` or `None`, *optional*, defaults to `None`):
+            Seconds a team reward function may take to score one batch; longer is an error naming the function.
 
-        > Parameters that control multi-turn episodes (DESIGN.md §3)
+        > Parameters that control multi-turn episodes
 
         num_turns (`int`, *optional*, defaults to `1`):
-            Turns per episode (T). Every joint action of turn t < T−1 opens a child node where each agent samples
-            `num_generations` new completions, prompted with what the trainer's `transition` shows it. A full tree
-            has G^T leaves (aligned) or G^(N·T) (cross).
-        discount (`float`, *optional*, defaults to `1.0`):
-            γ in the Monte-Carlo return R(j) = r(j) + γ · mean(R of j's children); a leaf's return is its reward.
+            Turns per episode (T).
         termination_threshold (`float` or `None`, *optional*, defaults to `None`):
-            Early termination: a node whose mean team reward reaches this value is not expanded (its joint actions are
-            leaves). `None` expands every node until `num_turns` or until the transition says the episode is done.
+            Early termination once the team reward reaches this value (see each algorithm's config). `None`: the
+            episode runs until `num_turns` or until the transition says it is done.
         scheduler (`str`, *optional*, defaults to `"parallel"`):
             Name of the turn scheduler plugin that says which agents act at each turn and what each sees: `parallel`
             (all act; each sees the earlier turns), `sequential` (in order within a turn; each also sees the agents
@@ -163,18 +102,25 @@ class MAGRPOConfig(GRPOConfig):
 
         bf16 (`bool` or `None`, *optional*, defaults to `None`):
             As TRL (`True` unless `fp16`), except with `use_cpu=True`, where `None` means `False`: bf16 autocast on
-            a CPU without native bf16 support made a training step 9.9x slower (README, Benchmarks).
+            a CPU without native bf16 support made a training step 9.9x slower (docs/benchmarks.md), and on a GPU
+            without bf16, where `None` means fp16 (with a warning).
     """
+
+    # Fields of the sibling config that mean nothing here: name -> why (an error names it, rather than TypeError).
+    not_applicable: ClassVar[dict[str, str]] = {}
+    _algorithm: ClassVar[str] = "a team"
+
+    def __new__(cls, *args, **kwargs):
+        for name, reason in cls.not_applicable.items():
+            if name in kwargs:
+                raise ValueError(f"`{name}={kwargs[name]!r}` does not apply to {cls._algorithm}: {reason}")
+        return super().__new__(cls)
 
     # Parameters that define the team
     # Typed as names for command-line parsing; Python code and YAML files may give {'name', 'system_prompt'} dicts.
     agents: list[str] | None = field(
         default=None,
         metadata={"help": "The agents: names or {'name', 'system_prompt'} dicts. Names must be unique."},
-    )
-    joint_mode: str = field(
-        default="aligned",
-        metadata={"help": "How completions form joint actions.", "choices": list(JOINT_MODES)},
     )
     baseline: str = field(
         default="mean",
@@ -191,11 +137,10 @@ class MAGRPOConfig(GRPOConfig):
     )  # fmt: skip
 
     # Parameters that control multi-turn episodes
-    num_turns: int = field(default=1, metadata={"help": "Turns per episode; each turn expands the tree."})
-    discount: float = field(default=1.0, metadata={"help": "Discount γ of the Monte-Carlo returns over turns."})
+    num_turns: int = field(default=1, metadata={"help": "Turns per episode."})
     termination_threshold: float | None = field(
         default=None,
-        metadata={"help": "A node whose mean team reward reaches this value is not expanded (None: no early stop)."},
+        metadata={"help": "Stop early once the team reward reaches this value (None: no early stop)."},
     )
     scheduler: str = field(
         default="parallel",
@@ -232,8 +177,6 @@ class MAGRPOConfig(GRPOConfig):
                 f"`frozen_agents` freezes every agent ({self.frozen_agents}): nothing would train. Leave at least one "
                 "agent out of it."
             )
-        if self.joint_mode not in JOINT_MODES:
-            raise _choice_error("joint_mode", self.joint_mode, JOINT_MODES)
         if self.baseline not in BASELINES:
             raise _choice_error("baseline", self.baseline, BASELINES)
         if self.adapter_mode not in ADAPTER_MODES:
@@ -242,8 +185,6 @@ class MAGRPOConfig(GRPOConfig):
             raise ValueError(f"`max_joint_actions` must be a positive integer, got {self.max_joint_actions!r}.")
         if not isinstance(self.num_turns, int) or isinstance(self.num_turns, bool) or self.num_turns < 1:
             raise ValueError(f"`num_turns` must be a positive integer, got {self.num_turns!r}.")
-        if not isinstance(self.discount, (int, float)) or not 0.0 <= self.discount <= 1.0:
-            raise ValueError(f"`discount` must be a number in [0, 1], got {self.discount!r}.")
         if self.reward_timeout is not None and not (
             isinstance(self.reward_timeout, (int, float)) and self.reward_timeout > 0
         ):
@@ -312,6 +253,52 @@ class MAGRPOConfig(GRPOConfig):
     def agent_names(self) -> list[str]:
         return [agent["name"] for agent in self.agents]
 
+    def joint_actions_per_prompt(self, num_generations: int) -> int:
+        """Team reward evaluations of one prompt at most (bounded by `max_joint_actions`)."""
+        raise NotImplementedError
+
+    def _tree_too_large_message(self, field_name: str, num_generations: int, size: int) -> str:
+        raise NotImplementedError
+
+
+@dataclass
+class MAGRPOConfig(TeamConfig):
+    r"""
+    Configuration class for [`MAGRPOTrainer`]: everything [`~trl.GRPOConfig`] has, plus the team ([`TeamConfig`]) and
+    MAGRPO's joint actions and returns.
+
+    In MAGRPO (arXiv 2508.04652) every agent samples `num_generations` (G) completions for each prompt; joint actions
+    combine them and receive one team reward; each agent's completion is trained with an advantage derived from the
+    rewards of the joint actions it took part in. With `num_turns > 1` every joint action
+    of turn t < T−1 opens a child node where each agent samples G new completions, prompted with what the trainer's
+    `transition` shows it: a full tree has G^T leaves (aligned) or G^(N·T) (cross); `termination_threshold` stops
+    expanding a node whose mean team reward reached it (its joint actions are leaves).
+
+    Parameters:
+        joint_mode (`str`, *optional*, defaults to `"aligned"`):
+            How agents' completions form joint actions: `"aligned"` pairs the g-th completion of every agent (G joint
+            actions per prompt); `"cross"` takes the Cartesian product (G^N joint actions per prompt).
+        discount (`float`, *optional*, defaults to `1.0`):
+            γ in the Monte-Carlo return R(j) = r(j) + γ · mean(R of j's children); a leaf's return is its reward.
+
+    The team's fields are [`TeamConfig`]'s.
+    """
+
+    _algorithm: ClassVar[str] = "MAGRPO"
+
+    joint_mode: str = field(
+        default="aligned",
+        metadata={"help": "How completions form joint actions.", "choices": list(JOINT_MODES)},
+    )
+    discount: float = field(default=1.0, metadata={"help": "Discount γ of the Monte-Carlo returns over turns."})
+
+    def __post_init__(self):
+        if self.joint_mode not in JOINT_MODES:
+            raise _choice_error("joint_mode", self.joint_mode, JOINT_MODES)
+        if not isinstance(self.discount, (int, float)) or not 0.0 <= self.discount <= 1.0:
+            raise ValueError(f"`discount` must be a number in [0, 1], got {self.discount!r}.")
+        super().__post_init__()
+
     def joint_actions_per_node(self, num_generations: int) -> int:
         """Joint actions at one tree node: G (aligned) or G^N (cross)."""
         return num_generations if self.joint_mode == "aligned" else num_generations**self.num_agents
@@ -339,9 +326,10 @@ CONTINUATIONS = ("greedy", "sample")
 
 
 @dataclass
-class ATGRPOConfig(MAGRPOConfig):
+class ATGRPOConfig(TeamConfig):
     r"""
-    Configuration class for [`ATGRPOTrainer`]: every [`MAGRPOConfig`] field, plus AT-GRPO's (arXiv 2510.11062).
+    Configuration class for [`ATGRPOTrainer`]: everything [`~trl.GRPOConfig`] has, plus the team ([`TeamConfig`]) and
+    AT-GRPO's fields (arXiv 2510.11062).
 
     Each problem is played as one episode. At every turn the acting agents act one after another in the scheduler's
     order; for the acting agent, `num_generations` (K) candidates are sampled from the same state and scored with
@@ -351,9 +339,9 @@ class ATGRPOConfig(MAGRPOConfig):
     the updated state. `adapter_mode` picks the policy regime: `"per_agent"` (one adapter per agent) or `"shared"`
     (one adapter, role prompts tell agents apart).
 
-    MAGRPO's `joint_mode="cross"` and `discount` do not apply (an AT-GRPO group is one agent's candidates, each
-    rewarded at its own step); `termination_threshold` ends an episode after a turn whose last chosen candidate's team
-    reward reached it.
+    MAGRPO's `joint_mode` and `discount` are not fields here (an AT-GRPO group is one agent's candidates, each rewarded
+    at its own step): passing one is an error that says so. `termination_threshold`
+    ends an episode after a turn whose last chosen candidate's team reward reached it.
 
     Parameters:
         team_reward_weight (`float`, *optional*, defaults to `1.0`):
@@ -361,7 +349,17 @@ class ATGRPOConfig(MAGRPOConfig):
         continuation (`str`, *optional*, defaults to `"greedy"`):
             Which candidate the episode continues from: `"greedy"` (the highest reward; ties: the first) or
             `"sample"` (uniformly among the scorable ones).
+
+    The team's fields are [`TeamConfig`]'s.
     """
+
+    _algorithm: ClassVar[str] = "AT-GRPO"
+    not_applicable: ClassVar[dict[str, str]] = {
+        "joint_mode": "each group holds one agent's candidates from one state, not joint actions. Leave it out (use "
+        "MAGRPOConfig for cross mode).",
+        "discount": "every candidate is rewarded at its own step, without returns over later turns. Leave it out (use "
+        "MAGRPOConfig for discounted returns).",
+    }
 
     team_reward_weight: float = field(
         default=1.0, metadata={"help": "α: weight of the team reward in r = α·team + local."}
@@ -376,16 +374,6 @@ class ATGRPOConfig(MAGRPOConfig):
             raise _choice_error("continuation", self.continuation, CONTINUATIONS)
         if not isinstance(self.team_reward_weight, (int, float)) or isinstance(self.team_reward_weight, bool):
             raise ValueError(f"`team_reward_weight` must be a number, got {self.team_reward_weight!r}.")
-        if self.joint_mode != "aligned":
-            raise ValueError(
-                f"`joint_mode={self.joint_mode!r}` does not apply to AT-GRPO: each group holds one agent's candidates "
-                "from one state, not joint actions. Leave `joint_mode='aligned'` (use MAGRPOConfig for cross mode)."
-            )
-        if self.discount != 1.0:
-            raise ValueError(
-                f"`discount={self.discount}` does not apply to AT-GRPO: every candidate is rewarded at its own step, "
-                "without returns over later turns. Leave `discount=1.0` (use MAGRPOConfig for discounted returns)."
-            )
         super().__post_init__()
 
     def joint_actions_per_prompt(self, num_generations: int) -> int:

@@ -64,10 +64,11 @@ def evaluate_task(
     turn (no choice among candidates, whose rewards may see the answer: the figures are not best-of-K); its
     `reward` averages every agent's turn, `episodes/team_reward` is the team reward each episode ended on, and
     `episodes/success_rate` is added for tasks that define success."""
+    from .atgrpo_trainer import ATGRPOTrainer
     from .config import ATGRPOConfig
+    from .magrpo_trainer import MAGRPOTrainer
     from .models import default_model_path
     from .team import load_team, read_team_file
-    from .trainer import ATGRPOTrainer, MAGRPOTrainer
 
     if baseline not in BASELINES:
         raise ValueError(f"`baseline` must be one of {list(BASELINES)}, got {baseline!r}.")

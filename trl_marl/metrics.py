@@ -5,7 +5,7 @@ from accelerate.utils import gather_object
 from trl.trainer.utils import nanstd
 
 from .advantages import team_rewards
-from .rollout import JointAction, Rollout
+from .episode import JointAction, Rollout
 from .tasks import local_rewards
 
 

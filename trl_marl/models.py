@@ -21,6 +21,8 @@ from huggingface_hub import constants, snapshot_download
 if TYPE_CHECKING:
     from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+    from .config import TeamConfig
+
 __all__ = ["DEFAULT_MODEL_ID", "default_model_path", "four_bit_config", "half_precision_dtype", "load_default_model"]
 
 logger = logging.getLogger("trl_marl")
@@ -254,3 +256,21 @@ def _write_checkpoint(gguf: Path, out: Path) -> None:
 
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def model_init_kwargs_for(args: TeamConfig, quantization_config=None) -> dict:
+    """`from_pretrained` keywords for a model given by id or path: `args.model_init_kwargs`, the quantization config,
+    and the device map.
+
+    Under DDP or DeepSpeed every process holds the whole model on its own device, so `device_map="auto"` (which would
+    spread it over every visible GPU) is off. A quantized model must still be placed while it loads (bitsandbytes
+    quantizes on the device): it goes to this process's device, `{"": <device>}`, never to `None` (the CPU).
+    """
+    kwargs = dict(args.model_init_kwargs or {})
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
+    state = args.distributed_state
+    if state.distributed_type in ["MULTI_GPU", "DEEPSPEED"]:
+        kwargs["device_map"] = {"": state.device} if kwargs.get("quantization_config") is not None else None
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    return kwargs

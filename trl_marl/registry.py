@@ -1,4 +1,4 @@
-"""Plugins: team rewards, tasks and turn schedulers, found through Python entry points (DESIGN.md §5).
+"""Plugins: team rewards, tasks and turn schedulers, found through Python entry points (docs/design.md, §9.1).
 
 A package adds a plugin by naming it in its own `pyproject.toml`:
 

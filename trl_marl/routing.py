@@ -19,8 +19,10 @@ When every row goes to the same adapter (every AT-GRPO `generate` call, a one-ag
 projection is computed, as PEFT computes it, with no concatenation and no mask.
 """
 
+import inspect
 from collections.abc import Sequence
 
+import peft
 import torch
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
@@ -29,6 +31,38 @@ from peft.utils import AuxiliaryTrainingWrapper
 from .agents import is_4bit_linear
 
 BASE = "__base__"  # PEFT's name for "no adapter": a row routed here goes through the base model alone
+
+# The PEFT releases the router is tested with (pyproject.toml pins the same range).
+PEFT_TESTED = ">=0.18,<0.22"
+# PEFT internals the router reads: attributes of every `LoraLayer` and methods of `PeftModel`.
+LORA_LAYER_ATTRIBUTES = ("lora_A", "lora_B", "scaling", "lora_dropout", "lora_variant", "lora_bias", "get_base_layer")
+PEFT_MODEL_METHODS = ("set_requires_grad", "set_adapter", "get_base_model")
+
+
+def missing_peft_internals(model: PeftModel) -> list[str]:
+    """The PEFT internals the router relies on that `model` lacks: each `LoraLayer`'s matrices, scalings, dropouts,
+    variants and biases (per adapter), a `forward` that takes `adapter_names` (PEFT's mixed-batch path), and the
+    `PeftModel` methods the trainer calls."""
+    missing = [f"PeftModel.{name}" for name in PEFT_MODEL_METHODS if not callable(getattr(model, name, None))]
+    layer = next((module for module in model.modules() if isinstance(module, LoraLayer)), None)
+    if layer is None:
+        return missing + ["a LoraLayer in the model"]
+    missing += [f"LoraLayer.{name}" for name in LORA_LAYER_ATTRIBUTES if not hasattr(layer, name)]
+    parameters = inspect.signature(type(layer).forward).parameters
+    if "adapter_names" not in parameters and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        missing.append(f"{type(layer).__name__}.forward(..., adapter_names=...)")
+    return missing
+
+
+def check_peft_internals(model: PeftModel) -> None:
+    """Fail with a clear message, before anything trains, when this PEFT release moved what the router reads."""
+    missing = missing_peft_internals(model)
+    if missing:
+        raise RuntimeError(
+            f"trl_marl routes rows to adapters through PEFT internals that peft {peft.__version__} does not have: "
+            f"{', '.join(missing)}. trl_marl is tested with peft{PEFT_TESTED}: install a release in that range, e.g. "
+            f"`pip install 'peft{PEFT_TESTED}'`."
+        )
 
 
 class AdapterRouter:
@@ -40,6 +74,7 @@ class AdapterRouter:
     """
 
     def __init__(self, model: PeftModel, adapter_names: Sequence[str]):
+        check_peft_internals(model)
         self.adapter_names = list(dict.fromkeys(adapter_names))
         self.row_adapters: list[str] | None = None
         self._row_index: torch.Tensor | None = None  # (rows,) index into adapter_names, -1 for BASE; model's device

@@ -1,4 +1,4 @@
-"""Turn schedulers: which agents act at each turn, in which order, and what each one sees (DESIGN.md §5).
+"""Turn schedulers: which agents act at each turn, in which order, and what each one sees (docs/design.md, §9.2).
 
 A scheduler has two methods:
 

@@ -31,11 +31,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from .agents import agent_prompt, keep_4bit_weights_trainable
 from .config import ATGRPOConfig
+from .episode import RolloutSettings, default_transition
 from .models import DEFAULT_MODEL_ID, default_model_path, four_bit_config, is_default_model
 from .registry import PluginError
-from .rollout import Prompt, TreeRollout, default_transition
+from .rollout import TreeRollout
 from .routing import AdapterRouter
-from .scheduling import resolve_scheduler
+from .scheduling import Prompt, resolve_scheduler
 from .tasks import resolve_task
 
 TEAM_FILE = "team.json"
@@ -95,8 +96,8 @@ def team_spec(
         "agents": [{**agent, "adapter": adapter} for agent, adapter in zip(args.agents, adapters)],
         "adapter_mode": args.adapter_mode,
         "num_turns": args.num_turns,
-        "joint_mode": args.joint_mode,
-        "discount": args.discount,
+        "joint_mode": getattr(args, "joint_mode", "aligned"),  # AT-GRPO's are MAGRPO's defaults
+        "discount": getattr(args, "discount", 1.0),
         "termination_threshold": args.termination_threshold,
         "task": getattr(task, "name", None) or None,  # a task plugin: its transition is rebuilt from it
         "transition": importable_name(transition),
@@ -156,13 +157,9 @@ class Team:
         """Play one episode on `prompt` (a string or chat messages, as in the training data) for `num_turns` turns
         (default: as trained). `columns` are the extra dataset columns the transition reads (e.g. tests)."""
         max_new_tokens = max_new_tokens or self.spec["max_completion_length"]
-        rollout = TreeRollout(
+        settings = RolloutSettings(
             agent_names=self.agent_names,
-            num_generations=1,
             num_turns=num_turns or self.spec["num_turns"],
-            joint_mode="aligned",
-            discount=1.0,
-            termination_threshold=None,
             reward_weights=torch.ones(1),
             baseline="none",
             scale_rewards="none",
@@ -173,7 +170,8 @@ class Team:
             agent_input=lambda agent, task: agent_prompt(
                 self.agents[agent]["system_prompt"], task, self._use_chat_template
             ),
-        ).run(
+        )
+        rollout = TreeRollout(settings, num_generations=1).run(
             [{**columns, "prompt": prompt}],
             first_copy=0,
             generate=lambda inputs, agent_index: self._generate(inputs, agent_index, max_new_tokens, do_sample),

@@ -17,7 +17,7 @@ import time
 import torch
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, default_model_path
-from trl_marl.plugins.tasks import ReachTarget
+from trl_marl.tasks.toy import ReachTarget
 
 
 def one_step(bf16: bool, num_generations: int, output_dir: str) -> tuple[float, float]:

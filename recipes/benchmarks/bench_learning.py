@@ -15,7 +15,7 @@ team reward (`explain_ratio_reward`) asks the explanation to be three times as l
   for `detailed`'s in the same team reward. It gets the team's token budget (2 x 40 new tokens).
 
 **reach_target** (AT-GRPO, two turns): a counter must reach a target; `mover` then `finisher` add a number at each of
-two turns (the built-in task, `trl_marl/plugins/tasks.py`).
+two turns (the built-in task, `trl_marl/tasks/toy.py`).
 - `untrained`: the base model in both roles, one AT-GRPO episode per puzzle;
 - `at_grpo`: `ATGRPOTrainer` (K candidates per agent and turn, greedy continuation, α · team + local reward);
 - `single`: one agent asked for the one number that reaches the target, trained with TRL's `GRPOTrainer` on the same
@@ -57,8 +57,8 @@ from trl import GRPOConfig, GRPOTrainer
 import trl_marl
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, default_model_path
 from trl_marl.evaluation import evaluate_task
-from trl_marl.plugins.tasks import Explain, ReachTarget, explain_ratio_reward, is_a_number, parse_move
 from trl_marl.tasks import task_defaults
+from trl_marl.tasks.toy import Explain, ReachTarget, explain_ratio_reward, is_a_number, parse_move
 
 TASKS = {"explain": Explain, "reach_target": ReachTarget}
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

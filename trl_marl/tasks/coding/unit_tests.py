@@ -3,32 +3,12 @@
 from __future__ import annotations
 
 import json
-import re
-import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ..sandbox import CallTest, Sandbox
-
-_FENCE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
-_sandbox: Sandbox | None = None
-_sandbox_lock = threading.Lock()
-
-
-def shared_sandbox() -> Sandbox:
-    """The process-wide sandbox of the built-in rewards (bubblewrap unless TRL_MARL_SANDBOX=local), made on first use;
-    raises SandboxUnavailable when the machine cannot isolate code."""
-    global _sandbox
-    with _sandbox_lock:
-        if _sandbox is None:
-            _sandbox = Sandbox()
-        return _sandbox
-
-
-def extract_code(text: str) -> str:
-    """The Python code in a completion: its fenced code blocks joined in order, or the whole text when it has none."""
-    blocks = _FENCE.findall(text)
-    return "\n\n".join(block.strip("\n") for block in blocks) if blocks else text
+from ...sandbox import CallTest
+from ..completions import completion_text
+from ..sandbox_runs import extract_code, shared_sandbox
 
 
 def team_code(completion: Any) -> str:
@@ -36,9 +16,7 @@ def team_code(completion: Any) -> str:
     agent's function that calls it); also accepts a single agent's text or chat messages."""
     if isinstance(completion, dict):
         return "\n\n".join(team_code(text) for text in completion.values())
-    if isinstance(completion, list):
-        completion = "".join(message.get("content") or "" for message in completion)
-    return extract_code(completion)
+    return extract_code(completion_text(completion))
 
 
 def parse_tests(tests: str | Sequence[dict]) -> list[CallTest]:

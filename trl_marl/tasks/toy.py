@@ -1,11 +1,13 @@
-"""Built-in tasks: the two recipes' tasks, usable by name (`MAGRPOTrainer(task="explain")`, `trl-marl train`)."""
+"""The toy tasks, small and offline, usable by name (`MAGRPOTrainer(task="explain")`, `trl-marl train`): `explain`,
+`describe_word` and `reach_target`; and two general team rewards, `answer_match` and `word_budget`."""
 
 import random
 import re
 
 from datasets import Dataset
 
-from ..tasks import Task
+from .base import Task
+from .completions import completion_text
 
 EXPLAIN_AGENTS = [
     {"name": "concise", "system_prompt": "Give only the short answer, in a few words."},
@@ -222,3 +224,28 @@ class ReachTarget(Task):
             "add?"
         )
         return [[{"role": "user", "content": content}]] * len(self.agents)
+
+
+# ---------------------------------------------------------------------------------------------------------- rewards
+# General team rewards, usable by name with any dataset that has their columns. Each is
+# `f(prompts, completions, **kwargs) -> list[float | None]`, where a completion maps agent name -> text and kwargs
+# carry the dataset columns.
+
+
+def answer_match(prompts, completions, answer, **kwargs) -> list[float]:
+    """Share of agents whose answer contains the dataset's `answer` column as a whole word (case-insensitive)."""
+    rewards = []
+    for completion, expected in zip(completions, answer):
+        pattern = re.compile(rf"(?<!\w){re.escape(str(expected).strip())}(?!\w)", re.IGNORECASE)
+        rewards.append(
+            sum(bool(pattern.search(completion_text(text))) for text in completion.values()) / len(completion)
+        )
+    return rewards
+
+
+def word_budget(prompts, completions, word_limit, **kwargs) -> list[float]:
+    """Share of agents whose answer is non-empty and has at most `word_limit` words (a dataset column)."""
+    return [
+        sum(0 < len(completion_text(text).split()) <= limit for text in completion.values()) / len(completion)
+        for completion, limit in zip(completions, word_limit)
+    ]

@@ -20,8 +20,9 @@ from datasets import Dataset
 
 from ...rollout import NextTurn
 from ...sandbox import Limits
-from ...tasks import Task
-from ..code import extract_code, shared_sandbox
+from ..base import Task
+from ..completions import completion_text
+from ..sandbox_runs import extract_code, shared_sandbox
 from .common import PLAN, TOOL, Proposal, Puzzle, PuzzleState, play
 from .plan_path import PATH_DIFFICULTIES, PLAN_PATH
 from .sokoban import SOKOBAN, SOKOBAN_DIFFICULTIES
@@ -138,16 +139,6 @@ def initial_state(puzzle: str, board: str, optimal_actions: int | None = None) -
     return PuzzleState(puzzle, start, int(optimal_actions))
 
 
-def _text(completion: Any, agent: str = PLAN) -> str:
-    """An agent's text from a team completion (a mapping agent -> text: `agent`'s, else the last one), a string, or
-    chat messages."""
-    if isinstance(completion, dict):
-        completion = completion.get(agent, list(completion.values())[-1])
-    if isinstance(completion, list):
-        completion = "".join(message.get("content") or "" for message in completion)
-    return completion
-
-
 def _column(values: list | None, count: int) -> list:
     return list(values) if values is not None else [None] * count
 
@@ -165,9 +156,11 @@ def puzzle_reward(prompts, completions, state=None, puzzle=None, board=None, opt
                 "and `board` to play one answer from the start."
             )
         optimum = _column(optimal_actions, len(completions))
+        # The plan agent's answer, or a lone agent's (a `single` baseline) standing for it.
+        answers = [completion_text(completion, PLAN, fallback_to_last=True) for completion in completions]
         state = [
-            commit(PUZZLES[name], initial_state(name, cell, best), PLAN, _text(completion), last_turn=True)
-            for completion, name, cell, best in zip(completions, puzzle, board, optimum)
+            commit(PUZZLES[name], initial_state(name, cell, best), PLAN, answer, last_turn=True)
+            for answer, name, cell, best in zip(answers, puzzle, board, optimum)
         ]
     if log_metric is not None and state:
         log_metric("puzzles/solved", sum(s.solved for s in state) / len(state))

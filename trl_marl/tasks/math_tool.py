@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import random
 import re
-import threading
-from collections import OrderedDict
 from fractions import Fraction
 
 from datasets import Dataset
 
 from ..rollout import NextTurn
-from ..sandbox import Limits, Status
+from ..sandbox import ExecutionResult, Limits
 from ..scheduling import with_feedback
-from ..tasks import Task
-from .code import extract_code, shared_sandbox
-from .code_tester import agent_text
+from .base import Task
+from .completions import completion_text
+from .sandbox_runs import SandboxResultCache, extract_code, shared_sandbox
 
 TOOL, REASONER = "tool", "reasoner"
 
@@ -107,9 +105,7 @@ def format_answer(value: Fraction) -> str:
     return str(value)
 
 
-_RUNS: OrderedDict[str, tuple[Fraction | None, str]] = OrderedDict()
-_RUNS_SIZE = 4096  # programs run and remembered: rewards, the transition and `success` ask about the same ones
-_RUNS_LOCK = threading.Lock()
+_RUNS = SandboxResultCache(size=4096)  # programs run: rewards, the transition and `success` ask about the same ones
 
 
 def run_tool(text: str) -> tuple[Fraction | None, str]:
@@ -117,26 +113,19 @@ def run_tool(text: str) -> tuple[Fraction | None, str]:
     the answer being the first number of the last line it printed (None when the run did not end ok, printed
     nothing, or no number)."""
     program = extract_code(text)
-    with _RUNS_LOCK:
-        if program in _RUNS:
-            _RUNS.move_to_end(program)
-            return _RUNS[program]
-    result = shared_sandbox().run(program, limits=TOOL_LIMITS)
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
-    if not result.ok:
-        error = [line for line in result.stderr.splitlines() if line.strip()]
-        outcome = (None, f"the program failed: {error[-1][:200] if error else result.reason}")
-    elif not lines:
-        outcome = (None, "the program printed nothing")
-    else:
+
+    def run() -> tuple[tuple[Fraction | None, str], ExecutionResult]:
+        result = shared_sandbox().run(program, limits=TOOL_LIMITS)
+        lines = [line for line in result.stdout.splitlines() if line.strip()]
+        if not result.ok:
+            error = [line for line in result.stderr.splitlines() if line.strip()]
+            return (None, f"the program failed: {error[-1][:200] if error else result.reason}"), result
+        if not lines:
+            return (None, "the program printed nothing"), result
         answer = final_answer(lines[-1]) if _MARKERS.search(lines[-1]) else parse_number(lines[-1])
-        outcome = (answer, f"the program printed {lines[-1][:200]!r}")
-    if result.status is not Status.REFUSED:  # nothing ran: do not remember it
-        with _RUNS_LOCK:
-            _RUNS[program] = outcome
-            if len(_RUNS) > _RUNS_SIZE:
-                _RUNS.popitem(last=False)
-    return outcome
+        return (answer, f"the program printed {lines[-1][:200]!r}"), result
+
+    return _RUNS.get_or_run(program, run)
 
 
 def agent_answer(agent: str, text: str) -> Fraction | None:
@@ -154,20 +143,20 @@ def _correct(answer: Fraction | None, expected: str) -> bool:
 def tool_correct(prompts, completions, answer, **kwargs) -> list[float]:
     """The tool agent's local reward: `CORRECT` when its program prints the problem's `answer` (a dataset column,
     exact), else 0. `completions`: the tool's texts (or team mappings, of which the `tool` text counts)."""
-    return [CORRECT * _correct(agent_answer(TOOL, agent_text(c, TOOL)), a) for c, a in zip(completions, answer)]
+    return [CORRECT * _correct(agent_answer(TOOL, completion_text(c, TOOL)), a) for c, a in zip(completions, answer)]
 
 
 def reasoner_correct(prompts, completions, answer, **kwargs) -> list[float]:
     """The reasoner's local reward: `CORRECT` when its final answer is the problem's `answer`, else 0."""
-    return [CORRECT * _correct(final_answer(agent_text(c, REASONER)), a) for c, a in zip(completions, answer)]
+    return [CORRECT * _correct(final_answer(completion_text(c, REASONER)), a) for c, a in zip(completions, answer)]
 
 
 def math_both_correct(prompts, completions, answer, log_metric=None, **kwargs) -> list[float]:
     """Team reward: `BOTH_CORRECT` when the tool's and the reasoner's latest answers both equal `answer`, else 0.
     In a trainer it logs `math/accuracy` (share of joint actions with both correct), `math/tool_accuracy`,
     `math/reasoner_accuracy` and `math/agreement` (both answered, the same number)."""
-    tool = [agent_answer(TOOL, agent_text(c, TOOL)) for c in completions]
-    reasoner = [agent_answer(REASONER, agent_text(c, REASONER)) for c in completions]
+    tool = [agent_answer(TOOL, completion_text(c, TOOL)) for c in completions]
+    reasoner = [agent_answer(REASONER, completion_text(c, REASONER)) for c in completions]
     both = [_correct(t, a) and _correct(r, a) for t, r, a in zip(tool, reasoner, answer)]
     if log_metric is not None and both:
         count = len(both)

@@ -1,5 +1,6 @@
-"""Team reward functions: checks that turn a bad reward into an error naming the function, and that a dataset has the
-columns its reward functions, local rewards and transition read."""
+"""Checks on team reward functions (the built-in rewards themselves live with their tasks, in `trl_marl.tasks`): a
+wrapper that turns a bad reward into an error naming the function, the check that a dataset has the columns its
+reward functions, local rewards and transition read, and `for_agent`, which makes a plain TRL reward a team reward."""
 
 import asyncio
 import concurrent.futures

@@ -1,4 +1,4 @@
-"""Task plugins: everything a team needs to train on one problem family (DESIGN.md §5).
+"""The `Task` base class of task plugins: everything a team needs to train on one problem family (docs/design.md, §9.2).
 
 A task bundles the agents' roles, its dataset (with an offline default), how the prompt reaches each agent between
 turns (its `transition`: feedback and termination), the turn scheduler, and its default team rewards. Subclass
@@ -11,7 +11,7 @@ from typing import Any
 
 from datasets import Dataset
 
-from .rollout import default_transition
+from ..rollout import default_transition
 
 
 class Task:
@@ -76,7 +76,7 @@ def resolve_task(task: "str | Task | type[Task]", **options: Any) -> Task:
     """A task object from a plugin name, a `Task` subclass or instance. `options` go to the task's constructor (e.g.
     `source="hub"` for a task that can load the paper's Hub data); an instance takes none."""
     if isinstance(task, str):
-        from .registry import load_plugin
+        from ..registry import load_plugin
 
         task = load_plugin("tasks", task)
     if isinstance(task, type):

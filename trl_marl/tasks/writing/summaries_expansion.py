@@ -1,5 +1,5 @@
 """The two writing-collaboration tasks of the MAGRPO paper (arXiv 2508.04652) and their data: `summaries` and
-`expansion`. Their team rewards (four gated levels, at most 3) are in `writing.py`.
+`expansion`. Their team rewards (four gated levels, at most 3) are in `rewards.py`.
 
 - **Summaries** (the paper's TLDR task): `concise` writes a short summary, `detailed` a longer, richer one.
 - **Expansion** (the paper's arXiv task): from a short abstract, `background` writes the background and motivation
@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 from datasets import Dataset
 
-from ..tasks import Task
-from .writing import expansion_reward, summary_reward, word_count
+from ..base import Task
+from .levels import word_count
+from .rewards import expansion_reward, summary_reward
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Data: offline from Python's own documentation, or the paper's Hub datasets.

@@ -1,0 +1,34 @@
+"""`MAGRPOTrainer`: multi-agent GRPO (MAGRPO, arXiv 2508.04652). The team stack is [`TeamTrainer`]'s; this trainer
+owns its rollout, the MAGRPO tree of each prompt (`rollout.TreeRollout`; one turn unless `num_turns > 1`): every agent
+answers at every node, joint actions get one team reward, returns and advantages follow MAGRPO (docs/design.md, §5).
+"""
+
+from .config import MAGRPOConfig
+from .episode import Rollout
+from .rollout import TreeRollout
+from .team_trainer import TeamTrainer
+
+
+class MAGRPOTrainer(TeamTrainer):
+    """Multi-agent GRPO (MAGRPO, arXiv 2508.04652) as a thin [`~trl.GRPOTrainer`] subclass.
+
+    Takes [`TeamTrainer`]'s arguments (the model, team reward functions or plugin names, a task, a transition for
+    `num_turns > 1`, a scheduler, quantization and LoRA configs, and TRL's), with a [`MAGRPOConfig`] as `args`.
+    """
+
+    _tag_names = ["trl", "trl-marl", "magrpo"]
+    _name = "MAGRPO"
+    _config_class = MAGRPOConfig
+
+    def _rollout(self, inputs: list[dict], num_generations: int) -> Rollout:
+        """This process's share of the batch's episodes: MAGRPO trees. The task's local rewards are logged, not
+        trained on (MAGRPO optimises the team reward)."""
+        rollout = TreeRollout(
+            self.rollout_settings,
+            num_generations,
+            joint_mode=self.args.joint_mode,
+            discount=self.args.discount,
+            process_index=self.accelerator.process_index,
+        ).run(inputs, **self._rollout_hooks(inputs, num_generations))
+        self._log_local_rewards("train" if self.model.training else "eval", rollout.samples)
+        return rollout

@@ -1,0 +1,148 @@
+"""Memory planner: the peak memory of a team's training, predicted from configs before any weight loads.
+
+`estimate_memory(config, model_config)` reads the architecture from a transformers `PretrainedConfig` (only
+`config.json` is needed) and the team from a `MAGRPOConfig` / `ATGRPOConfig`, and returns a `MemoryEstimate`: every
+component in bytes, and `peak = static + max(generation phase, training phase) + overhead`.
+
+Notation: V vocabulary, h hidden size, I MLP intermediate size, L layers, n_h attention heads, n_kv key/value heads,
+d head dimension, r LoRA rank, N adapters, P prompt tokens, C = `max_completion_length`, B training rows
+(sequences) per micro-batch, S training sequence length, R rows of one `generate` call, P_t its prompt length. Byte
+widths (`dtypes.byte_widths`): `b_m` the model dtype (the dtype of every weight that is not 4-bit: TRL loads float32
+unless `model_init_kwargs={"dtype": ...}`), `b_a` the LoRA parameter dtype (float32; bfloat16 on a 4-bit base, where
+TRL casts trainable adapters to bf16), `b_c` the autocast dtype (2 bytes with `bf16` / `fp16`).
+
+One function per term, its formula in its docstring:
+
+- static (`weights.py`): `base_weight_bytes` (`parameter_count` in `shape.py`, `nf4_bytes` on a 4-bit base),
+  `adapter_bytes` (`lora_parameters` each), `optimizer_bytes` (`optimizer_state_bytes` per parameter);
+- training phase (`training.py`): `gradient_bytes` (`weights.py`), `saved_activation_bytes` (one layer:
+  `training_layer_bytes` = `layer_activation_bytes` + `routed_activation_bytes` + `autocast_weight_copy_bytes`), and
+  the larger of `log_prob_head_bytes` and `backward_working_set_bytes`;
+- generation phase (`generation.py`), for the largest `generate` call: `kv_cache_bytes`, `routed_lora_weight_bytes`,
+  and the larger of `prefill_working_set_bytes` and `generation_logits_bytes`;
+- `overhead_bytes` (GPU only: the CUDA context and the allocator's slack), and `estimate_memory`, which sums them
+  (`estimate.py`).
+
+The rows and lengths those terms see come from `rollout_geometry` (`geometry.py`).
+"""
+
+from .dtypes import DTYPE_BYTES, ByteWidths, byte_widths, model_dtype_bytes
+from .estimate import (
+    ALLOCATOR_SLACK,
+    CUDA_CONTEXT_BYTES,
+    DEFAULT_PROMPT_LENGTH,
+    GIB,
+    MIB,
+    MemoryEstimate,
+    estimate_memory,
+    overhead_bytes,
+)
+from .generation import (
+    SAMPLING_BYTES_PER_ENTRY,
+    SORT_BYTES_PER_ENTRY,
+    GenerationTerms,
+    generation_logits_bytes,
+    generation_terms,
+    kv_cache_bytes,
+    largest_generation,
+    prefill_working_set_bytes,
+    routed_lora_weight_bytes,
+)
+from .geometry import GenerateCall, rollout_geometry, visible_answers
+from .shape import (
+    ATTENTION_LINEARS,
+    MLP_LINEARS,
+    SUPPORTED_MODEL_TYPES,
+    ModelShape,
+    layer_lora_parameters,
+    lora_parameters,
+    model_shape,
+    parameter_count,
+    targeted_linears,
+)
+from .training import (
+    CPU_LOGPROB_BACKWARD_TILES,
+    CPU_LOGPROB_FORWARD_TILES,
+    LOGPROB_STATS_PER_TOKEN,
+    LOGPROB_TOKEN_TILE,
+    LOGPROB_VOCAB_TILE,
+    autocast_weight_copy_bytes,
+    backward_working_set_bytes,
+    layer_activation_bytes,
+    log_prob_head_bytes,
+    routed_activation_bytes,
+    saved_activation_bytes,
+    training_layer_bytes,
+)
+from .weights import (
+    FROZEN_ADAPTER_BYTES,
+    NESTED_BLOCK,
+    NF4_BLOCK,
+    NF4_TENSOR_CONSTANT_BYTES,
+    adapter_bytes,
+    adapter_counts,
+    base_weight_bytes,
+    gradient_bytes,
+    nf4_bytes,
+    optimizer_bytes,
+    optimizer_state_bytes,
+)
+
+__all__ = [
+    "ALLOCATOR_SLACK",
+    "ATTENTION_LINEARS",
+    "ByteWidths",
+    "CPU_LOGPROB_BACKWARD_TILES",
+    "CPU_LOGPROB_FORWARD_TILES",
+    "CUDA_CONTEXT_BYTES",
+    "DEFAULT_PROMPT_LENGTH",
+    "DTYPE_BYTES",
+    "FROZEN_ADAPTER_BYTES",
+    "GIB",
+    "GenerateCall",
+    "GenerationTerms",
+    "LOGPROB_STATS_PER_TOKEN",
+    "LOGPROB_TOKEN_TILE",
+    "LOGPROB_VOCAB_TILE",
+    "MIB",
+    "MLP_LINEARS",
+    "MemoryEstimate",
+    "ModelShape",
+    "NESTED_BLOCK",
+    "NF4_BLOCK",
+    "NF4_TENSOR_CONSTANT_BYTES",
+    "SAMPLING_BYTES_PER_ENTRY",
+    "SORT_BYTES_PER_ENTRY",
+    "SUPPORTED_MODEL_TYPES",
+    "adapter_bytes",
+    "adapter_counts",
+    "autocast_weight_copy_bytes",
+    "backward_working_set_bytes",
+    "base_weight_bytes",
+    "byte_widths",
+    "estimate_memory",
+    "generation_logits_bytes",
+    "generation_terms",
+    "gradient_bytes",
+    "kv_cache_bytes",
+    "largest_generation",
+    "layer_activation_bytes",
+    "layer_lora_parameters",
+    "log_prob_head_bytes",
+    "lora_parameters",
+    "model_dtype_bytes",
+    "model_shape",
+    "nf4_bytes",
+    "optimizer_bytes",
+    "optimizer_state_bytes",
+    "overhead_bytes",
+    "parameter_count",
+    "prefill_working_set_bytes",
+    "rollout_geometry",
+    "routed_activation_bytes",
+    "routed_lora_weight_bytes",
+    "saved_activation_bytes",
+    "targeted_linears",
+    "training_layer_bytes",
+    "visible_answers",
+]

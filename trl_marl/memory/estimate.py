@@ -1,0 +1,217 @@
+"""The estimate: every term of the peak for one training config, summed as
+`peak = static + max(generation phase, training phase) + overhead` (`MemoryEstimate`, `estimate_memory`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .dtypes import byte_widths
+from .generation import largest_generation
+from .geometry import GenerateCall, rollout_geometry
+from .shape import lora_parameters, model_shape, parameter_count, targeted_linears
+from .training import (
+    backward_working_set_bytes,
+    log_prob_head_bytes,
+    saved_activation_bytes,
+    training_layer_bytes,
+)
+from .weights import adapter_bytes, adapter_counts, base_weight_bytes, gradient_bytes, optimizer_bytes
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from ..config import MAGRPOConfig
+
+GIB = 2**30
+MIB = 2**20
+DEFAULT_PROMPT_LENGTH = 512
+# A GPU process holds the CUDA context (torch 2.x with lazy module loading, cuBLAS handles and workspaces: typically
+# 300-600 MiB as nvidia-smi reports it) and the caching allocator reserves more than is allocated (block rounding,
+# fragmentation). Neither exists on the CPU.
+CUDA_CONTEXT_BYTES = 512 * MIB
+ALLOCATOR_SLACK = 0.10
+
+
+@dataclass
+class MemoryEstimate:
+    """A predicted memory breakdown, in bytes. `peak` = the static part + the larger phase + `overhead`.
+
+    Static: `base_weights`, `adapters`, `optimizer_states`. Training phase: `gradients`, `saved_activations`
+    (checkpoints or all layers, router weights, autocast weight copies), and the larger of `log_prob_head` and
+    `backward_working_set`. Generation phase: `kv_cache`, `routed_lora_weights`, and the larger of
+    `prefill_working_set` and `generation_logits`.
+    """
+
+    device: str
+    base_weights: int
+    adapters: int
+    optimizer_states: int
+    gradients: int
+    saved_activations: int
+    log_prob_head: int
+    backward_working_set: int
+    kv_cache: int
+    routed_lora_weights: int
+    prefill_working_set: int
+    generation_logits: int
+    overhead: int
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def static(self) -> int:
+        return self.base_weights + self.adapters + self.optimizer_states
+
+    @property
+    def training_phase(self) -> int:
+        working = max(self.log_prob_head, self.backward_working_set)
+        return self.gradients + self.saved_activations + working
+
+    @property
+    def generation_phase(self) -> int:
+        return self.kv_cache + self.routed_lora_weights + max(self.prefill_working_set, self.generation_logits)
+
+    @property
+    def peak(self) -> int:
+        return self.static + max(self.training_phase, self.generation_phase) + self.overhead
+
+    @property
+    def peak_phase(self) -> str:
+        return "training" if self.training_phase >= self.generation_phase else "generation"
+
+    def fits(self, gpu_memory_gb: float) -> bool:
+        """Whether the peak fits a card of `gpu_memory_gb` GiB (cards sold as "24 GB" hold 24 GiB)."""
+        return self.peak <= gpu_memory_gb * GIB
+
+    def table(self, gpu_memory_gb: tuple[float, ...] | list[float] = ()) -> str:
+        """A readable breakdown in MiB; with card sizes, whether the peak fits each."""
+        rows = [
+            ("base weights", self.base_weights),
+            ("LoRA adapters", self.adapters),
+            ("optimizer states", self.optimizer_states),
+            ("= static", self.static),
+            ("training: gradients", self.gradients),
+            ("training: saved activations", self.saved_activations),
+            ("training: log-prob head (fused lm_head)", self.log_prob_head),
+            ("training: backward working set", self.backward_working_set),
+            ("= training phase", self.training_phase),
+            ("generation: KV cache", self.kv_cache),
+            ("generation: router's concatenated LoRA weights", self.routed_lora_weights),
+            ("generation: prefill working set", self.prefill_working_set),
+            ("generation: last-token logits + sampling", self.generation_logits),
+            ("= generation phase", self.generation_phase),
+            (
+                "overhead (none on the CPU)" if self.device == "cpu" else "overhead (CUDA context + allocator)",
+                self.overhead,
+            ),
+            (f"PEAK ({self.peak_phase} phase)", self.peak),
+        ]
+        width = max(len(name) for name, _ in rows)
+        lines = [f"{name:<{width}}  {value / MIB:>10,.0f} MiB" for name, value in rows]
+        info = ", ".join(f"{key}={value}" for key, value in self.details.items())
+        lines.insert(0, f"Predicted memory on {self.device} ({info})")
+        for size in gpu_memory_gb:
+            verdict = "fits" if self.fits(size) else "does NOT fit"
+            lines.append(f"{size:g} GB card: {verdict} ({self.peak / GIB:.1f} of {size:g} GiB)")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def overhead_bytes(device: str, dynamic: int) -> int:
+    """GPU only (0 on the CPU): `CUDA_CONTEXT_BYTES + ALLOCATOR_SLACK · dynamic`, with `dynamic` the larger phase."""
+    return CUDA_CONTEXT_BYTES + int(ALLOCATOR_SLACK * dynamic) if device == "cuda" else 0
+
+
+def estimate_memory(
+    config: MAGRPOConfig,
+    model_config: PretrainedConfig | None = None,
+    *,
+    model_name_or_path: str | None = None,
+    load_in_4bit: bool = False,
+    prompt_length: int = DEFAULT_PROMPT_LENGTH,
+    device: str = "cuda",
+    model_dtype: Any = None,
+) -> MemoryEstimate:
+    """Predict the peak memory of training `config`'s team on one device, before any weight loads.
+
+    Args:
+        config: a `MAGRPOConfig` or `ATGRPOConfig` (agents, adapters, batch sizes, lengths, turns, optimizer,
+            `gradient_checkpointing`, `bf16`).
+        model_config: the base model's `PretrainedConfig`; read with `AutoConfig.from_pretrained(model_name_or_path)`
+            (config.json only) when not given; `model_name_or_path` defaults to the embedded default model.
+        load_in_4bit: an NF4 base with double quantization (`trl_marl.models.four_bit_config`).
+        prompt_length: P, the longest task prompt in tokens, chat template and role included.
+        device: `"cuda"` (a GPU: Triton log-prob kernel, bf16 4-bit compute, CUDA overhead) or `"cpu"` (what
+            `recipes/benchmarks/bench_memory.py` measures: torch log-prob fallback, fp32 4-bit compute, no overhead).
+        model_dtype: the dtype of the unquantized weights; defaults to `model_init_kwargs["dtype"]`, else float32.
+
+    Formulas: the docstrings of the term functions (`trl_marl.memory`'s docstring lists them). Raises `ValueError` for
+    an architecture, LoRA target or optimizer the planner does not know.
+    """
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"`device` must be 'cuda' or 'cpu', got {device!r}.")
+    if model_config is None:
+        model_config = _read_model_config(model_name_or_path)
+    shape = model_shape(model_config)
+    targets = targeted_linears(shape, config.lora_target_modules)
+    rank, dtypes = config.lora_r, byte_widths(config, model_config, model_dtype, load_in_4bit)
+
+    # Static: weights, adapters and optimizer states; the adapters' gradients live in the training phase.
+    adapter_params = lora_parameters(shape, rank, targets)
+    adapters, trained = adapter_counts(config)
+    optimizer_states = optimizer_bytes(adapter_params, trained, config.optim, dtypes.adapter)
+
+    # Training phase: one micro-batch of `rows` sequences of `seq_len` tokens.
+    calls, rows, seq_len = rollout_geometry(config, prompt_length)
+    layer = training_layer_bytes(shape, targets, rank, dtypes, rows, seq_len, adapters, load_in_4bit)
+    checkpointing = bool(getattr(config, "gradient_checkpointing", False))
+
+    # Generation phase: the largest `generate` call.
+    sorted_sampling = config.top_p < 1.0 or (config.top_k or 0) > 0
+    completion = config.max_completion_length
+    generation = largest_generation(shape, calls, completion, dtypes, targets, rank, adapters, sorted_sampling)
+
+    estimate = MemoryEstimate(
+        device=device,
+        base_weights=base_weight_bytes(shape, dtypes.model, load_in_4bit),
+        adapters=adapter_bytes(adapter_params, adapters, trained, dtypes.adapter),
+        optimizer_states=optimizer_states,
+        gradients=gradient_bytes(adapter_params, trained, dtypes.adapter),
+        saved_activations=saved_activation_bytes(shape, layer, rows, seq_len, dtypes.model, checkpointing),
+        log_prob_head=log_prob_head_bytes(shape, rows, seq_len, completion, dtypes, device),
+        backward_working_set=backward_working_set_bytes(shape, layer, rows * seq_len, checkpointing),
+        **generation._asdict(),
+        overhead=0,
+        details={
+            "parameters": parameter_count(shape),
+            "4-bit": load_in_4bit,
+            "model dtype bytes": dtypes.model,
+            "adapters": adapters,
+            "LoRA parameters per adapter": adapter_params,
+            "training rows per micro-batch": rows,
+            "training sequence length": seq_len,
+            "gradient checkpointing": checkpointing,
+            "largest generate call (rows x prompt)": _longest_call(calls, completion),
+        },
+    )
+    estimate.overhead = overhead_bytes(device, max(estimate.training_phase, estimate.generation_phase))
+    return estimate
+
+
+def _read_model_config(model_name_or_path: str | None) -> PretrainedConfig:
+    """`AutoConfig.from_pretrained(model_name_or_path)` (config.json only), the embedded default model's if None."""
+    from transformers import AutoConfig
+
+    if model_name_or_path is None:
+        from ..models import default_model_path
+
+        model_name_or_path = default_model_path()
+    return AutoConfig.from_pretrained(model_name_or_path)
+
+
+def _longest_call(calls: list[GenerateCall], completion_length: int) -> str:
+    """`"rows x prompt"` of the call with the most tokens, `rows·(prompt + C)` (the first of equals)."""
+    biggest = max(calls, key=lambda call: call.rows * (call.prompt_length + completion_length))
+    return f"{biggest.rows} x {biggest.prompt_length}"

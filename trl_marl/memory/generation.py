@@ -1,0 +1,103 @@
+"""The generation phase: what the largest `generate` call of the rollout holds, R rows with prompts of P_t tokens
+and C new tokens each.
+
+`kv_cache_bytes` + `routed_lora_weight_bytes` + the larger of `prefill_working_set_bytes` and
+`generation_logits_bytes` (`GenerationTerms.total`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from .dtypes import ByteWidths
+from .geometry import GenerateCall
+from .shape import ModelShape, layer_lora_parameters
+
+# `generate`'s last-token scores beyond the logits themselves, per vocabulary entry: an fp32 copy, the processed
+# scores (temperature warper) and the softmax probabilities; top-p / top-k sampling sorts them too (fp32 values and
+# int64 indices).
+SAMPLING_BYTES_PER_ENTRY = 4 + 4 + 4
+SORT_BYTES_PER_ENTRY = 4 + 8
+
+
+def kv_cache_bytes(shape: ModelShape, rows: int, length: int, model_bytes: int) -> int:
+    """The KV cache of R = `rows` sequences of `length` = P_t + C tokens: `2·L·n_kv·d·b_m·R·(P_t + C)`."""
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * model_bytes * rows * length
+
+
+def routed_lora_weight_bytes(
+    shape: ModelShape, targets: list[str], rank: int, adapters: int, adapter_width: int
+) -> int:
+    """With N = `adapters` > 1, the router concatenates the adapters along the rank once per `generate` call and
+    keeps them for the call (no copy per row): `N·L·r·Σ_targeted(in + out)·b_a`; 0 with one adapter."""
+    if adapters <= 1:
+        return 0
+    return adapters * shape.num_layers * layer_lora_parameters(shape, rank, targets) * adapter_width
+
+
+def prefill_working_set_bytes(shape: ModelShape, rows: int, prompt_length: int, model_bytes: int) -> int:
+    """One layer of the prefill forward (no grad) over R·P_t tokens, and its attention mask:
+    `R·P_t·(2·h·b_m + 4·h + 4·n_h·d·b_m + 3·I·b_m) + R·P_t²·(b_m + 1)` (the mask as bool and as a float bias)."""
+    h = shape.hidden_size
+    heads_dim = shape.num_heads * shape.head_dim
+    per_token = 2 * h * model_bytes + 4 * h + 4 * heads_dim * model_bytes + 3 * shape.intermediate_size * model_bytes
+    return rows * prompt_length * per_token + rows * prompt_length**2 * (model_bytes + 1)
+
+
+def generation_logits_bytes(shape: ModelShape, rows: int, model_bytes: int, sorted_sampling: bool) -> int:
+    """The last-token logits and `generate`'s sampling buffers: `R·V·(b_m + 12)`, `+ 12` per entry when top-p /
+    top-k sampling sorts them (`sorted_sampling`)."""
+    sort = SORT_BYTES_PER_ENTRY if sorted_sampling else 0
+    return rows * shape.vocab_size * (model_bytes + SAMPLING_BYTES_PER_ENTRY + sort)
+
+
+class GenerationTerms(NamedTuple):
+    """The generation phase's terms of one `generate` call, in bytes (named as `MemoryEstimate`'s fields)."""
+
+    kv_cache: int
+    routed_lora_weights: int
+    prefill_working_set: int
+    generation_logits: int
+
+    @property
+    def total(self) -> int:
+        """`kv_cache + routed_lora_weights + max(prefill_working_set, generation_logits)`."""
+        return self.kv_cache + self.routed_lora_weights + max(self.prefill_working_set, self.generation_logits)
+
+
+def generation_terms(
+    shape: ModelShape,
+    call: GenerateCall,
+    completion_length: int,
+    dtypes: ByteWidths,
+    targets: list[str],
+    rank: int,
+    adapters: int,
+    sorted_sampling: bool,
+) -> GenerationTerms:
+    """The terms of one `generate` call of `call.rows` rows, `call.prompt_length` prompt tokens and
+    `completion_length` new tokens each."""
+    return GenerationTerms(
+        kv_cache=kv_cache_bytes(shape, call.rows, call.prompt_length + completion_length, dtypes.model),
+        routed_lora_weights=routed_lora_weight_bytes(shape, targets, rank, adapters, dtypes.adapter),
+        prefill_working_set=prefill_working_set_bytes(shape, call.rows, call.prompt_length, dtypes.model),
+        generation_logits=generation_logits_bytes(shape, call.rows, dtypes.model, sorted_sampling),
+    )
+
+
+def largest_generation(
+    shape: ModelShape,
+    calls: list[GenerateCall],
+    completion_length: int,
+    dtypes: ByteWidths,
+    targets: list[str],
+    rank: int,
+    adapters: int,
+    sorted_sampling: bool,
+) -> GenerationTerms:
+    """The terms of the call with the largest `GenerationTerms.total` (the first of equals)."""
+    terms = (
+        generation_terms(shape, call, completion_length, dtypes, targets, rank, adapters, sorted_sampling)
+        for call in calls
+    )
+    return max(terms, key=lambda call_terms: call_terms.total)

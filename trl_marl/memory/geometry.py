@@ -1,0 +1,71 @@
+"""The rollout's shape, as the planner needs it: the rows and prompt length of each `generate` call, and the rows and
+length of a training micro-batch.
+
+MAGRPO turn t (0-based) has `copies·K^t` nodes' worth of rows per acting agent, with K = G (aligned) or G^N (cross)
+and `copies = per_device_train_batch_size · steps_per_generation`; AT-GRPO has `copies` rows per agent step. A
+micro-batch is the rows of a generation batch divided by `steps_per_generation`. Prompts at later turns carry the
+earlier answers: P_t = P + (answers visible before it)·C — every earlier answer of the episode, or under `debate`
+the other agents' previous answers — an upper bound that ignores a transition's own feedback text (raise
+`prompt_length` to cover it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..config import MAGRPOConfig
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """One `generate` call of the rollout: its rows and its prompt length in tokens."""
+
+    rows: int
+    prompt_length: int
+
+
+def rollout_geometry(config: MAGRPOConfig, prompt_length: int) -> tuple[list[GenerateCall], int, int]:
+    """`(generate calls, training rows per micro-batch, training sequence length)` of one generation batch.
+
+    MAGRPO: at turn t (0-based) each acting agent of a scheduler phase answers `copies·K^t` rows in one call per
+    phase (K = G aligned, G^N cross); the rows of trained agents are trained. AT-GRPO: every acting agent's step is
+    one call of `copies` rows. An answer is shown, at most, to every later call: P_t = P + (earlier answers)·C. The
+    micro-batch holds ⌈rows / steps_per_generation⌉ rows padded to the longest: S = max P_t + C.
+    """
+    from ..config import ATGRPOConfig
+    from ..scheduling import resolve_scheduler
+
+    scheduler = resolve_scheduler(config.scheduler)
+    copies = config.per_device_train_batch_size * config.steps_per_generation
+    at_grpo = isinstance(config, ATGRPOConfig)
+    per_node = None if at_grpo else config.joint_actions_per_node(config.num_generations)  # AT-GRPO has no tree
+    trained = {i for i, name in enumerate(config.agent_names) if name not in config.frozen_agents}
+    completion = config.max_completion_length
+    calls, train_rows, answers_before = [], 0, 0
+    for turn in range(config.num_turns):
+        for phase in scheduler.phases(turn, config.num_agents):
+            if at_grpo:
+                for agent in phase:
+                    visible = visible_answers(config.scheduler, turn, answers_before, config.num_agents)
+                    calls.append(GenerateCall(copies, prompt_length + visible * completion))
+                    train_rows += copies if agent in trained else 0
+                    answers_before += 1
+            else:
+                nodes = copies * per_node**turn
+                visible = visible_answers(config.scheduler, turn, answers_before, config.num_agents)
+                calls.append(GenerateCall(nodes * len(phase), prompt_length + visible * completion))
+                train_rows += nodes * len(trained.intersection(phase))
+                answers_before += len(phase)
+    micro_batch = math.ceil(train_rows / config.steps_per_generation)
+    return calls, micro_batch, max(call.prompt_length for call in calls) + completion
+
+
+def visible_answers(scheduler: str, turn: int, answers_before: int, num_agents: int) -> int:
+    """How many earlier answers a prompt shows, at most: the other agents' previous turn under `debate`, every
+    earlier answer of the episode otherwise (`parallel`, `sequential`, `round_robin`, and plugins, as a bound)."""
+    if scheduler == "debate":
+        return num_agents - 1 if turn > 0 else 0
+    return answers_before

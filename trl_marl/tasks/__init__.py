@@ -1,0 +1,16 @@
+"""Tasks: the `Task` base class of task plugins (`base`) and trl_marl's built-in tasks, by family, registered through
+trl_marl's own entry points in `pyproject.toml` like anyone's:
+
+- `toy`: `explain`, `describe_word`, `reach_target`, and the `answer_match` and `word_budget` rewards;
+- `writing`: the MAGRPO paper's `summaries` and `expansion`;
+- `coding`: the MAGRPO paper's `coop_coding` (and `coop_coding_multiturn`), the `unit_tests` reward, and the AT-GRPO
+  paper's coder + tester (`code_tester`);
+- `math_tool`: the AT-GRPO paper's tool agent + reasoner;
+- `puzzles`: the AT-GRPO paper's `plan_path`, `sokoban` and `sudoku`.
+
+Importing this package imports none of the built-in tasks: the registry loads each one when it is asked for by name.
+"""
+
+from .base import Task, local_rewards, resolve_task, task_defaults
+
+__all__ = ["Task", "local_rewards", "resolve_task", "task_defaults"]

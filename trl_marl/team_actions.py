@@ -1,0 +1,142 @@
+"""How the team acts and is scored, for both trainers: what a trainer's inputs resolve to (a task's rewards, data and
+transition; reward plugins by name; the dataset columns they read), one `generate` call for rows of any agents, and
+the team rewards of joint actions.
+"""
+
+import asyncio
+import math
+from collections.abc import Callable
+
+import torch
+from accelerate.utils import gather_object
+from trl.extras.profiling import profiling_context
+from trl.trainer.utils import is_async_callable
+
+from .agents import agent_prompt
+from .episode import JointAction
+from .registry import load_plugin
+from .reward_checks import (
+    LOCAL_REWARD_ARGUMENTS,
+    TEAM_REWARD_ARGUMENTS,
+    TRANSITION_ARGUMENTS,
+    check_dataset_columns,
+    checked_team_reward,
+)
+from .tasks import resolve_task
+
+
+def resolve_team_inputs(args, task, reward_funcs, train_dataset, eval_dataset, transition) -> tuple:
+    """`(task, reward_funcs, train_dataset, transition)` of a trainer: the task (an object or plugin name) supplies
+    what was not given; a reward given by name is a plugin. Fails before any model loads when there is no reward, the
+    transition is not callable, or a dataset lacks a column that a reward, local reward or transition reads.
+    """
+    # A task supplies what was not given: team rewards, training data, transition.
+    task = resolve_task(task) if task is not None else None
+    if task is not None:
+        reward_funcs = reward_funcs if reward_funcs is not None else list(task.reward_funcs)
+        train_dataset = train_dataset if train_dataset is not None else task.dataset("train")
+        transition = transition or task.transition
+    reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+    if not reward_funcs or reward_funcs == [None]:
+        raise ValueError("`reward_funcs` is empty: give at least one team reward function (or a task).")
+    # A name is a reward plugin (`trl-marl list rewards`).
+    reward_funcs = [load_plugin("rewards", f) if isinstance(f, str) else f for f in reward_funcs]
+    reward_funcs = [checked_team_reward(func, args.reward_timeout) for func in reward_funcs]
+    if transition is not None and not callable(transition):
+        raise TypeError(f"`transition` must be callable, got {transition!r}.")
+    # A column that a reward, local reward or transition reads and the data lacks fails here, not mid-training.
+    consumers = [("Team reward", func, TEAM_REWARD_ARGUMENTS) for func in reward_funcs]
+    for agent, funcs in (task.local_reward_funcs if task is not None else {}).items():
+        consumers += [(f"Local reward of agent '{agent}'", func, LOCAL_REWARD_ARGUMENTS) for func in funcs]
+    if transition is not None and args.num_turns > 1:
+        consumers.append(("Transition", transition, TRANSITION_ARGUMENTS))
+    check_dataset_columns(train_dataset, consumers, "train dataset")
+    eval_datasets = eval_dataset if isinstance(eval_dataset, dict) else {"": eval_dataset}
+    for name, dataset in eval_datasets.items():
+        check_dataset_columns(dataset, consumers, f"eval dataset {name}".strip())
+    return task, reward_funcs, train_dataset, transition
+
+
+class TeamActionsMixin:
+    """The team's `generate` and team-reward calls, for a `GRPOTrainer` subclass with agents (`TeamTrainer`)."""
+
+    @property
+    def _gather(self) -> Callable[[list], list]:
+        return gather_object if self.accelerator.num_processes > 1 else list
+
+    def _agent_input(self, agent: int, prompt):
+        return agent_prompt(self.args.agents[agent]["system_prompt"], prompt, self._use_chat_template)
+
+    def _generate_team(self, model_inputs: list, agent_index: list[int], num_generations: int):
+        """One `generate` call for rows of any agents, each row through its agent's adapter.
+
+        TRL's `_generate` would gather its metrics over processes, which needs equal row counts; tree turns differ
+        between processes, so generation metrics are logged once per rollout instead (`_log_rollout_metrics`).
+        """
+        self._route_rows(agent_index)
+        try:
+            prompt_ids, images, multimodal_fields = self._tokenize_prompts(model_inputs)
+            self._check_prompt_lengths(prompt_ids, agent_index)
+            completion_ids, _ = self._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations)
+        finally:
+            self._clear_routing()
+        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        return [list(ids) for ids in prompt_ids], completion_ids, texts
+
+    def _check_prompt_lengths(self, prompt_ids: list[list[int]], agent_index: list[int]) -> None:
+        """A prompt that leaves no room for `max_completion_length` new tokens within the model's positions is an
+        error naming the agent and quoting the prompt's end, before anything is generated or trained."""
+        limit = getattr(self.model.config, "max_position_embeddings", None)
+        if not limit:
+            return
+        room = limit - self.max_completion_length
+        for ids, agent in zip(prompt_ids, agent_index):
+            if len(ids) > room:
+                tail = self.processing_class.decode(ids[-40:], skip_special_tokens=True)
+                raise ValueError(
+                    f"Agent '{self.agent_names[agent]}' got a prompt of {len(ids)} tokens; with "
+                    f"max_completion_length={self.max_completion_length} it exceeds the model's {limit} positions "
+                    f"(max_position_embeddings). The prompt ends: ...{tail!r}. Filter out such rows (prompts of at "
+                    f"most {room} tokens, system prompt and earlier turns included), or lower max_completion_length."
+                )
+
+    def _score_joint_actions(self, joint_actions: list[JointAction]) -> torch.Tensor:
+        """`(J, F)` team rewards of this process's joint actions (not gathered: processes score different numbers).
+
+        Reward functions get the dataset prompt, each joint action as a mapping agent -> text, and as kwargs the
+        dataset columns, `completion_ids` (agent -> ids), `turn`, `history` (the earlier joint actions of the
+        branch), `state` (AT-GRPO, when the task keeps one) and TRL's `trainer_state`, `log_extra`, `log_metric`.
+        """
+        if not joint_actions:
+            return torch.zeros(0, len(self.reward_funcs))
+        rows = [{**ja.branch.example, "turn": ja.turn, "history": list(ja.branch.history)} for ja in joint_actions]
+        if any(ja.state is not None for ja in joint_actions):  # AT-GRPO with a task that keeps an environment state
+            for row, ja in zip(rows, joint_actions):
+                row["state"] = ja.state
+        columns = [key for key in rows[0] if key not in ("prompt", "completion", "completion_ids")]
+        call = {key: [row[key] for row in rows] for key in columns}
+        call.update(
+            prompts=[row["prompt"] for row in rows],
+            completions=[ja.completions for ja in joint_actions],
+            completion_ids=[ja.completion_ids for ja in joint_actions],
+            trainer_state=self.state,
+            log_extra=self._log_completion_extra,
+            log_metric=self._log_metric,
+        )
+        results = {}
+        pending = []
+        for index, (func, name) in enumerate(zip(self.reward_funcs, self.reward_func_names)):
+            if is_async_callable(func):
+                pending.append((index, func(**call)))
+            else:
+                with profiling_context(self, name):
+                    results[index] = func(**call)
+        if pending:
+
+            async def run_all():
+                return await asyncio.gather(*(coroutine for _, coroutine in pending))
+
+            outputs = asyncio.run_coroutine_threadsafe(run_all(), self.async_loop).result()
+            results.update({index: output for (index, _), output in zip(pending, outputs)})
+        rewards = [[math.nan if r is None else float(r) for r in results[i]] for i in range(len(self.reward_funcs))]
+        return torch.tensor(rewards, dtype=torch.float32).T.reshape(len(joint_actions), -1)

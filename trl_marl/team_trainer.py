@@ -1,0 +1,391 @@
+"""`TeamTrainer`: TRL's `GRPOTrainer` where each prompt is answered by a team of LoRA agents on one base model; the
+base of [`MAGRPOTrainer`] (`magrpo_trainer.py`) and [`ATGRPOTrainer`] (`atgrpo_trainer.py`), which add their rollout.
+
+What is multi-agent, and therefore overridden (docs/design.md, §2):
+- `_generate_and_score_completions`: the subclass's rollout (`_rollout`) of each prompt: agents answer (one `generate`
+  call per phase for the whole team, rows routed to their agent's adapter), joint actions get one team reward,
+  advantages follow the algorithm; the result holds one row per trained agent completion with `agent_index`,
+  `turn_index`, `group_index`, padded with loss-free rows to what TRL's split needs (`rows.pad_rows`).
+- `_get_per_token_logps_and_entropies` / `_compute_loss`: each row's log-probs come from its agent's adapter; the KL
+  reference routes every row to the base.
+- `save_model`: also writes `team.json`, which `trl_marl.load_team` reads.
+- checkpoints (`checkpoints.CheckpointMixin`): complete or ignored, never half-written; resume is exact.
+Everything else (loss types, clipping, KL to the base, gradient accumulation, logging, checkpoints) is TRL's.
+"""
+
+import functools
+from collections.abc import Callable
+
+import torch
+from accelerate.utils import set_seed
+from datasets import Dataset, IterableDataset
+from transformers import PreTrainedTokenizerBase, TrainerCallback
+from trl import GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import create_model_from_path
+
+from .agents import (
+    adapter_parameters,
+    agent_adapter_names,
+    attach_agent_adapters,
+    cast_frozen_adapters_like_trained,
+    check_adapters_train,
+    keep_4bit_weights_trainable,
+    lora_config_from_args,
+)
+from .checkpoints import CheckpointMixin
+from .config import TeamConfig
+from .episode import Rollout, RolloutSettings, default_transition
+from .metrics import TeamMetricsMixin
+from .models import model_init_kwargs_for
+from .reward_checks import (
+    TeamRewardFunc,
+)
+from .routing import BASE, AdapterRouter
+from .rows import PER_ROW_LOSS_TYPES, pad_rows, pad_samples, padding_loss_scale
+from .scheduling import resolve_scheduler
+from .team import base_model_name, team_spec, write_team_file
+from .team_actions import TeamActionsMixin, resolve_team_inputs
+
+BASE_ROW = -1  # the agent index of a row routed to the base model alone (the KL reference)
+
+
+class TeamTrainer(CheckpointMixin, TeamMetricsMixin, TeamActionsMixin, GRPOTrainer):
+    """What [`MAGRPOTrainer`] and [`ATGRPOTrainer`] share: TRL's [`~trl.GRPOTrainer`] with a team of LoRA agents on
+    one base model. A subclass supplies `_rollout` (its algorithm's episodes) and its config class.
+
+    Args:
+        model: a model id or local path, a loaded `PreTrainedModel` (adapters are added, one per agent), or a
+            `PeftModel` that already carries one adapter per agent (named after the agents).
+        reward_funcs: team reward function(s) or reward plugin names; a function is
+            `f(prompts, completions, **kwargs) -> list[float | None]`, where each
+            completion is a mapping agent name -> text and kwargs carry the dataset columns, `completion_ids` (a
+            mapping agent name -> token ids), `turn`, `history` (the branch's earlier joint actions) and TRL's
+            `trainer_state`, `log_extra`, `log_metric`.
+        args: the trainer's config (a [`MAGRPOConfig`] or [`ATGRPOConfig`]; it names the agents).
+        quantization_config: e.g. a 4-bit `BitsAndBytesConfig`, used when `model` is an id or path.
+        peft_config: a `LoraConfig` for every agent's adapter; defaults to one built from the `lora_*` fields.
+        transition: with `num_turns > 1`, what each agent sees at the next turn of one branch:
+            `f(prompt, joint_action, history, turn, observations, reward, **columns)` returns one prompt per agent (a
+            list, or a dict agent name -> prompt) or `NextTurn(prompts, done)`; see [`~trl_marl.rollout`]. Defaults to
+            [`~trl_marl.rollout.default_transition`]: the task prompt again (the scheduler adds what was said).
+        scheduler: a scheduler object or plugin name overriding `args.scheduler` (see `trl_marl.scheduling`).
+        task: a [`~trl_marl.Task`] or task plugin name; it supplies the reward functions, training data and transition
+            when those are not given (build `args` with the config's `for_task` to take its agents and turns too).
+        The other arguments are TRL's.
+    """
+
+    _config_class: type[TeamConfig] = TeamConfig
+
+    def __init__(
+        self,
+        model,
+        reward_funcs: TeamRewardFunc | str | list[TeamRewardFunc | str] | None = None,
+        args: TeamConfig | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset: Dataset | IterableDataset | dict | None = None,
+        processing_class: PreTrainedTokenizerBase | None = None,
+        callbacks: list[TrainerCallback] | None = None,
+        optimizers: tuple = (None, None),
+        quantization_config=None,
+        peft_config=None,
+        transition: Callable | None = None,
+        scheduler=None,
+        task=None,
+    ):
+        config_class = self._config_class
+        if not isinstance(args, config_class):
+            other = ""
+            if isinstance(args, TeamConfig):  # the sibling algorithm's config
+                name = type(args).__name__
+                other = f"; {'an' if name[0] in 'AEIOU' else 'a'} {name} goes to {name.replace('Config', 'Trainer')}"
+            raise TypeError(
+                f"`args` must be a {config_class.__name__} naming the agents, got {type(args).__name__}{other}, e.g. "
+                f"{config_class.__name__}(output_dir='out', agents=['concise', 'detailed'])."
+            )
+        task, reward_funcs, train_dataset, transition = resolve_team_inputs(
+            args, task, reward_funcs, train_dataset, eval_dataset, transition
+        )
+        self.task = task
+        self.transition = transition or default_transition
+        # Resolved before any model loads: an unknown or broken scheduler plugin fails here.
+        self.scheduler = resolve_scheduler(scheduler if scheduler is not None else args.scheduler)
+
+        if isinstance(model, str):
+            model = create_model_from_path(model, **model_init_kwargs_for(args, quantization_config))
+
+        self.agent_names = args.agent_names
+        self.agent_adapters = agent_adapter_names(args)
+        self.adapter_names = list(dict.fromkeys(self.agent_adapters))  # each adapter once
+        # As TRL: seed before creating adapters, so their initialisation is reproducible (and equal to TRL's).
+        set_seed(args.seed)
+        model = attach_agent_adapters(model, self.agent_adapters, peft_config or lora_config_from_args(args))
+        # Frozen agents act but do not train: their adapters (unless shared with a trained agent) get no gradient,
+        # so the optimizer, built from what requires grad, never holds them.
+        self.trained_agents = [i for i, name in enumerate(self.agent_names) if name not in args.frozen_agents]
+        self.trained_adapters = list(dict.fromkeys(self.agent_adapters[i] for i in self.trained_agents))
+        self._set_adapter_trainability(model)
+
+        if args.ddp_find_unused_parameters is None and len(self.adapter_names) > 1:
+            # A micro-batch may hold rows of only some agents; the other adapters then get no gradient under DDP.
+            args.ddp_find_unused_parameters = True
+
+        # TRL would clone an adapter named "default" as the KL reference when given a PeftModel with beta != 0; with
+        # fresh adapters the base model (adapters disabled) is every agent's reference, which TRL uses when no "ref"
+        # adapter exists. model_init_kwargs were used above; TRL would warn that they are ignored.
+        beta, model_init_kwargs = args.beta, args.model_init_kwargs
+        args.beta, args.model_init_kwargs = 0.0, None
+        try:
+            super().__init__(
+                model=model,
+                reward_funcs=reward_funcs,
+                args=args,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                callbacks=callbacks,
+                optimizers=optimizers,
+            )
+        finally:
+            args.beta, args.model_init_kwargs = beta, model_init_kwargs
+        self.beta = beta
+
+        deepspeed_plugin = self.accelerator.state.deepspeed_plugin
+        if args.num_turns > 1 and (self.is_fsdp_enabled or deepspeed_plugin and deepspeed_plugin.zero_stage == 3):
+            raise ValueError(
+                f"`num_turns={args.num_turns}` is not supported with FSDP or DeepSpeed ZeRO-3: trees differ between "
+                "processes, so they run different numbers of `generate` calls, which sharded parameters cannot serve. "
+                "Use DDP or ZeRO-1/2, or `num_turns=1`."
+            )
+        if (
+            args.num_turns > 1
+            and self.loss_type in PER_ROW_LOSS_TYPES
+            and (self._entropy_bonus_enabled or self.aux_loss_enabled)
+        ):
+            raise ValueError(
+                f"`loss_type={self.loss_type!r}` with `num_turns={args.num_turns}` and an entropy bonus "
+                "(`entropy_coef` / `use_adaptive_entropy`) or a router aux loss is not supported: trees pad their "
+                "rows, and the padding correction of this per-row loss would scale those terms too. Use "
+                "`loss_type='dapo'` (or 'bnpo'), which count real tokens only, or turn the extra term off."
+            )
+        self.num_agents = args.num_agents
+        self.baseline = args.baseline
+        self._use_chat_template = getattr(self.processing_class, "chat_template", None) is not None
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        # Every forward is routed, a one-adapter team's too: the KL reference goes to the base model through the router
+        # (PEFT's `disable_adapter` would change which adapters require grad). One adapter's rows are computed as PEFT
+        # computes them, so a one-agent team stays numerically identical to GRPOTrainer.
+        self.router = AdapterRouter(unwrapped, self.adapter_names)
+        keep_4bit_weights_trainable(unwrapped)
+        cast_frozen_adapters_like_trained(unwrapped, self.trained_adapters)
+        self._adapter_parameters = adapter_parameters(unwrapped, self.adapter_names)
+        self._rows_agent_index: torch.Tensor | None = None
+        self.rollout_settings = RolloutSettings.from_config(
+            args,
+            task,
+            reward_weights=self.reward_weights,
+            baseline=self.baseline,
+            scale_rewards=self.scale_rewards,
+            transition=self.transition,
+            agent_input=self._agent_input,
+            scheduler=self.scheduler,
+        )
+
+    def _set_adapter_trainability(self, model) -> None:
+        """Trained adapters require grad, frozen ones do not. Set at creation and after a checkpoint reload (which
+        leaves only PEFT's active adapter trainable); the optimizer is built from what requires grad."""
+        model.set_requires_grad(self.trained_adapters, requires_grad=True)
+        frozen_adapters = [name for name in self.adapter_names if name not in self.trained_adapters]
+        if frozen_adapters:
+            model.set_requires_grad(frozen_adapters, requires_grad=False)
+
+    def _check_adapters_train(self) -> None:
+        """Every trained agent's adapter trains, frozen ones do not (`agents.check_adapters_train`): checked before
+        every loss, a few hundred flag reads."""
+        flattened = self.is_deepspeed_enabled or self.is_fsdp_enabled
+        optimizer = None if flattened else getattr(self, "optimizer", None)
+        check_adapters_train(
+            self._adapter_parameters, self.agent_names, self.agent_adapters, self.trained_adapters, optimizer
+        )
+
+    # ------------------------------------------------------------------ routing
+
+    def _route_rows(self, agent_index: torch.Tensor | list[int]) -> None:
+        """Route each row to its agent's adapter; a row of agent index `BASE_ROW` (-1) to the base model alone."""
+        indices = agent_index.tolist() if isinstance(agent_index, torch.Tensor) else agent_index  # one device sync
+        self.router.route([self.agent_adapters[i] if i != BASE_ROW else BASE for i in indices])
+
+    def _get_per_token_logps_and_entropies(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kwargs
+    ):
+        agent_index = self._rows_agent_index
+        if agent_index is None:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, **kwargs
+            )
+        if len(agent_index) != input_ids.size(0):
+            raise RuntimeError(
+                f"{len(agent_index)} agent indices for {input_ids.size(0)} rows: rows lost their agents."
+            )
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies, aux_losses = [], [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            end = start + batch_size
+            # The routing stays set after this call: gradient checkpointing replays this forward in the backward.
+            self._route_rows(agent_index[start:end])
+            chunk_logps, chunk_entropies, chunk_aux = super()._get_per_token_logps_and_entropies(
+                model, input_ids[start:end], attention_mask[start:end], logits_to_keep, **kwargs
+            )
+            logps.append(chunk_logps)
+            entropies.append(chunk_entropies)
+            aux_losses.append(chunk_aux)
+        entropies = torch.cat(entropies) if entropies[0] is not None else None
+        aux_loss = torch.stack(aux_losses).mean() if aux_losses[0] is not None else None
+        return torch.cat(logps), entropies, aux_loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if model.training:
+            self._check_adapters_train()
+        return super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+
+    def _compute_loss(self, model, inputs):
+        self._rows_agent_index = inputs["agent_index"]
+        loss = super()._compute_loss(model, inputs)
+        if "num_real_rows" not in inputs:
+            return loss
+        # Padding rows out of the loss's normalisation: the real rows weigh as in a generation of them alone.
+        is_padding = inputs["is_padding"]
+        scale = padding_loss_scale(
+            self.loss_type,
+            rows=len(is_padding),
+            real_rows=int((~is_padding).sum()),
+            total_real_rows=int(inputs["num_real_rows"]),
+            num_chunks=self.args.steps_per_generation if self.model.training else 1,
+            num_processes=self.accelerator.num_processes,
+        )
+        return loss * scale if scale != 1.0 else loss
+
+    def _clear_routing(self) -> None:
+        self._rows_agent_index = None
+        self.router.route(None)
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        # The routing of a micro-batch must outlive its forward (checkpointing replays it in the backward) but not
+        # the step: afterwards the model answers to `set_adapter` again.
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._clear_routing()
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        try:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        finally:
+            self._clear_routing()
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """Each agent's adapter in PEFT format under `output_dir/<adapter>/`, the tokenizer, and `team.json` (agents,
+        roles, turn settings, base model), which `trl_marl.load_team` reads. Checkpoints get the same."""
+        super().save_model(output_dir, _internal_call=_internal_call)
+        if self.args.should_save:
+            base = self.accelerator.unwrap_model(self.model).get_base_model()
+            spec = team_spec(
+                self.args, self.agent_adapters, base_model_name(base), self.transition, self.scheduler, self.task
+            )
+            write_team_file(output_dir or self.args.output_dir, spec)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model=model)
+        # Trainer reloads every adapter of a PeftModel but leaves only the active one trainable, and builds the
+        # optimizer afterwards: without this, a resumed run would train a single agent (or a frozen one).
+        unwrapped = self.accelerator.unwrap_model(model or self.model)
+        self._set_adapter_trainability(unwrapped)
+        self._adapter_parameters = adapter_parameters(unwrapped, self.adapter_names)
+
+    # ------------------------------------------------------------------ rollout
+
+    def _rollout(self, inputs: list[dict], num_generations: int) -> Rollout:
+        """This process's share of the batch's episodes (`inputs`: its prompt copies), scored, with advantages."""
+        raise NotImplementedError(f"{type(self).__name__} must implement `_rollout`.")
+
+    def _rollout_hooks(self, inputs: list[dict], num_generations: int) -> dict:
+        """What every rollout's `run` takes from the trainer: the layout of this process's copies and the model."""
+        return {
+            "first_copy": self.accelerator.process_index * len(inputs),
+            "generate": functools.partial(self._generate_team, num_generations=num_generations),
+            "score": self._score_joint_actions,
+            "gather": self._gather,
+        }
+
+    def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
+        mode = "train" if self.model.training else "eval"
+        num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        rollout = self._rollout(inputs, num_generations)
+        # Frozen agents' completions were scored (and are logged) but carry no loss. A process left without a trained
+        # row keeps one frozen row, made loss-free below, for TRL's split.
+        samples = [s for s in rollout.samples if s.agent in self.trained_agents] or rollout.samples[:1]
+        no_loss = not any(s.agent in self.trained_agents for s in samples)
+        device = self.accelerator.device
+        output = self._pad_samples([s.prompt_ids for s in samples], [s.completion_ids for s in samples], no_loss)
+        output["advantages"] = torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=device)
+        if no_loss:
+            output["advantages"].zero_()
+        output["agent_index"] = torch.tensor([s.agent for s in samples], dtype=torch.long, device=device)
+        output["turn_index"] = torch.tensor([s.turn for s in samples], dtype=torch.long, device=device)
+        output["group_index"] = torch.tensor([s.group for s in samples], dtype=torch.long, device=device)
+        output.update(self._reference_logps(output, mode))
+        self._log_rollout_metrics(mode, rollout)
+        self._log_joint_actions(mode, rollout.joint_actions)
+        # Trees differ in size; TRL needs equal micro-batches (train) and equal row counts on every process (its loss
+        # gathers per-row metrics). Rows are padded to the largest count over processes, rounded up to a multiple of
+        # `steps_per_generation`, with loss-free copies (see `pad_rows`).
+        # The loss then takes padding rows out of its normalisation (`_compute_loss`), from `num_real_rows`: the real
+        # rows of every process.
+        split = self.args.steps_per_generation if mode == "train" else 1
+        rows = torch.tensor([[len(samples), 0 if no_loss else len(samples)]], device=device)
+        rows = self.accelerator.gather(rows).view(-1, 2)
+        num_rows = -(-rows[:, 0].max().item() // split) * split
+        output = pad_rows(output, num_rows)
+        output["num_real_rows"] = rows[:, 1].sum()
+        return output
+
+    def _pad_samples(self, prompt_ids_list, completion_ids_list, no_loss: bool = False) -> dict:
+        output = pad_samples(
+            prompt_ids_list,
+            completion_ids_list,
+            pad_id=self._tokenizer.pad_token_id,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            device=self.accelerator.device,
+            eos_token_ids=self.eos_token_ids if self.mask_truncated_completions else None,
+            no_loss=no_loss,
+        )
+        output["num_items_in_batch"] = self.accelerator.gather(output["completion_mask"].sum()).sum()
+        return output
+
+    def _reference_logps(self, samples: dict, mode: str) -> dict:
+        """Old log-probs (when generation and optimisation steps are misaligned, as TRL) and, with `beta != 0`, the
+        base model's log-probs (every row routed to the base: the shared reference of every agent)."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        need_old = self.args.gradient_accumulation_steps % generate_every != 0
+        if not need_old and self.beta == 0.0:
+            return {}
+        input_ids = torch.cat([samples["prompt_ids"], samples["completion_ids"]], dim=1)
+        attention_mask = torch.cat([samples["prompt_mask"], samples["completion_mask"]], dim=1)
+        logits_to_keep = samples["completion_ids"].size(1)
+        batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
+        self._rows_agent_index = samples["agent_index"]
+        logps = {}
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            if need_old:
+                logps["old_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
+                    self.model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
+                )
+            if self.beta != 0.0:
+                self._rows_agent_index = torch.full_like(samples["agent_index"], BASE_ROW)
+                logps["ref_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
+                    self.model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
+                )
+        self._clear_routing()
+        return logps
