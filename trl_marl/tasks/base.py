@@ -1,4 +1,4 @@
-"""The `Task` base class of task plugins: everything a team needs to train on one problem family (docs/design.md, §9.2).
+"""The `Task` base class of task plugins: everything a team needs to train on one problem family (docs/design.md §9.2).
 
 A task bundles the agents' roles, its dataset (with an offline default), how the prompt reaches each agent between
 turns (its `transition`: feedback and termination), the turn scheduler, and its default team rewards. Subclass
