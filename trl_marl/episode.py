@@ -161,12 +161,6 @@ class Rollout:
     metrics: dict[str, float] = field(default_factory=dict)  # algorithm-specific statistics, already over processes
 
 
-def default_transition(prompt: Prompt, observations: dict[str, Prompt], **kwargs) -> list[Prompt]:
-    """No feedback: every agent gets the task prompt again. What was said reaches it through the scheduler (by
-    default `parallel`: the task followed by every earlier turn's answers)."""
-    return [prompt] * len(observations)
-
-
 def transition_name(transition: Callable) -> str:
     return get_callable_name(transition)
 

@@ -34,13 +34,18 @@ from .episode import (
     Slot,
     TransitionError,
     checked_next_turn,
-    default_transition,
     transition_name,
 )
 from .rows import _local, check_group_layout
 from .scheduling import Prompt
 
 __all__ = ["NextTurn", "RolloutSettings", "TransitionError", "TreeRollout", "default_transition"]
+
+
+def default_transition(prompt: Prompt, observations: dict[str, Prompt], **kwargs) -> list[Prompt]:
+    """No feedback: every agent gets the task prompt again. What was said reaches it through the scheduler (by
+    default `parallel`: the task followed by every earlier turn's answers)."""
+    return [prompt] * len(observations)
 
 
 class TreeRollout(EpisodeRollout):

@@ -31,10 +31,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from .agents import agent_prompt, keep_4bit_weights_trainable
 from .config import ATGRPOConfig
-from .episode import RolloutSettings, default_transition
+from .episode import RolloutSettings
 from .models import DEFAULT_MODEL_ID, default_model_path, four_bit_config, is_default_model
 from .registry import PluginError
-from .rollout import TreeRollout
+from .rollout import TreeRollout, default_transition
 from .routing import AdapterRouter
 from .scheduling import Prompt, resolve_scheduler
 from .tasks import resolve_task

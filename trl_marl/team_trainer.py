@@ -35,12 +35,13 @@ from .agents import (
 )
 from .checkpoints import CheckpointMixin
 from .config import TeamConfig
-from .episode import Rollout, RolloutSettings, default_transition
+from .episode import Rollout, RolloutSettings
 from .metrics import TeamMetricsMixin
 from .models import model_init_kwargs_for
 from .reward_checks import (
     TeamRewardFunc,
 )
+from .rollout import default_transition
 from .routing import BASE, AdapterRouter
 from .rows import PER_ROW_LOSS_TYPES, pad_rows, pad_samples, padding_loss_scale
 from .scheduling import resolve_scheduler
