@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from datasets import Dataset
@@ -283,37 +284,37 @@ EXPANSION_AGENTS = [
 ]
 
 
-class Summaries(Task):
+class _WritingTask(Task):
+    """A one-turn writing task of a pair: its data come from `build_dataset(split, seed=, source=)`."""
+
+    num_turns = 1
+    build_dataset: Callable[..., Dataset]
+
+    def __init__(self, source: str = "offline", seed: int = 0):
+        _check_source(source)
+        self.source, self.seed = source, seed
+
+    def dataset(self, split: str = "train") -> Dataset:
+        return self.build_dataset(split, seed=self.seed, source=self.source)
+
+
+class Summaries(_WritingTask):
     """Summarize a text as a pair (the paper's TLDR task): `concise` writes a short summary, `detailed` a longer,
     richer one; team reward `summary_reward` (four gated levels, at most 3). Offline data: passages of Python's
     documentation; `Summaries(source="hub")` uses `trl-lib/tldr`."""
 
     name = "summaries"
     agents = SUMMARY_AGENTS
-    num_turns = 1
     reward_funcs = [summary_reward]
-
-    def __init__(self, source: str = "offline", seed: int = 0):
-        _check_source(source)
-        self.source, self.seed = source, seed
-
-    def dataset(self, split: str = "train") -> Dataset:
-        return summaries_dataset(split, seed=self.seed, source=self.source)
+    build_dataset = staticmethod(summaries_dataset)
 
 
-class Expansion(Task):
+class Expansion(_WritingTask):
     """Expand an abstract as a pair (the paper's arXiv task): `background` writes the background and motivation,
     `method` the method and implications; team reward `expansion_reward` (four gated levels, at most 3). Offline
     data: opening sentences of Python's documentation; `Expansion(source="hub")` uses `OpenMLRL/arXiv_abstract`."""
 
     name = "expansion"
     agents = EXPANSION_AGENTS
-    num_turns = 1
     reward_funcs = [expansion_reward]
-
-    def __init__(self, source: str = "offline", seed: int = 0):
-        _check_source(source)
-        self.source, self.seed = source, seed
-
-    def dataset(self, split: str = "train") -> Dataset:
-        return expansion_dataset(split, seed=self.seed, source=self.source)
+    build_dataset = staticmethod(expansion_dataset)
