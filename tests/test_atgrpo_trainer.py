@@ -9,7 +9,7 @@ import torch
 from datasets import Dataset
 from test_trainer import lora_params, randomize_adapters
 
-from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, Task
+from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, Task, TeamConfig, TeamTrainer
 from trl_marl.tasks.toy import ReachTarget
 
 AGENTS = [{"name": "writer", "system_prompt": "Write something."}, {"name": "editor", "system_prompt": "Edit it."}]
@@ -143,6 +143,36 @@ def test_at_grpo_config_rejects_what_does_not_apply_naming_the_field(tmp_path):
         config(MAGRPOConfig, tmp_path, frozen_agents=["writer", "editor"])
     with pytest.raises(ValueError, match="2 × 2 agents × num_turns=2 = 8 candidates"):
         config(ATGRPOConfig, tmp_path, max_joint_actions=7)
+
+
+def test_at_grpo_configs_written_before_the_split_still_load(tmp_path):
+    # `joint_mode="aligned"` and `discount=1.0` were AT-GRPO's accepted values when it inherited them: they change
+    # nothing, so they are dropped; the fields do not exist on the AT-GRPO config.
+    args = config(ATGRPOConfig, tmp_path, joint_mode="aligned", discount=1.0)
+    assert not hasattr(args, "joint_mode") and not hasattr(args, "discount")
+    assert args.team_reward_weight == 1.0
+
+
+def test_the_cli_applies_the_same_rule_to_yaml_keys_and_flags(tmp_path):
+    from trl_marl.cli import parse_train_config
+
+    path = tmp_path / "at_grpo.yaml"
+    base = f"algorithm: at_grpo\ntask: reach_target\noutput_dir: {tmp_path / 'out'}\nuse_cpu: true\nbf16: false\n"
+    path.write_text(base + "joint_mode: aligned\ndiscount: 1\n")
+    _, args = parse_train_config(str(path), ["--discount", "1.0"])
+    assert type(args) is ATGRPOConfig and not hasattr(args, "discount")
+    with pytest.raises(SystemExit, match="`joint_mode='cross'` does not apply to AT-GRPO: each group holds"):
+        parse_train_config(str(path), ["--joint_mode", "cross"])
+    path.write_text(base + "discount: 0.9\n")
+    with pytest.raises(SystemExit, match=f"{path}: `discount=0.9` does not apply to AT-GRPO"):
+        parse_train_config(str(path))
+
+
+def test_the_shared_bases_say_which_class_to_use(tiny_model_dir, tmp_path):
+    with pytest.raises(TypeError, match="use MAGRPOConfig or ATGRPOConfig"):
+        TeamConfig(output_dir=str(tmp_path), agents=["writer", "editor"])
+    with pytest.raises(TypeError, match="use MAGRPOTrainer or ATGRPOTrainer"):
+        TeamTrainer(tiny_model_dir, args=config(MAGRPOConfig, tmp_path), task=Notebook())
 
 
 def test_each_trainer_takes_only_its_own_config(tiny_model_dir, tmp_path):

@@ -11,7 +11,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, load_team
 from trl_marl.agents import agent_prompt
+from trl_marl.rollout import default_transition
 from trl_marl.scheduling import parallel
+from trl_marl.tasks.coding.code_tester import code_tester_feedback
+from trl_marl.tasks.coding.coop_coding import coding_feedback
+from trl_marl.tasks.math_tool import math_feedback
+from trl_marl.tasks.toy import word_count_feedback
+from trl_marl.team import import_by_name
 
 AGENTS = [{"name": "planner", "system_prompt": "Plan briefly."}, {"name": "checker", "system_prompt": "Check."}]
 NEW_PROMPT = [{"role": "user", "content": "Suggest a name for a cat."}]
@@ -182,6 +188,38 @@ def test_a_recorded_transition_that_no_longer_imports_is_an_error_saying_what_to
     (tmp_path / "out" / "team.json").write_text(json.dumps(spec))
     with pytest.raises(ValueError, match="moved_script.py:feedback.*cannot be imported here.*pass `transition=`"):
         load_team(tmp_path / "out")
+
+
+def test_a_team_file_written_before_the_tasks_package_loads_its_transition(tiny_model_dir, tmp_path):
+    values = dict(
+        output_dir=str(tmp_path / "out"), agents=["alpha", "beta"], num_turns=2, report_to="none", use_cpu=True
+    )
+    trainer = MAGRPOTrainer(
+        tiny_model_dir,
+        different_lengths,
+        args=MAGRPOConfig(**values),
+        train_dataset=Dataset.from_dict({"prompt": ["Hi."], "word": ["tide"], "word_limit": [8]}),
+        transition=word_count_feedback,
+    )
+    trainer.save_model()
+    spec = json.loads((tmp_path / "out" / "team.json").read_text())
+    assert spec["transition"] == "trl_marl.tasks.toy:word_count_feedback"
+    spec["transition"] = "trl_marl.plugins.tasks:word_count_feedback"  # as the multi-turn recipe wrote it before
+    (tmp_path / "out" / "team.json").write_text(json.dumps(spec))
+    assert load_team(tmp_path / "out").transition is word_count_feedback
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("trl_marl.plugins.coding:coding_feedback", coding_feedback),
+        ("trl_marl.plugins.code_tester:code_tester_feedback", code_tester_feedback),
+        ("trl_marl.plugins.math_tool:math_feedback", math_feedback),
+        ("trl_marl.rollout:default_transition", default_transition),
+    ],
+)
+def test_every_transition_a_team_file_could_name_before_the_move_still_imports(old, new):
+    assert import_by_name(old) is new
 
 
 def test_a_team_sharing_one_adapter_saves_it_once_and_replays(tiny_model_dir, tmp_path):

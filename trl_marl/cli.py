@@ -92,9 +92,19 @@ def parse_train_config(config_path: str, overrides: list[str] | tuple[str, ...] 
     _check_keys(config_path, values, (TrainArguments, config_class))
     task_name = _flag_value(overrides, "--task") or values.get("task")
     parser = TrlParser((TrainArguments, config_class))
+    for name, (neutral, _) in config_class.not_applicable.items():  # the sibling's fields: checked below
+        parser.add_argument(f"--{name}", type=type(neutral), default=neutral, help=argparse.SUPPRESS)
     if task_name:  # the task's agents, turns and scheduler are defaults the file and flags may override
         parser.set_defaults(**task_defaults(resolve_task(task_name)))
-    return parser.parse_args_and_config(["--config", config_path, *overrides])
+    parsed = parser.parse_args_and_config(["--config", config_path, *overrides])
+    if not config_class.not_applicable:
+        return parsed
+    script_args, args, inapplicable = parsed
+    try:
+        config_class.without_inapplicable(vars(inapplicable))
+    except ValueError as error:
+        raise SystemExit(f"{config_path}: {error}") from None
+    return script_args, args
 
 
 def train(config_path: str, overrides: list[str]) -> int:
@@ -199,13 +209,10 @@ def estimate(arguments, overrides: list[str]) -> int:
 def _check_keys(config_path: str, values: dict, dataclass_types: tuple) -> None:
     """Fail on a key that is no field, before anything is built (TRL's parser would first build the config, whose
     own checks could hide the misspelt key)."""
-    known = {f.name for cls in dataclass_types for f in dataclasses.fields(cls)} | {"env"}
-    unknown = sorted(set(values) - known)
     config_class = dataclass_types[-1]
-    for key in unknown:
-        if key in config_class.not_applicable:  # the other algorithm's field
-            raise SystemExit(f"{config_path}: `{key}` does not apply to {config_class._algorithm}: "
-                             f"{config_class.not_applicable[key]}")  # fmt: skip
+    known = {f.name for cls in dataclass_types for f in dataclasses.fields(cls)}
+    known |= {"env", *config_class.not_applicable}  # the sibling's fields: `parse_train_config` says if they apply
+    unknown = sorted(set(values) - known)
     if unknown:
         hints = [
             f"'{key}' (did you mean '{close[0]}'?)"

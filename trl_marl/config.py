@@ -5,11 +5,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import torch
 from trl import GRPOConfig
 
 from .agents import normalize_agents
-from .models import half_precision_dtype
+from .models import default_mixed_precision
 
 logger = logging.getLogger("trl_marl")
 
@@ -18,34 +17,20 @@ BASELINES = ("mean", "rloo", "max", "none")
 ADAPTER_MODES = ("per_agent", "shared")
 
 
-def default_mixed_precision(bf16: bool | None, fp16: bool, use_cpu: bool) -> tuple[bool | None, bool]:
-    """`(bf16, fp16)` when the user left `bf16` unset (None), which TRL would turn on.
-
-    - On the CPU (`use_cpu`): float32 (`bf16=False`): bf16 autocast on a CPU without native bf16 made a training step
-      9.9x slower (README, Benchmarks).
-    - On a GPU without bf16 (T4, V100; `half_precision_dtype()` is fp16), where bf16 fails: fp16, with a warning.
-    - Otherwise unchanged: TRL's default (bf16 on a GPU that has it). An explicit choice is always kept.
-    """
-    if bf16 is not None or fp16:
-        return bf16, fp16
-    if use_cpu:
-        return False, False
-    if half_precision_dtype() is torch.float16:
-        logger.warning(
-            "This GPU (%s) does not support bf16, which TRL turns on by default: training in fp16 mixed precision "
-            "instead. Set `bf16` or `fp16` explicitly to choose.",
-            torch.cuda.get_device_name(),
-        )
-        return False, True
-    return bf16, fp16
-
-
 def _choice_error(field_name: str, value: Any, allowed: tuple[str, ...]) -> ValueError:
     return ValueError(f"`{field_name}` must be one of {list(allowed)}, got {value!r}.")
 
 
+class _TeamConfigType(type):
+    """Builds a team config from its keyword arguments less the sibling config's fields (see
+    `TeamConfig.without_inapplicable`), so such a field gets an error that says why rather than a `TypeError`."""
+
+    def __call__(cls, *args, **kwargs):
+        return super().__call__(*args, **cls.without_inapplicable(kwargs))
+
+
 @dataclass
-class TeamConfig(GRPOConfig):
+class TeamConfig(GRPOConfig, metaclass=_TeamConfigType):
     r"""
     What [`MAGRPOConfig`] and [`ATGRPOConfig`] share: everything [`~trl.GRPOConfig`] has, plus the team.
 
@@ -106,15 +91,21 @@ class TeamConfig(GRPOConfig):
             without bf16, where `None` means fp16 (with a warning).
     """
 
-    # Fields of the sibling config that mean nothing here: name -> why (an error names it, rather than TypeError).
-    not_applicable: ClassVar[dict[str, str]] = {}
+    # Fields of the sibling config that mean nothing here: name -> (the value under which it changes nothing, why).
+    not_applicable: ClassVar[dict[str, tuple[Any, str]]] = {}
     _algorithm: ClassVar[str] = "a team"
+    _trainer: ClassVar[str] = ""  # the trainer this config goes to
 
-    def __new__(cls, *args, **kwargs):
-        for name, reason in cls.not_applicable.items():
-            if name in kwargs:
-                raise ValueError(f"`{name}={kwargs[name]!r}` does not apply to {cls._algorithm}: {reason}")
-        return super().__new__(cls)
+    @classmethod
+    def without_inapplicable(cls, values: dict[str, Any]) -> dict[str, Any]:
+        """`values` without the sibling config's fields that are set to the value under which they change nothing
+        (AT-GRPO with `discount=1.0`, as configs written before the split may say); any other value of such a field
+        is a `ValueError` that names it and says why it does not apply."""
+        kept = dict(values)
+        for name, (neutral, reason) in cls.not_applicable.items():
+            if name in kept and (value := kept.pop(name)) != neutral:
+                raise ValueError(f"`{name}={value!r}` does not apply to {cls._algorithm}: {reason}")
+        return kept
 
     # Parameters that define the team
     # Typed as names for command-line parsing; Python code and YAML files may give {'name', 'system_prompt'} dicts.
@@ -165,6 +156,8 @@ class TeamConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        if not self._trainer:
+            raise TypeError("TeamConfig is the base the two configs share: use MAGRPOConfig or ATGRPOConfig.")
         self.agents = normalize_agents(self.agents)
         self.frozen_agents = list(self.frozen_agents or [])
         unknown = [name for name in self.frozen_agents if name not in self.agent_names]
@@ -223,9 +216,9 @@ class TeamConfig(GRPOConfig):
             )
         if self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError(
-                f"`multi_objective_aggregation={self.multi_objective_aggregation!r}` is not supported by MAGRPO: "
-                "team rewards are combined as a weighted sum, then baselined per prompt group. Use "
-                "'sum_then_normalize'."
+                f"`multi_objective_aggregation={self.multi_objective_aggregation!r}` is not supported by "
+                f"{self._algorithm}: team rewards are combined as a weighted sum, then baselined per prompt group. "
+                "Use 'sum_then_normalize'."
             )
         super().__post_init__()
 
@@ -285,6 +278,7 @@ class MAGRPOConfig(TeamConfig):
     """
 
     _algorithm: ClassVar[str] = "MAGRPO"
+    _trainer: ClassVar[str] = "MAGRPOTrainer"
 
     joint_mode: str = field(
         default="aligned",
@@ -340,8 +334,9 @@ class ATGRPOConfig(TeamConfig):
     (one adapter, role prompts tell agents apart).
 
     MAGRPO's `joint_mode` and `discount` are not fields here (an AT-GRPO group is one agent's candidates, each rewarded
-    at its own step): passing one is an error that says so. `termination_threshold`
-    ends an episode after a turn whose last chosen candidate's team reward reached it.
+    at its own step): `joint_mode="aligned"` and `discount=1.0`, which change nothing, are accepted and dropped; any
+    other value is an error that says why. `termination_threshold` ends an episode after a turn whose last chosen
+    candidate's team reward reached it.
 
     Parameters:
         team_reward_weight (`float`, *optional*, defaults to `1.0`):
@@ -354,11 +349,18 @@ class ATGRPOConfig(TeamConfig):
     """
 
     _algorithm: ClassVar[str] = "AT-GRPO"
-    not_applicable: ClassVar[dict[str, str]] = {
-        "joint_mode": "each group holds one agent's candidates from one state, not joint actions. Leave it out (use "
-        "MAGRPOConfig for cross mode).",
-        "discount": "every candidate is rewarded at its own step, without returns over later turns. Leave it out (use "
-        "MAGRPOConfig for discounted returns).",
+    _trainer: ClassVar[str] = "ATGRPOTrainer"
+    not_applicable: ClassVar[dict[str, tuple[Any, str]]] = {
+        "joint_mode": (
+            "aligned",
+            "each group holds one agent's candidates from one state, not joint actions. Leave it out (use "
+            "MAGRPOConfig for cross mode).",
+        ),
+        "discount": (
+            1.0,
+            "every candidate is rewarded at its own step, without returns over later turns. Leave it out (use "
+            "MAGRPOConfig for discounted returns).",
+        ),
     }
 
     team_reward_weight: float = field(

@@ -97,7 +97,8 @@ class NextTurn:
 
 @dataclass
 class Branch:
-    """One path from the root: the dataset row, what each agent is shown at this turn, and the earlier turns."""
+    """One path from the root of a MAGRPO tree: the dataset row, what each agent is shown at this turn, and the
+    earlier turns. (An AT-GRPO episode copy is `atgrpo.Branch`.)"""
 
     example: dict
     observations: list[Prompt]  # per agent: the task prompt of this turn (transition's), before scheduler and role
@@ -136,7 +137,7 @@ class JointAction:
     turn: int
     node: NodeKey
     index: int  # k within the node
-    branch: Branch
+    branch: Any  # the path it continues: a `Branch` of a MAGRPO tree, or AT-GRPO's `atgrpo.Branch`
     completions: dict[str, str]  # every agent's latest answer: what the team reward scores
     completion_ids: dict[str, list[int]]
     said: Said = field(default_factory=dict)  # the acting agents' answers of this turn

@@ -9,8 +9,9 @@
 - ``"single"``: one agent doing the whole job: the base model with every role's instructions at once, its one answer
   standing in for every agent's when the team reward scores it.
 
-It builds a `MAGRPOTrainer` on the split and returns `trainer.evaluate()`'s metrics without the `eval_` prefix (the
-team reward `reward`, the reward's logged levels such as `coding/pass_at_1` or `rewards/summary_reward/style`).
+It builds the algorithm's trainer (`MAGRPOTrainer` or `ATGRPOTrainer`) on the split and returns
+`trainer.evaluate()`'s metrics without the `eval_` prefix (the team reward `reward`, the reward's logged levels such
+as `coding/pass_at_1` or `rewards/summary_reward/style`).
 """
 
 from __future__ import annotations

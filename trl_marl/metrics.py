@@ -10,7 +10,7 @@ from .tasks import local_rewards
 
 
 class TeamMetricsMixin:
-    """Metric logging of `MAGRPOTrainer` (mixed into it before `GRPOTrainer`, whose buffers it fills)."""
+    """Metric logging of both trainers (mixed into `TeamTrainer` before `GRPOTrainer`, whose buffers it fills)."""
 
     def _log_rollout_metrics(self, mode: str, rollout: Rollout) -> None:
         """Team metrics over all joint actions of the batch, the same per turn (`turns/<t>/...`), per agent

@@ -116,6 +116,30 @@ def half_precision_dtype():
     return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
+def default_mixed_precision(bf16: bool | None, fp16: bool, use_cpu: bool) -> tuple[bool | None, bool]:
+    """`(bf16, fp16)` when the user left `bf16` unset (None), which TRL would turn on.
+
+    - On the CPU (`use_cpu`): float32 (`bf16=False`): bf16 autocast on a CPU without native bf16 made a training step
+      9.9x slower (docs/benchmarks.md).
+    - On a GPU without bf16 (T4, V100; `half_precision_dtype()` is fp16), where bf16 fails: fp16, with a warning.
+    - Otherwise unchanged: TRL's default (bf16 on a GPU that has it). An explicit choice is always kept.
+    """
+    if bf16 is not None or fp16:
+        return bf16, fp16
+    if use_cpu:
+        return False, False
+    import torch
+
+    if half_precision_dtype() is torch.float16:
+        logger.warning(
+            "This GPU (%s) does not support bf16, which TRL turns on by default: training in fp16 mixed precision "
+            "instead. Set `bf16` or `fp16` explicitly to choose.",
+            torch.cuda.get_device_name(),
+        )
+        return False, True
+    return bf16, fp16
+
+
 def four_bit_config() -> BitsAndBytesConfig:
     """The QLoRA base: 4-bit NF4 weights with double quantization, computing in the GPU's half precision
     (`half_precision_dtype`: bf16, or fp16 where bf16 is unsupported) and in float32 on a CPU (where bf16 matmuls are

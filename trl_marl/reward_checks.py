@@ -141,8 +141,9 @@ def for_agent(reward_func: Callable[..., list[float | None]], agent: str) -> Tea
     return agent_reward
 
 
-# What the trainer passes besides the dataset columns: to team rewards (`MAGRPOTrainer._score_joint_actions`), to
-# local rewards (`ATGRPOTrainer._local_scores`) and to transitions (`TreeRollout._next_turn`).
+# What the trainer passes besides the dataset columns: to team rewards
+# (`team_actions.TeamActionsMixin._score_joint_actions`), to local rewards (`ATGRPOTrainer._local_scores`) and to
+# transitions (`TreeRollout._next_turn`).
 TEAM_REWARD_ARGUMENTS = frozenset(
     {
         "prompts",

@@ -15,8 +15,8 @@ layers (LoRA variants, `modules_to_save`, …) use PEFT's own mixed-batch path (
 A row routed to `BASE` goes through the base model alone: that is how the KL reference (the base, shared by every
 agent) is computed. PEFT's own ways to the base (`disable_adapter()`, TRL's `use_adapter(model, None)`) end in
 `set_adapter`, which turns gradients off on every adapter but the active one; routing never touches `requires_grad`.
-When every row goes to the same adapter (every AT-GRPO `generate` call, a one-agent team), only that adapter's LoRA
-projection is computed, as PEFT computes it, with no concatenation and no mask.
+When every row goes to the same adapter (AT-GRPO's `generate` calls under a sequential scheduler, a one-agent team),
+only that adapter's LoRA projection is computed, as PEFT computes it, with no concatenation and no mask.
 """
 
 import inspect

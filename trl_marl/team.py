@@ -1,7 +1,7 @@
 """The trained team as an artefact: `team.json` beside the agents' PEFT adapters, and `load_team` to run it.
 
-`MAGRPOTrainer.save_model(out)` writes `out/<adapter>/` (PEFT format, one folder per agent, or `out/team/` when the
-agents share an adapter), the tokenizer, and `out/team.json`:
+A trainer's `save_model(out)` (`MAGRPOTrainer`, `ATGRPOTrainer`) writes `out/<adapter>/` (PEFT format, one folder
+per agent, or `out/team/` when the agents share an adapter), the tokenizer, and `out/team.json`:
 
 ```json
 {"format": "trl_marl.team/1", "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -63,9 +63,22 @@ def importable_name(func: Callable) -> str | None:
     return f"{module}:{qualname}" if found is func else None
 
 
+# Where the built-in tasks' modules were before `trl_marl.tasks` became a package: `team.json` files written then name
+# their transitions by these paths.
+MOVED_MODULES = {
+    "trl_marl.plugins.tasks": "trl_marl.tasks.toy",
+    "trl_marl.plugins.coding": "trl_marl.tasks.coding.coop_coding",
+    "trl_marl.plugins.code_tester": "trl_marl.tasks.coding.code_tester",
+    "trl_marl.plugins.math_tool": "trl_marl.tasks.math_tool",
+    "trl_marl.plugins.puzzles.tasks": "trl_marl.tasks.puzzles.tool_and_plan",
+}
+
+
 def import_by_name(name: str) -> Callable:
-    """The object named `"module:qualname"` or `"/path/script.py:qualname"`."""
+    """The object named `"module:qualname"` or `"/path/script.py:qualname"` (a module in `MOVED_MODULES` is looked up
+    where it is now)."""
     module_name, _, qualname = name.rpartition(":")
+    module_name = MOVED_MODULES.get(module_name, module_name)
     if module_name.endswith(".py"):
         spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
         if spec is None or not Path(module_name).is_file():
@@ -245,8 +258,8 @@ def read_team_file(path: str | os.PathLike) -> dict:
     team_file = Path(path) / TEAM_FILE
     if not team_file.is_file():
         raise FileNotFoundError(
-            f"No {TEAM_FILE} in {path}: point `load_team` at a folder written by MAGRPOTrainer.save_model (the "
-            "output_dir or a checkpoint-N folder)."
+            f"No {TEAM_FILE} in {path}: point `load_team` at a folder written by MAGRPOTrainer.save_model or "
+            "ATGRPOTrainer.save_model (the output_dir or a checkpoint-N folder)."
         )
     spec = json.loads(team_file.read_text())
     if spec.get("format") != TEAM_FORMAT:
@@ -265,7 +278,7 @@ def load_team(
     dtype: str | torch.dtype = "auto",
     device_map: Any = None,
 ) -> Team:
-    """Rebuild a team saved by `MAGRPOTrainer.save_model` on one base model.
+    """Rebuild a team saved by a trainer's `save_model` on one base model.
 
     Args:
         path: the saved folder (`output_dir` or a `checkpoint-N` folder).

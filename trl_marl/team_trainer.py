@@ -68,8 +68,9 @@ class TeamTrainer(CheckpointMixin, TeamMetricsMixin, TeamActionsMixin, GRPOTrain
         peft_config: a `LoraConfig` for every agent's adapter; defaults to one built from the `lora_*` fields.
         transition: with `num_turns > 1`, what each agent sees at the next turn of one branch:
             `f(prompt, joint_action, history, turn, observations, reward, **columns)` returns one prompt per agent (a
-            list, or a dict agent name -> prompt) or `NextTurn(prompts, done)`; see [`~trl_marl.rollout`]. Defaults to
-            [`~trl_marl.rollout.default_transition`]: the task prompt again (the scheduler adds what was said).
+            list, or a dict agent name -> prompt) or `NextTurn(prompts, done)`; see [`~trl_marl.episode.NextTurn`].
+            Defaults to [`~trl_marl.rollout.default_transition`]: the task prompt again (the scheduler adds what was
+            said).
         scheduler: a scheduler object or plugin name overriding `args.scheduler` (see `trl_marl.scheduling`).
         task: a [`~trl_marl.Task`] or task plugin name; it supplies the reward functions, training data and transition
             when those are not given (build `args` with the config's `for_task` to take its agents and turns too).
@@ -95,11 +96,13 @@ class TeamTrainer(CheckpointMixin, TeamMetricsMixin, TeamActionsMixin, GRPOTrain
         task=None,
     ):
         config_class = self._config_class
+        if config_class is TeamConfig:
+            raise TypeError("TeamTrainer is the base the two trainers share: use MAGRPOTrainer or ATGRPOTrainer.")
         if not isinstance(args, config_class):
             other = ""
-            if isinstance(args, TeamConfig):  # the sibling algorithm's config
+            if isinstance(args, TeamConfig) and args._trainer:  # the sibling algorithm's config
                 name = type(args).__name__
-                other = f"; {'an' if name[0] in 'AEIOU' else 'a'} {name} goes to {name.replace('Config', 'Trainer')}"
+                other = f"; {'an' if name[0] in 'AEIOU' else 'a'} {name} goes to {args._trainer}"
             raise TypeError(
                 f"`args` must be a {config_class.__name__} naming the agents, got {type(args).__name__}{other}, e.g. "
                 f"{config_class.__name__}(output_dir='out', agents=['concise', 'detailed'])."

@@ -50,8 +50,8 @@ class Task:
         return None
 
     def transition(self, **kwargs) -> Any:
-        """Each agent's next prompt (feedback) or `NextTurn(done=True)`; see `trl_marl.rollout`. Default: the task
-        prompt again."""
+        """Each agent's next prompt (feedback) or `NextTurn(done=True)`; see `trl_marl.episode.NextTurn`. Default: the
+        task prompt again."""
         return default_transition(**kwargs)
 
 
