@@ -295,8 +295,9 @@ class TeamTrainer(CheckpointMixin, TeamMetricsMixin, TeamActionsMixin, GRPOTrain
         super().save_model(output_dir, _internal_call=_internal_call)
         if self.args.should_save:
             base = self.accelerator.unwrap_model(self.model).get_base_model()
+            used = self.rollout_settings  # the transition and scheduler the rollouts used (fixed at __init__)
             spec = team_spec(
-                self.args, self.agent_adapters, base_model_name(base), self.transition, self.scheduler, self.task
+                self.args, self.agent_adapters, base_model_name(base), used.transition, used.scheduler, self.task
             )
             write_team_file(output_dir or self.args.output_dir, spec)
 
