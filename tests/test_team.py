@@ -172,7 +172,8 @@ def test_load_team_on_a_folder_without_a_team_file_says_what_to_point_it_at(tmp_
         load_team(tmp_path)
 
 
-def test_a_recorded_transition_that_no_longer_imports_is_an_error_saying_what_to_pass(tiny_model_dir, tmp_path):
+def save_untrained_team_with_transition(tiny_model_dir, tmp_path, columns=None, **trainer_kwargs) -> dict:
+    """Save an untrained two-turn team and return its team.json contents."""
     values = dict(
         output_dir=str(tmp_path / "out"), agents=["alpha", "beta"], num_turns=2, report_to="none", use_cpu=True
     )
@@ -180,10 +181,15 @@ def test_a_recorded_transition_that_no_longer_imports_is_an_error_saying_what_to
         tiny_model_dir,
         different_lengths,
         args=MAGRPOConfig(**values),
-        train_dataset=Dataset.from_dict({"prompt": ["Hi."]}),
+        train_dataset=Dataset.from_dict({"prompt": ["Hi."], **(columns or {})}),
+        **trainer_kwargs,
     )
     trainer.save_model()
-    spec = json.loads((tmp_path / "out" / "team.json").read_text())
+    return json.loads((tmp_path / "out" / "team.json").read_text())
+
+
+def test_a_recorded_transition_that_no_longer_imports_is_an_error_saying_what_to_pass(tiny_model_dir, tmp_path):
+    spec = save_untrained_team_with_transition(tiny_model_dir, tmp_path)
     spec["transition"] = str(tmp_path / "moved_script.py") + ":feedback"
     (tmp_path / "out" / "team.json").write_text(json.dumps(spec))
     with pytest.raises(ValueError, match="moved_script.py:feedback.*cannot be imported here.*pass `transition=`"):
@@ -191,18 +197,8 @@ def test_a_recorded_transition_that_no_longer_imports_is_an_error_saying_what_to
 
 
 def test_a_team_file_written_before_the_tasks_package_loads_its_transition(tiny_model_dir, tmp_path):
-    values = dict(
-        output_dir=str(tmp_path / "out"), agents=["alpha", "beta"], num_turns=2, report_to="none", use_cpu=True
-    )
-    trainer = MAGRPOTrainer(
-        tiny_model_dir,
-        different_lengths,
-        args=MAGRPOConfig(**values),
-        train_dataset=Dataset.from_dict({"prompt": ["Hi."], "word": ["tide"], "word_limit": [8]}),
-        transition=word_count_feedback,
-    )
-    trainer.save_model()
-    spec = json.loads((tmp_path / "out" / "team.json").read_text())
+    columns = {"word": ["tide"], "word_limit": [8]}
+    spec = save_untrained_team_with_transition(tiny_model_dir, tmp_path, columns, transition=word_count_feedback)
     assert spec["transition"] == "trl_marl.tasks.toy:word_count_feedback"
     spec["transition"] = "trl_marl.plugins.tasks:word_count_feedback"  # as the multi-turn recipe wrote it before
     (tmp_path / "out" / "team.json").write_text(json.dumps(spec))
