@@ -203,10 +203,14 @@ def test_raising_max_joint_actions_accepts_the_large_cross_team(make_config):
 # unsupported TRL settings
 
 
-def test_vllm_is_rejected(make_config):
-    message = error_message(make_config, use_vllm=True)
-    assert "`use_vllm=True` is not supported" in message
-    assert "Set `use_vllm=False`" in message
+def test_vllm_server_mode_is_rejected_with_the_reason_and_colocate_is_accepted(make_config):
+    # Issue 20: vLLM serves every agent's adapter as a LoRA from one colocated engine (tests/test_vllm.py); TRL's
+    # server receives one merged policy.
+    message = error_message(make_config, use_vllm=True, vllm_mode="server")
+    assert "`vllm_mode='server'` is not supported" in message
+    assert "Use `vllm_mode='colocate'`" in message
+    config = make_config(use_vllm=True)
+    assert config.use_vllm and config.vllm_mode == "colocate"
 
 
 def test_continuous_batching_is_rejected(make_config):

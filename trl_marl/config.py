@@ -9,6 +9,7 @@ from trl import GRPOConfig
 
 from .agents import normalize_agents
 from .models import default_mixed_precision
+from .vllm_generation import SERVER_MODE_REASON
 
 logger = logging.getLogger("trl_marl")
 
@@ -195,13 +196,15 @@ class TeamConfig(GRPOConfig, metaclass=_TeamConfigType):
                 f"`num_generations` must be at least 2 (got {self.num_generations!r}): advantages compare the joint "
                 "actions sampled for one prompt, so each agent needs at least two completions per prompt."
             )
-        # vLLM serves one merged policy and continuous batching reorders rows, so neither can route rows to adapters.
-        if self.use_vllm:
+        if self.use_vllm and self.vllm_mode != "colocate":
+            raise ValueError(SERVER_MODE_REASON)
+        if self.use_vllm and self.vllm_enable_sleep_mode:
             raise ValueError(
-                "`use_vllm=True` is not supported: TRL's vLLM path merges a single adapter into the weights, while "
-                "each agent needs its own adapter. Set `use_vllm=False` (generation then batches all agents in one "
-                "transformers `generate` call)."
+                "`vllm_enable_sleep_mode=True` is not supported yet: TRL's sleep level 2 discards the base weights "
+                "and re-sends merged ones, while the team engine keeps the base and sends adapters only. Set it to "
+                "False."
             )
+        # Continuous batching does not keep rows in order, so it cannot route rows to adapters.
         if self.use_transformers_continuous_batching:
             raise ValueError(
                 "`use_transformers_continuous_batching=True` is not supported: it does not keep rows in order, so "

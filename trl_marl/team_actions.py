@@ -77,9 +77,13 @@ class TeamActionsMixin:
         try:
             prompt_ids, images, multimodal_fields = self._tokenize_prompts(model_inputs)
             self._check_prompt_lengths(prompt_ids, agent_index)
-            completion_ids, _ = self._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations)
+            completion_ids, logprobs = self._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations
+            )
         finally:
             self._clear_routing()
+        if logprobs is not None:  # vLLM's: for the importance-sampling correction
+            self._record_sampling_logps(agent_index, prompt_ids, completion_ids, logprobs)
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
         return [list(ids) for ids in prompt_ids], completion_ids, texts
 

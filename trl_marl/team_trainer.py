@@ -47,11 +47,12 @@ from .rows import PER_ROW_LOSS_TYPES, pad_rows, pad_samples, padding_loss_scale
 from .scheduling import resolve_scheduler
 from .team import base_model_name, team_spec, write_team_file
 from .team_actions import TeamActionsMixin, resolve_team_inputs
+from .vllm_generation import TeamVLLMMixin
 
 BASE_ROW = -1  # the agent index of a row routed to the base model alone (the KL reference)
 
 
-class TeamTrainer(CheckpointMixin, TeamMetricsMixin, TeamActionsMixin, GRPOTrainer):
+class TeamTrainer(CheckpointMixin, TeamMetricsMixin, TeamActionsMixin, TeamVLLMMixin, GRPOTrainer):
     """What [`MAGRPOTrainer`] and [`ATGRPOTrainer`] share: TRL's [`~trl.GRPOTrainer`] with a team of LoRA agents on
     one base model. A subclass supplies `_rollout` (its algorithm's episodes) and its config class.
 
@@ -140,16 +141,17 @@ class TeamTrainer(CheckpointMixin, TeamMetricsMixin, TeamActionsMixin, GRPOTrain
         beta, model_init_kwargs = args.beta, args.model_init_kwargs
         args.beta, args.model_init_kwargs = 0.0, None
         try:
-            super().__init__(
-                model=model,
-                reward_funcs=reward_funcs,
-                args=args,
-                train_dataset=train_dataset,
-                eval_dataset=eval_dataset,
-                processing_class=processing_class,
-                callbacks=callbacks,
-                optimizers=optimizers,
-            )
+            with self._team_vllm_backend(model, enabled=args.use_vllm):
+                super().__init__(
+                    model=model,
+                    reward_funcs=reward_funcs,
+                    args=args,
+                    train_dataset=train_dataset,
+                    eval_dataset=eval_dataset,
+                    processing_class=processing_class,
+                    callbacks=callbacks,
+                    optimizers=optimizers,
+                )
         finally:
             args.beta, args.model_init_kwargs = beta, model_init_kwargs
         self.beta = beta
@@ -341,6 +343,7 @@ class TeamTrainer(CheckpointMixin, TeamMetricsMixin, TeamActionsMixin, GRPOTrain
         output["turn_index"] = torch.tensor([s.turn for s in samples], dtype=torch.long, device=device)
         output["group_index"] = torch.tensor([s.group for s in samples], dtype=torch.long, device=device)
         output.update(self._reference_logps(output, mode))
+        output.update(self._importance_sampling_outputs(samples, output, mode))
         self._log_rollout_metrics(mode, rollout)
         self._log_joint_actions(mode, rollout.joint_actions)
         # Trees differ in size; TRL needs equal micro-batches (train) and equal row counts on every process (its loss
@@ -373,7 +376,7 @@ class TeamTrainer(CheckpointMixin, TeamMetricsMixin, TeamActionsMixin, GRPOTrain
         """Old log-probs (when generation and optimisation steps are misaligned, as TRL) and, with `beta != 0`, the
         base model's log-probs (every row routed to the base: the shared reference of every agent)."""
         generate_every = self.args.steps_per_generation * self.num_iterations
-        need_old = self.args.gradient_accumulation_steps % generate_every != 0
+        need_old = self.args.gradient_accumulation_steps % generate_every != 0 or self._corrects_vllm_sampling
         if not need_old and self.beta == 0.0:
             return {}
         input_ids = torch.cat([samples["prompt_ids"], samples["completion_ids"]], dim=1)

@@ -1,0 +1,62 @@
+"""Training a team with `use_vllm=True`: both algorithms, every adapter moving, TRL's importance-sampling correction
+fed with vLLM's log-probs. In a module of its own so that the engine of test_vllm.py is shut down first (on the CPU
+vLLM's memory share counts everything the process holds)."""
+
+import pytest
+import torch
+from vllm_required import skip_without_vllm
+
+skip_without_vllm()
+
+from test_atgrpo_trainer import AGENTS, Notebook  # noqa: E402
+from test_trainer import lora_params  # noqa: E402
+
+from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer  # noqa: E402
+from trl_marl.vllm_generation import TeamVLLMGeneration  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+def train_with_vllm(trainer_class, config_class, model_dir, tmp_path, **kwargs):
+    args = config_class(
+        output_dir=str(tmp_path / "out"),
+        agents=AGENTS,
+        num_turns=1,
+        use_vllm=True,
+        vllm_gpu_memory_utilization=0.3,  # on the CPU, vLLM's share of the machine's memory
+        vllm_max_model_length=512,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=8,
+        max_steps=2,
+        learning_rate=5e-3,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        **kwargs,
+    )
+    trainer = trainer_class(model_dir, args=args, task=Notebook())  # rewards longer answers
+    before = {name: lora_params(trainer.model, name) for name in ("writer", "editor")}
+    trainer.train()
+    return trainer, before
+
+
+@pytest.mark.parametrize("trainer_class, config_class", [(MAGRPOTrainer, MAGRPOConfig), (ATGRPOTrainer, ATGRPOConfig)])
+def test_a_two_agent_team_trains_with_vllm_and_logs_the_importance_sampling_correction(
+    default_model_dir, tmp_path, trainer_class, config_class
+):
+    trainer, before = train_with_vllm(trainer_class, config_class, default_model_dir, tmp_path)
+    for name in ("writer", "editor"):
+        after = lora_params(trainer.model, name)
+        assert any(not torch.equal(before[name][n], p) for n, p in after.items()), f"adapter {name} did not move"
+    engine = trainer.vllm_generation
+    assert isinstance(engine, TeamVLLMGeneration)
+    assert engine.version == 1  # the step-1 rollout was served by the adapters after the first optimizer step
+    for step_log in trainer.state.log_history[:2]:
+        # vLLM and the trainer compute the same model in float32 here: the sampler's log-probs are the trainer's
+        assert step_log["sampling/sampling_logp_difference/max"] < 1e-3
+        assert step_log["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
+    engine.close()  # the next engine needs the memory of this one's KV cache
