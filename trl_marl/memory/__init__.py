@@ -21,7 +21,12 @@ One function per term, its formula in its docstring:
 - generation phase (`generation.py`), for the largest `generate` call: `kv_cache_bytes`, `routed_lora_weight_bytes`,
   and the larger of `prefill_working_set_bytes` and `generation_logits_bytes`;
 - `overhead_bytes` (GPU only: the CUDA context and the allocator's slack), and `estimate_memory`, which sums them
-  (`estimate.py`).
+  (`estimate.py`);
+- with `use_vllm` (`vllm_engine.py`), no generation phase in the trainer: the colocated engine's pool
+  `engine_pool_bytes` (a share of the card) holds its own `base_weight_bytes`, `lora_slot_bytes`,
+  `engine_activation_bytes`, `ENGINE_NON_TORCH_BYTES` and what is left, its KV cache (`engine_kv_cache_bytes`,
+  `kv_cache_tokens`), which must hold one `vllm_max_model_length` sequence (`sequence_kv_tokens`) and should hold the
+  largest call (`call_kv_tokens`); `card_problems` says what fails on a card.
 
 The rows and lengths those terms see come from `rollout_geometry` (`geometry.py`).
 """
@@ -74,6 +79,21 @@ from .training import (
     saved_activation_bytes,
     training_layer_bytes,
 )
+from .vllm_engine import (
+    ENGINE_BATCHED_TOKENS,
+    ENGINE_NON_TORCH_BYTES,
+    KV_BLOCK_TOKENS,
+    EngineTerms,
+    call_kv_tokens,
+    card_problems,
+    engine_activation_bytes,
+    engine_kv_cache_bytes,
+    engine_pool_bytes,
+    engine_terms,
+    kv_cache_tokens,
+    lora_slot_bytes,
+    sequence_kv_tokens,
+)
 from .weights import (
     FROZEN_ADAPTER_BYTES,
     NESTED_BLOCK,
@@ -97,10 +117,14 @@ __all__ = [
     "CUDA_CONTEXT_BYTES",
     "DEFAULT_PROMPT_LENGTH",
     "DTYPE_BYTES",
+    "ENGINE_BATCHED_TOKENS",
+    "ENGINE_NON_TORCH_BYTES",
+    "EngineTerms",
     "FROZEN_ADAPTER_BYTES",
     "GIB",
     "GenerateCall",
     "GenerationTerms",
+    "KV_BLOCK_TOKENS",
     "LOGPROB_STATS_PER_TOKEN",
     "LOGPROB_TOKEN_TILE",
     "LOGPROB_VOCAB_TILE",
@@ -120,16 +144,24 @@ __all__ = [
     "backward_working_set_bytes",
     "base_weight_bytes",
     "byte_widths",
+    "call_kv_tokens",
+    "card_problems",
+    "engine_activation_bytes",
+    "engine_kv_cache_bytes",
+    "engine_pool_bytes",
+    "engine_terms",
     "estimate_memory",
     "generation_logits_bytes",
     "generation_terms",
     "gradient_bytes",
     "kv_cache_bytes",
+    "kv_cache_tokens",
     "largest_generation",
     "layer_activation_bytes",
     "layer_lora_parameters",
     "log_prob_head_bytes",
     "lora_parameters",
+    "lora_slot_bytes",
     "model_dtype_bytes",
     "model_shape",
     "nf4_bytes",
@@ -142,6 +174,7 @@ __all__ = [
     "routed_activation_bytes",
     "routed_lora_weight_bytes",
     "saved_activation_bytes",
+    "sequence_kv_tokens",
     "targeted_linears",
     "training_layer_bytes",
     "visible_answers",

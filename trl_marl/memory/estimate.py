@@ -1,5 +1,6 @@
 """The estimate: every term of the peak for one training config, summed as
-`peak = static + max(generation phase, training phase) + overhead` (`MemoryEstimate`, `estimate_memory`)."""
+`peak = static + max(generation phase, training phase) + overhead` (`MemoryEstimate`, `estimate_memory`). With
+`use_vllm`, the trainer has no generation phase and vLLM's pool sits beside it (`vllm_engine.py`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .dtypes import byte_widths
-from .generation import largest_generation
+from .generation import GenerationTerms, largest_generation
 from .geometry import GenerateCall, rollout_geometry
 from .shape import lora_parameters, model_shape, parameter_count, targeted_linears
 from .training import (
@@ -16,6 +17,7 @@ from .training import (
     saved_activation_bytes,
     training_layer_bytes,
 )
+from .vllm_engine import EngineTerms, card_problems, engine_terms
 from .weights import adapter_bytes, adapter_counts, base_weight_bytes, gradient_bytes, optimizer_bytes
 
 if TYPE_CHECKING:
@@ -41,6 +43,10 @@ class MemoryEstimate:
     (checkpoints or all layers, router weights, autocast weight copies), and the larger of `log_prob_head` and
     `backward_working_set`. Generation phase: `kv_cache`, `routed_lora_weights`, and the larger of
     `prefill_working_set` and `generation_logits`.
+
+    With `use_vllm`, `vllm` holds the colocated engine's terms and the generation phase is 0 (vLLM generates, not the
+    trainer): `peak` is the trainer's, and the engine's pool, a share of the card, comes beside it (`process_peak`,
+    `card_check`).
     """
 
     device: str
@@ -57,6 +63,7 @@ class MemoryEstimate:
     generation_logits: int
     overhead: int
     details: dict[str, Any] = field(default_factory=dict)
+    vllm: EngineTerms | None = None
 
     @property
     def static(self) -> int:
@@ -79,12 +86,45 @@ class MemoryEstimate:
     def peak_phase(self) -> str:
         return "training" if self.training_phase >= self.generation_phase else "generation"
 
+    def process_peak(self, gpu_memory_gb: float) -> int:
+        """The process's peak on a card of `gpu_memory_gb` GiB: `peak` without vLLM. With vLLM, the trainer's `peak`
+        and the engine's pool beside it for the whole run, `peak + pool`; with `vllm_enable_sleep_mode` (level 1: the
+        pool is released while the trainer trains, held while it generates) `max(static + training phase, static +
+        pool) + overhead`."""
+        if self.vllm is None:
+            return self.peak
+        pool = self.vllm.pool(int(gpu_memory_gb * GIB))
+        if self.vllm.sleep_mode:
+            return max(self.static + self.training_phase, self.static + pool) + self.overhead
+        return self.peak + pool
+
+    def card_check(self, gpu_memory_gb: float) -> tuple[list[str], list[str]]:
+        """`(failures, warnings)` on a card of `gpu_memory_gb` GiB, in words: the peak over the card, and with vLLM the
+        engine's own checks (`vllm_engine.card_problems`: the pool free at start, one `vllm_max_model_length` sequence
+        in its KV cache; a warning when the largest call's rows do not fit it at once). Raises `ValueError` for a
+        vLLM estimate on the CPU, whose pool is a share of the machine's RAM, not of a card."""
+        card = int(gpu_memory_gb * GIB)
+        if self.vllm is None:
+            over = f"out of memory: the peak ({self.peak / GIB:.1f} GiB) is over the card's {gpu_memory_gb:g} GiB"
+            return ([] if self.peak <= card else [over]), []
+        if self.device != "cuda":
+            raise ValueError(
+                "vLLM's pool on the CPU is `vllm_gpu_memory_utilization` of the machine's RAM and counts what the "
+                "process already holds: the planner predicts the engine on a GPU (`device='cuda'`) only."
+            )
+        at_start = CUDA_CONTEXT_BYTES + self.base_weights + self.adapters  # optimizer states come at the first step
+        return card_problems(self.vllm, card, at_start, self.peak, self.process_peak(gpu_memory_gb))
+
     def fits(self, gpu_memory_gb: float) -> bool:
-        """Whether the peak fits a card of `gpu_memory_gb` GiB (cards sold as "24 GB" hold 24 GiB)."""
-        return self.peak <= gpu_memory_gb * GIB
+        """Whether the run fits a card of `gpu_memory_gb` GiB (cards sold as "24 GB" hold 24 GiB): the peak, and with
+        vLLM the pool beside it and the engine's checks (`card_check`; its warnings do not fail)."""
+        if self.vllm is None:
+            return self.peak <= gpu_memory_gb * GIB
+        return not self.card_check(gpu_memory_gb)[0]
 
     def table(self, gpu_memory_gb: tuple[float, ...] | list[float] = ()) -> str:
-        """A readable breakdown in MiB; with card sizes, whether the peak fits each."""
+        """A readable breakdown in MiB; with card sizes, whether the run fits each (with vLLM: the pool, the KV cache
+        left in it and, when it does not fit, why)."""
         rows = [
             ("base weights", self.base_weights),
             ("LoRA adapters", self.adapters),
@@ -95,25 +135,52 @@ class MemoryEstimate:
             ("training: log-prob head (fused lm_head)", self.log_prob_head),
             ("training: backward working set", self.backward_working_set),
             ("= training phase", self.training_phase),
-            ("generation: KV cache", self.kv_cache),
-            ("generation: router's concatenated LoRA weights", self.routed_lora_weights),
-            ("generation: prefill working set", self.prefill_working_set),
-            ("generation: last-token logits + sampling", self.generation_logits),
-            ("= generation phase", self.generation_phase),
-            (
-                "overhead (none on the CPU)" if self.device == "cpu" else "overhead (CUDA context + allocator)",
-                self.overhead,
-            ),
-            (f"PEAK ({self.peak_phase} phase)", self.peak),
         ]
+        if self.vllm is None:
+            rows += [
+                ("generation: KV cache", self.kv_cache),
+                ("generation: router's concatenated LoRA weights", self.routed_lora_weights),
+                ("generation: prefill working set", self.prefill_working_set),
+                ("generation: last-token logits + sampling", self.generation_logits),
+                ("= generation phase", self.generation_phase),
+            ]
+        overhead = "overhead (none on the CPU)" if self.device == "cpu" else "overhead (CUDA context + allocator)"
+        rows += [(overhead, self.overhead)]
+        if self.vllm is None:
+            rows += [(f"PEAK ({self.peak_phase} phase)", self.peak)]
+        else:
+            rows += [("PEAK of the trainer (training phase; vLLM generates)", self.peak)] + self.vllm.rows()
         width = max(len(name) for name, _ in rows)
         lines = [f"{name:<{width}}  {value / MIB:>10,.0f} MiB" for name, value in rows]
         info = ", ".join(f"{key}={value}" for key, value in self.details.items())
         lines.insert(0, f"Predicted memory on {self.device} ({info})")
+        if self.vllm is not None:
+            lines.append(self.vllm.describe())
         for size in gpu_memory_gb:
-            verdict = "fits" if self.fits(size) else "does NOT fit"
-            lines.append(f"{size:g} GB card: {verdict} ({self.peak / GIB:.1f} of {size:g} GiB)")
+            lines += self._card_lines(size)
         return "\n".join(lines)
+
+    def _card_lines(self, size: float) -> list[str]:
+        """The verdict for a card of `size` GiB: one line, and with vLLM the pool, the reasons and the warnings."""
+        if self.vllm is None:
+            verdict = "fits" if self.fits(size) else "does NOT fit"
+            return [f"{size:g} GB card: {verdict} ({self.peak / GIB:.1f} of {size:g} GiB)"]
+        if self.device != "cuda":
+            return [f"{size:g} GB card: not predicted on the CPU (vLLM's pool there is a share of the machine's RAM)"]
+        failures, warnings = self.card_check(size)
+        card, peak = int(size * GIB), self.process_peak(size)
+        pool, kv, tokens = self.vllm.pool(card), self.vllm.kv_cache(card), self.vllm.kv_tokens(card)
+        beside = "max(trainer, static + pool)" if self.vllm.sleep_mode else "trainer + pool"
+        lines = [
+            f"{size:g} GB card: {'does NOT fit' if failures else 'fits'} ({peak / GIB:.1f} of {size:g} GiB = "
+            f"{beside}; vLLM pool {pool / GIB:.1f} GiB, KV cache {max(kv, 0) / GIB:.2f} GiB = {tokens:,} tokens)"
+        ]
+        lines += [f"  - {failure}" for failure in failures] + [f"  warning: {warning}" for warning in warnings]
+        lines.append(
+            f"  smallest vllm_gpu_memory_utilization whose KV cache holds {self.vllm.needed_tokens():,} tokens on "
+            f"this card: {self.vllm.minimum_utilization(card):g}"
+        )
+        return lines
 
     def __str__(self) -> str:
         return self.table()
@@ -172,10 +239,31 @@ def estimate_memory(
     sorted_sampling = config.top_p < 1.0 or (config.top_k or 0) > 0
     completion = config.max_completion_length
     generation = largest_generation(shape, calls, completion, dtypes, targets, rank, adapters, sorted_sampling)
+    base_weights = base_weight_bytes(shape, dtypes.model, load_in_4bit)
+    engine = None
+    if config.use_vllm:  # vLLM generates: no generation phase in the trainer; its engine loads the same base
+        generation = GenerationTerms(0, 0, 0, 0)
+        engine = engine_terms(
+            shape,
+            utilization=config.vllm_gpu_memory_utilization,
+            weights=base_weights,
+            model_bytes=dtypes.model,
+            load_in_4bit=load_in_4bit,
+            max_loras=adapters,
+            max_lora_rank=rank,
+            max_model_len=config.vllm_max_model_length,
+            model_max_len=getattr(model_config, "max_position_embeddings", None) or 0,
+            calls=calls,
+            completion_length=completion,
+            max_num_seqs=config.per_device_train_batch_size
+            * config.vllm_tensor_parallel_size
+            * config.steps_per_generation,
+            sleep_mode=bool(config.vllm_enable_sleep_mode),
+        )
 
     estimate = MemoryEstimate(
         device=device,
-        base_weights=base_weight_bytes(shape, dtypes.model, load_in_4bit),
+        base_weights=base_weights,
         adapters=adapter_bytes(adapter_params, adapters, trained, dtypes.adapter),
         optimizer_states=optimizer_states,
         gradients=gradient_bytes(adapter_params, trained, dtypes.adapter),
@@ -195,6 +283,7 @@ def estimate_memory(
             "gradient checkpointing": checkpointing,
             "largest generate call (rows x prompt)": _longest_call(calls, completion),
         },
+        vllm=engine,
     )
     estimate.overhead = overhead_bytes(device, max(estimate.training_phase, estimate.generation_phase))
     return estimate
