@@ -10,7 +10,8 @@
                                                   a saved team or a baseline (single, parallel, sequential) on a task;
                                                   prints the task's metrics as JSON
     trl-marl estimate CONFIG.yaml [--prompt_length N] [--gpu_memory_gb 16 24]
-                                                  predicted peak GPU memory of a `train` config (no weights load)
+                                                  predicted peak GPU memory of a `train` config (no weights load),
+                                                  with use_vllm the vLLM engine's pool and KV cache on each card
 
 `train` parses with TRL's `TrlParser`, as `trl grpo --config ...` does: a key that is no field fails before any
 model loads, naming the key.
@@ -265,11 +266,14 @@ def main(argv: list[str] | None = None) -> int:
         "estimate",
         help="predict a training config's peak GPU memory",
         description="Predict the peak GPU memory of `trl-marl train CONFIG` (memory planner: base, adapters, "
-        "optimizer, activations, KV cache) from the model's config.json alone; --field value overrides as in train.",
+        "optimizer, activations, KV cache) from the model's config.json alone; --field value overrides as in train. "
+        "With use_vllm, vLLM's engine (its pool of vllm_gpu_memory_utilization x the card, and the KV cache left in "
+        "it) beside the trainer, and why a card does not fit.",
     )
     estimating.add_argument("config", help="YAML file of `trl-marl train`")
     estimating.add_argument("--prompt_length", type=int, default=512, help="longest prompt in tokens (default 512)")
-    estimating.add_argument("--gpu_memory_gb", type=float, nargs="*", default=[16, 24], help="card sizes to check")
+    estimating.add_argument("--gpu_memory_gb", type=float, nargs="*", default=[16, 24],
+                            help="card sizes to check, in GiB (vLLM's pool is a share of each)")  # fmt: skip
     arguments, overrides = parser.parse_known_args(argv)
     if arguments.command == "estimate":
         return estimate(arguments, overrides)
