@@ -1,6 +1,7 @@
 """The memory planner with a colocated vLLM engine (`use_vllm=True`): each engine term against a hand-computed value,
 the verdict on a card and its reasons, and the paper recipes' documented vLLM variants."""
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -216,6 +217,22 @@ def documented_vllm_flags(recipe: str) -> list[str]:
     return command.replace("\\\n#", " ").split()
 
 
+def chosen_utilization(estimate) -> float:
+    """The rule docs/memory.md states: the smallest multiple of 0.05 whose KV cache holds the largest call's concurrent
+    rows (no failure, no warning) on every card, 16 or 24 GB, where the recipe fits at all; else the largest multiple
+    of 0.05 that fits 24 GB."""
+
+    def at(utilization):
+        return dataclasses.replace(estimate, vllm=dataclasses.replace(estimate.vllm, utilization=utilization))
+
+    steps = [round(0.05 * step, 2) for step in range(1, 20)]
+    cards = [size for size in (16, 24) if any(at(utilization).fits(size) for utilization in steps)]
+    for utilization in steps:
+        if all(at(utilization).card_check(size) == ([], []) for size in cards):
+            return utilization
+    return max(utilization for utilization in steps if at(utilization).fits(24))
+
+
 @pytest.mark.parametrize(("recipe", "model", "prompt_length", "fits_16", "fits_24"), PAPER_VARIANTS)
 def test_paper_recipes_vllm_variants_fit_the_documented_cards(recipe, model, prompt_length, fits_16, fits_24):
     flags = documented_vllm_flags(recipe)
@@ -226,6 +243,7 @@ def test_paper_recipes_vllm_variants_fit_the_documented_cards(recipe, model, pro
     # the context covers the planner's longest prompt + completion, and vLLM serves both agents' adapters
     assert engine.max_model_len == estimate.details["training sequence length"]
     assert (engine.max_loras, engine.max_lora_rank) == (2, 16)
+    assert engine.utilization == chosen_utilization(estimate)
     assert (estimate.fits(16), estimate.fits(24)) == (fits_16, fits_24)
     assert estimate.card_check(24)[0] == [] and estimate.vllm.kv_tokens(24 * GIB) >= engine.max_model_len
     # the figures the comment gives are the planner's
