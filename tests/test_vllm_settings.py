@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trl_marl import MAGRPOConfig
-from trl_marl.vllm_generation import TeamVLLMGeneration, importance_sampling_ratio
+from trl_marl.vllm_generation import TeamVLLMGeneration, importance_sampling_ratio, keep_base_when_sleeping
 
 # two rows of three tokens; the second row's last token is padding
 OLD = torch.tensor([[-1.0, -2.0, -0.5], [-0.2, -0.4, -9.0]])
@@ -33,12 +33,26 @@ def test_sequence_level_ratios_use_the_summed_gap_of_the_completion():
     torch.testing.assert_close(masked, torch.tensor([[0.0], [math.exp(0.1)]]))  # exp(-0.5) = 0.61 < 0.7
 
 
-def test_server_mode_and_sleep_mode_are_refused_naming_the_setting(tmp_path):
+def test_server_mode_is_refused_naming_the_setting(tmp_path):
     values = dict(output_dir=str(tmp_path), agents=["writer", "editor"], report_to="none", use_cpu=True, use_vllm=True)
     with pytest.raises(ValueError, match="`vllm_mode='server'` is not supported: .* Use `vllm_mode='colocate'`"):
         MAGRPOConfig(**values, vllm_mode="server")
-    with pytest.raises(ValueError, match="`vllm_enable_sleep_mode=True` is not supported yet.*Set it to False"):
-        MAGRPOConfig(**values, vllm_enable_sleep_mode=True)
+    assert MAGRPOConfig(**values, vllm_enable_sleep_mode=True).vllm_enable_sleep_mode  # sleep mode is supported
     # the engine itself refuses server mode before it builds anything
     with pytest.raises(ValueError, match="`vllm_mode='server'` is not supported"):
         TeamVLLMGeneration(None, lambda: None, ["writer"], lambda: 0, ["writer"], 8, mode="server")
+
+
+def test_the_team_engine_sleeps_at_level_1_whatever_level_it_is_asked_for():
+    class Engine:
+        def __init__(self):
+            self.calls = []
+
+        def sleep(self, level=1, mode="abort"):
+            self.calls.append((level, mode))
+
+    engine = keep_base_when_sleeping(Engine())
+    engine.sleep(level=2)  # what TRL's colocate engine asks: it would discard the base, which is never re-sent
+    engine.sleep(level=2, mode="wait")
+    engine.sleep()
+    assert engine.calls == [(1, "abort"), (1, "wait"), (1, "abort")]

@@ -6,7 +6,7 @@
                                                   `task` (and `task_source`), `rewards`, `model_name_or_path` and
                                                   `load_in_4bit`; flags override the file
     trl-marl evaluate TASK [--baseline B] [--team PATH] [--model M] [--limit N] [--split S] [--task_source SRC]
-                      [--algorithm magrpo|at_grpo]
+                      [--algorithm magrpo|at_grpo] [--use_vllm [--vllm_gpu_memory_utilization U]]
                                                   a saved team or a baseline (single, parallel, sequential) on a task;
                                                   prints the task's metrics as JSON
     trl-marl estimate CONFIG.yaml [--prompt_length N] [--gpu_memory_gb 16 24]
@@ -163,9 +163,20 @@ def evaluate(arguments) -> int:
         algorithm=arguments.algorithm,
         max_completion_length=arguments.max_completion_length,
         use_cpu=not torch.cuda.is_available(),
+        **vllm_settings(arguments),
     )
     print(json.dumps({"task": arguments.task, "baseline": baseline, **metrics}, indent=2))
     return 0
+
+
+def vllm_settings(arguments) -> dict[str, Any]:
+    """The config fields of `evaluate`'s vLLM flags (none without `--use_vllm`: the config's defaults stay)."""
+    if not arguments.use_vllm:
+        return {}
+    settings = {"use_vllm": True, "vllm_gpu_memory_utilization": arguments.vllm_gpu_memory_utilization}
+    if arguments.vllm_max_model_length is not None:
+        settings["vllm_max_model_length"] = arguments.vllm_max_model_length
+    return settings
 
 
 def estimate_config(config_path: str, overrides: list[str] = (), prompt_length: int | None = None):
@@ -262,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     evaluating.add_argument("--task_source", default=None, help="the task's data source, e.g. hub (default: offline)")
     evaluating.add_argument("--limit", type=int, default=None, help="only the first N problems")
     evaluating.add_argument("--max_completion_length", type=int, default=256)
+    evaluating.add_argument("--use_vllm", action="store_true", help="generate with vLLM, one LoRA per agent")
+    evaluating.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3,
+                            help="with --use_vllm: vLLM's share of the GPU memory (TRL's default)")  # fmt: skip
+    evaluating.add_argument("--vllm_max_model_length", type=int, default=None,
+                            help="with --use_vllm: vLLM's context length (default: the model's)")  # fmt: skip
     estimating = commands.add_parser(
         "estimate",
         help="predict a training config's peak GPU memory",

@@ -198,12 +198,6 @@ class TeamConfig(GRPOConfig, metaclass=_TeamConfigType):
             )
         if self.use_vllm and self.vllm_mode != "colocate":
             raise ValueError(SERVER_MODE_REASON)
-        if self.use_vllm and self.vllm_enable_sleep_mode:
-            raise ValueError(
-                "`vllm_enable_sleep_mode=True` is not supported yet: TRL's sleep level 2 discards the base weights "
-                "and re-sends merged ones, while the team engine keeps the base and sends adapters only. Set it to "
-                "False."
-            )
         # Continuous batching does not keep rows in order, so it cannot route rows to adapters.
         if self.use_transformers_continuous_batching:
             raise ValueError(

@@ -58,7 +58,8 @@ def evaluate_task(
 ) -> dict[str, float]:
     """Evaluate on `task`'s `split` (its first `limit` rows). `team` (for ``baseline="team"``): a saved team folder;
     `model`: the base model of the baselines (default: the embedded default model). `config`: `MAGRPOConfig` fields
-    (e.g. `max_completion_length`, `temperature`, `use_cpu`).
+    (e.g. `max_completion_length`, `temperature`, `use_cpu`; `use_vllm=True` with `vllm_gpu_memory_utilization` and
+    `vllm_max_model_length` generates through vLLM as training does, the engine closed afterwards).
 
     `algorithm="magrpo"` scores MAGRPO's tree of joint actions (two samples per agent and node): the mean team reward
     over them. `algorithm="at_grpo"` plays each problem as one AT-GRPO episode with a single candidate per agent and
@@ -111,7 +112,11 @@ def evaluate_task(
             eval_dataset=dataset,
             task=task,  # its transition, and its environment state if it keeps one
         )
-        metrics = trainer.evaluate()
+        try:
+            metrics = trainer.evaluate()
+        finally:
+            if args.use_vllm:  # free the engine: a later evaluation or trainer in this process starts its own
+                trainer.vllm_generation.close()
     return {key.removeprefix("eval_"): value for key, value in metrics.items()}
 
 

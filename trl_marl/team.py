@@ -140,13 +140,22 @@ class TeamRun:
 
 class Team:
     """A trained team on one base model: `run(prompt)` plays one episode (greedy by default), every agent's rows in
-    one `generate` call per turn, each through its own adapter."""
+    one generation call per turn, each through its own adapter: transformers' routed `generate`, or with `engine` (a
+    `SavedTeamEngine`, `load_team(..., use_vllm=True)`) one vLLM call with one LoRA request per row."""
 
     def __init__(
-        self, model: PeftModel, tokenizer: Any, spec: dict, transition: Callable, scheduler: Any, task: Any = None
+        self,
+        model: PeftModel,
+        tokenizer: Any,
+        spec: dict,
+        transition: Callable,
+        scheduler: Any,
+        task: Any = None,
+        engine: Any = None,
     ):
         self.model, self.tokenizer, self.spec, self.transition = model, tokenizer, spec, transition
         self.scheduler = scheduler
+        self.engine = engine
         self.task = task  # the task plugin it was trained on, when loadable: its environment state, if any
         self.agents = spec["agents"]
         self.agent_names = [agent["name"] for agent in self.agents]
@@ -210,25 +219,32 @@ class Team:
             prompt_ids = tokenizer(text=model_inputs)["input_ids"]
         width = max(len(ids) for ids in prompt_ids)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        device = next(self.model.parameters()).device
-        input_ids = torch.tensor([[pad_id] * (width - len(ids)) + list(ids) for ids in prompt_ids], device=device)
-        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=device)
-        if self.router is not None:
-            self.router.route([self._adapters[a] for a in agent_index])
-        try:
-            output = self.model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                max_new_tokens=max_new_tokens,
-                do_sample=do_sample,
-                pad_token_id=pad_id,
+        adapters = [self._adapters[a] for a in agent_index]
+        if self.engine is not None:
+            rows = self.engine.generate(prompt_ids, adapters, max_new_tokens, do_sample, self._eos_token_ids())
+        else:
+            device = next(self.model.parameters()).device
+            input_ids = torch.tensor([[pad_id] * (width - len(ids)) + list(ids) for ids in prompt_ids], device=device)
+            attention_mask = torch.tensor(
+                [[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=device
             )
-        finally:
             if self.router is not None:
-                self.router.route(None)
+                self.router.route(adapters)
+            try:
+                output = self.model.generate(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=do_sample,
+                    pad_token_id=pad_id,
+                )
+            finally:
+                if self.router is not None:
+                    self.router.route(None)
+            rows = output[:, width:].tolist()
         eos_ids = set(self._eos_token_ids())
         completion_ids = []
-        for row in output[:, width:].tolist():
+        for row in rows:
             end = next((i + 1 for i, token in enumerate(row) if token in eos_ids), len(row))
             completion_ids.append(row[:end])
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -237,7 +253,13 @@ class Team:
     def _eos_token_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        return [*eos, self.tokenizer.eos_token_id]
+        return list(dict.fromkeys([*eos, self.tokenizer.eos_token_id]))
+
+    def close(self) -> None:
+        """Shut down the vLLM engine, if the team has one, freeing its memory."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
 
 
 def keep_saved_dtype(model: PeftModel, adapter: str, folder: Path) -> None:
@@ -277,6 +299,9 @@ def load_team(
     scheduler: Any = None,
     dtype: str | torch.dtype = "auto",
     device_map: Any = None,
+    use_vllm: bool = False,
+    vllm_gpu_memory_utilization: float | None = None,
+    vllm_max_model_length: int | None = None,
 ) -> Team:
     """Rebuild a team saved by a trainer's `save_model` on one base model.
 
@@ -288,6 +313,10 @@ def load_team(
             (a lambda or a local function).
         scheduler: overrides the recorded scheduler (a plugin name or object); training's is used by default.
         dtype, device_map: passed to `from_pretrained`.
+        use_vllm: generate with a vLLM engine (`SavedTeamEngine`) serving the base once and each saved adapter as
+            a LoRA, in the loaded model's dtype (NF4 through vLLM's bitsandbytes on a 4-bit base); `Team.close()`
+            frees it. `vllm_gpu_memory_utilization` (vLLM's default when None) and `vllm_max_model_length` (the
+            model's when None) are passed to it as in training.
     """
     path = Path(path)
     spec = read_team_file(path)
@@ -341,4 +370,17 @@ def load_team(
     tokenizer_source = path if (path / "tokenizer_config.json").is_file() else base
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
     scheduler = resolve_scheduler(scheduler or spec.get("scheduler", "parallel"))
-    return Team(model, tokenizer, spec, transition, scheduler, task)
+    engine = None
+    if use_vllm:
+        from .vllm_generation import SavedTeamEngine
+
+        engine = SavedTeamEngine(
+            base,
+            {adapter: path / adapter for adapter in adapters},
+            lora_rank=max(config.r for config in model.peft_config.values()),
+            dtype=model.dtype,  # what the trainer's engine serves in (`TeamVLLMGeneration`)
+            gpu_memory_utilization=vllm_gpu_memory_utilization,
+            max_model_len=vllm_max_model_length,
+            quantization="bitsandbytes" if quantization_config is not None else None,
+        )
+    return Team(model, tokenizer, spec, transition, scheduler, task, engine)

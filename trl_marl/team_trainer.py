@@ -141,7 +141,7 @@ class TeamTrainer(CheckpointMixin, TeamMetricsMixin, TeamActionsMixin, TeamVLLMM
         beta, model_init_kwargs = args.beta, args.model_init_kwargs
         args.beta, args.model_init_kwargs = 0.0, None
         try:
-            with self._team_vllm_backend(model, enabled=args.use_vllm):
+            with self._team_vllm_backend(model, args):
                 super().__init__(
                     model=model,
                     reward_funcs=reward_funcs,

@@ -12,6 +12,12 @@ changes three things:
   id per version, so that an adapter of an earlier step can never be served; frozen adapters are loaded once;
 - `generate` gives row `i` the `LoRARequest` of the adapter the router sends row `i` to (`AdapterRouter.route`), and
   rows come back in order.
+
+With `vllm_enable_sleep_mode=True` the engine sleeps at level 1 between generations (weights offloaded to CPU memory,
+KV cache freed) where TRL's sleeps at level 2 (weights discarded, merged ones re-sent): the team engine never re-sends
+the base, so it must keep it.
+
+`SavedTeamEngine` serves a team saved by `save_model` (its adapter folders as they are) for `load_team(...).run`.
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ from unittest import mock
 
 import torch
 from trl.generation import vllm_generation
-from trl.generation.vllm_generation import VLLMGeneration
+from trl.generation.vllm_generation import VLLMGeneration, empty_cache
 from trl.trainer import grpo_trainer
 
+from .memory.geometry import largest_call_rows
 from .routing import BASE
 
 SERVER_MODE_REASON = (
@@ -38,6 +45,38 @@ SERVER_MODE_REASON = (
     "while each agent needs its own adapter in the same batch. Use `vllm_mode='colocate'`, which serves every agent's "
     "adapter as a LoRA from one engine in the trainer's process."
 )
+
+
+# The values vLLM accepts for `max_lora_rank` (vllm.config.lora.MaxLoRARanks, 0.22-0.31).
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_engine_settings(num_adapters: int, lora_rank: int, dtype: torch.dtype | str) -> dict[str, Any]:
+    """The `vllm.LLM` arguments that serve `num_adapters` LoRA adapters of rank at most `lora_rank` in one batch, in
+    `dtype` (the model's: vLLM would otherwise pick its own). `max_lora_rank` is the smallest value vLLM accepts
+    that holds `lora_rank` (a rank-4 adapter is served in rank-8 slots)."""
+    supported = [rank for rank in VLLM_MAX_LORA_RANKS if rank >= lora_rank]
+    if not supported:
+        raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_MAX_LORA_RANKS[-1]}; `lora_r` is {lora_rank}.")
+    return {
+        "enable_lora": True,
+        "max_loras": num_adapters,
+        "max_lora_rank": supported[0],
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def keep_base_when_sleeping(llm: Any) -> Any:
+    """Make `llm.sleep` sleep at level 1 whatever level it is asked for. TRL's colocate engine sleeps at level 2,
+    which discards the weights because TRL re-sends merged weights at every wake-up; the team engine is sent adapters
+    only, so its base must survive the sleep: level 1 offloads the weights to CPU memory and frees the KV cache."""
+    sleep = llm.sleep
+
+    def sleep_keeping_the_base(level: int = 1, **kwargs: Any) -> None:
+        sleep(level=1, **kwargs)
+
+    llm.sleep = sleep_keeping_the_base
+    return llm
 
 
 def _shared_memory_dir() -> str | None:
@@ -57,6 +96,8 @@ class TeamVLLMGeneration(VLLMGeneration):
             a sync sends.
         trained_adapters: the adapters that change with training: each `sync_weights` sends a new version of them.
         lora_rank: the largest LoRA rank of the team's adapters (vLLM's `max_lora_rank`).
+        team_rows: the rows of the team's largest generation call. TRL sizes vLLM's `max_num_seqs` for one policy's
+            prompts; a team call holds every agent's rows, so the engine runs at least this many at once.
         **settings: `VLLMGeneration`'s own arguments (accelerator, processing class, vLLM and sampling settings).
     """
 
@@ -68,10 +109,13 @@ class TeamVLLMGeneration(VLLMGeneration):
         current_step: Callable[[], int],
         trained_adapters: list[str],
         lora_rank: int,
+        team_rows: int = 0,
         **settings: Any,
     ):
         if settings.get("mode", "colocate") != "colocate":
             raise ValueError(SERVER_MODE_REASON)
+        if "max_num_seqs" in settings:
+            settings["max_num_seqs"] = max(settings["max_num_seqs"] or 0, team_rows) or None
         self.row_adapters = row_adapters
         self.adapter_names = list(adapter_names)
         self.current_step = current_step
@@ -84,23 +128,32 @@ class TeamVLLMGeneration(VLLMGeneration):
         super().__init__(model=model, **settings)
 
     def _init_vllm(self) -> None:
-        """TRL's colocate engine, built with LoRA serving for every adapter and in the model's dtype."""
+        """TRL's colocate engine, built with LoRA serving for every adapter, in the model's dtype, and sleeping at
+        level 1 (`keep_base_when_sleeping`)."""
         from vllm import LLM
 
-        with_lora = functools.partial(
-            LLM,
-            enable_lora=True,
-            max_loras=len(self.adapter_names),
-            max_lora_rank=self.lora_rank,
-            dtype=str(self.model.dtype).removeprefix("torch."),
-        )
-        with mock.patch.object(vllm_generation, "LLM", with_lora):
+        if self.enable_sleep_mode:
+            check_sleep_mode_available()
+        settings = lora_engine_settings(len(self.adapter_names), self.lora_rank, self.model.dtype)
+
+        def team_llm(**kwargs: Any) -> Any:
+            return keep_base_when_sleeping(LLM(**kwargs, **settings))
+
+        with mock.patch.object(vllm_generation, "LLM", team_llm):
             super()._init_vllm()
 
     def sync_weights(self) -> None:
-        """Send the trained adapters (all adapters on the first call) to the engine as a new version."""
+        """Send the trained adapters (all adapters on the first call) to the engine as a new version, unless the
+        engine serves this step's already. A sleeping engine's weights are woken first: TRL's `generate` calls this
+        to wake it."""
         from vllm.lora.request import LoRARequest
 
+        if self.enable_sleep_mode and self._llm_weights_sleeping:
+            empty_cache()
+            self.llm.wake_up(tags=["weights"])
+            self._llm_weights_sleeping = False
+        if self.lora_requests and self.version == self.current_step():
+            return
         self.version = self.current_step()
         for adapter in self.adapter_names if not self.lora_requests else self.trained_adapters:
             folder = self._adapter_dir / f"{adapter}@step{self.version}-{self._next_lora_id}"
@@ -148,6 +201,78 @@ class TeamVLLMGeneration(VLLMGeneration):
         shutil.rmtree(self._adapter_dir, ignore_errors=True)
 
 
+def check_sleep_mode_available() -> None:
+    """Raise, saying what to do, where vLLM has no sleep mode (it has one on CUDA, ROCm and XPU, not on the CPU)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_sleep_mode_available():
+        raise ValueError(
+            f"`vllm_enable_sleep_mode=True`: vLLM has no sleep mode on this device ({current_platform.device_type}); "
+            "it has one on CUDA, ROCm and XPU GPUs. Set `vllm_enable_sleep_mode=False`."
+        )
+
+
+class SavedTeamEngine:
+    """A vLLM engine serving a team saved by `save_model`: the base model once, each adapter folder as a LoRA.
+
+    Args:
+        base_model: the base model's Hub id or local folder.
+        adapter_folders: adapter name -> its PEFT folder.
+        lora_rank: the largest rank of the adapters.
+        dtype: the dtype to serve in (the trainer's model dtype keeps replays close to training).
+        **settings: further `vllm.LLM` arguments (`gpu_memory_utilization`, `max_model_len`, `quantization`, ...).
+    """
+
+    def __init__(
+        self,
+        base_model: str,
+        adapter_folders: dict[str, str | Path],
+        lora_rank: int,
+        dtype: torch.dtype | str,
+        **settings: Any,
+    ):
+        from vllm import LLM
+        from vllm.lora.request import LoRARequest
+
+        lora = lora_engine_settings(len(adapter_folders), lora_rank, dtype)
+        self.llm = LLM(model=base_model, **lora, **{k: v for k, v in settings.items() if v is not None})
+        self.lora_requests = {
+            name: LoRARequest(name, index, str(folder))
+            for index, (name, folder) in enumerate(adapter_folders.items(), start=1)
+        }
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        adapters: list[str],
+        max_new_tokens: int,
+        do_sample: bool,
+        stop_token_ids: list[int],
+    ) -> list[list[int]]:
+        """Completion token ids of each prompt, row `i` served by adapter `adapters[i]`: greedy, or sampled at
+        temperature 1 with `do_sample` (as transformers' `generate` defaults), ending at a stop token (kept)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            max_tokens=max_new_tokens, temperature=1.0 if do_sample else 0.0, stop_token_ids=stop_token_ids
+        )
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": ids} for ids in prompt_ids],
+            params,
+            lora_request=[self.lora_requests[adapter] for adapter in adapters],
+            use_tqdm=False,
+        )
+        return [list(output.outputs[0].token_ids) for output in outputs]
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory."""
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        if self.llm is not None:
+            self.llm = None
+            cleanup_dist_env_and_memory()
+
+
 def importance_sampling_ratio(
     old_logps: torch.Tensor,
     sampling_logps: torch.Tensor,
@@ -176,11 +301,11 @@ class TeamVLLMMixin:
     every row carried to TRL's importance-sampling correction."""
 
     @contextlib.contextmanager
-    def _team_vllm_backend(self, model: Any, enabled: bool):
-        """While `GRPOTrainer.__init__` runs (with `enabled`, i.e. `use_vllm`), it builds a `TeamVLLMGeneration` where
-        it would build TRL's engine."""
+    def _team_vllm_backend(self, model: Any, args: Any):
+        """While `GRPOTrainer.__init__` runs (with `args.use_vllm`), it builds a `TeamVLLMGeneration` where it would
+        build TRL's engine."""
         self._sampling_logps: dict[tuple, list[float]] = {}
-        if not enabled:
+        if not args.use_vllm:
             yield
             return
         ranks = [config.r for name, config in model.peft_config.items() if name in self.adapter_names]
@@ -191,6 +316,7 @@ class TeamVLLMMixin:
             current_step=lambda: self.state.global_step,
             trained_adapters=self.trained_adapters,
             lora_rank=max(ranks),
+            team_rows=largest_call_rows(args) * args.vllm_tensor_parallel_size,
         )
         with mock.patch.object(grpo_trainer, "VLLMGeneration", factory):
             yield
