@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig, LlamaConfig
 
-from trl_marl import MAGRPOConfig
+from trl_marl import ATGRPOConfig, MAGRPOConfig
 from trl_marl.cli import estimate_config, main, parse_train_config
 from trl_marl.memory import (
     CUDA_CONTEXT_BYTES,
@@ -22,9 +22,11 @@ from trl_marl.memory import (
     engine_pool_bytes,
     estimate_memory,
     kv_cache_tokens,
+    largest_call_rows,
     lora_slot_bytes,
     model_shape,
     sequence_kv_tokens,
+    vllm_max_num_seqs,
 )
 
 PAPER = Path(__file__).resolve().parents[1] / "recipes" / "paper"
@@ -86,8 +88,27 @@ def test_kv_cache_left_in_the_pool_and_its_tokens_by_hand():
 
 def test_kv_tokens_of_a_sequence_and_of_a_call_by_hand():
     assert [sequence_kv_tokens(length) for length in (1, 16, 17)] == [16, 16, 32]
-    assert call_kv_tokens(GenerateCall(64, 1024), 256, max_num_seqs=8) == 8 * 1280  # vLLM runs 8 of 64 at once
+    assert call_kv_tokens(GenerateCall(64, 1024), 256, max_num_seqs=8) == 8 * 1280  # vLLM would run 8 of 64 at once
+    assert call_kv_tokens(GenerateCall(64, 1024), 256, max_num_seqs=64) == 64 * 1280  # the team engine runs all 64
     assert call_kv_tokens(GenerateCall(3, 100), 10, max_num_seqs=8) == 3 * 112
+
+
+def test_max_num_seqs_is_the_largest_team_call_not_trls_copies(tmp_path):
+    # TRL's value: per_device_train_batch_size x steps_per_generation x tp = 1 x 8 x 1 = 8; the team's largest call is
+    # the tree's second turn: 8 copies x G=4 children x 2 agents = 64 rows, all run at once
+    tree = vllm_config(tmp_path, num_turns=2, per_device_train_batch_size=1, gradient_accumulation_steps=8)
+    assert largest_call_rows(tree) == 8 * 4 * 2 and vllm_max_num_seqs(tree) == max(1 * 8 * 1, 64) == 64
+    engine = estimate_memory(tree, small_model_config(), prompt_length=40).vllm
+    # its prompt shows both first answers: 40 + 2 x 32, + 32 new tokens = 136, 144 in blocks of 16
+    assert (engine.max_num_seqs, engine.call_tokens, engine.call) == (64, 64 * 144, "64 of 64 rows x 136")
+    tree.vllm_tensor_parallel_size = 2  # set after validation: both values count every tensor-parallel rank
+    assert vllm_max_num_seqs(tree) == max(1 * 8 * 2, 64 * 2) == 128
+    # AT-GRPO: each call is one agent's 1 x 8 copies, TRL's value itself
+    atgrpo = ATGRPOConfig(
+        output_dir=str(tmp_path), agents=["planner", "coder"], num_turns=2, num_generations=4, use_vllm=True,
+        per_device_train_batch_size=1, gradient_accumulation_steps=8, use_cpu=True, report_to="none",
+    )  # fmt: skip
+    assert largest_call_rows(atgrpo) == 8 and vllm_max_num_seqs(atgrpo) == 1 * 8 * 1 == 8
 
 
 def test_with_vllm_the_trainer_has_no_generation_phase_and_the_pool_sits_beside_it(tmp_path):
@@ -98,8 +119,9 @@ def test_with_vllm_the_trainer_has_no_generation_phase_and_the_pool_sits_beside_
     assert estimate.peak == estimate.static + estimate.training_phase + estimate.overhead
     assert engine.weights == estimate.base_weights  # vLLM loads the same base in the same dtype
     assert engine.kv_token_bytes == 2 * 2 * 2 * 16 * 2 and engine.max_model_len == 96
-    # max_num_seqs = 4 copies; the one call has 4 copies x 2 agents = 8 rows of 40 + 32 tokens
-    assert (engine.max_num_seqs, engine.call_tokens) == (4, 4 * 80)
+    # max_num_seqs = max(TRL's 4 copies x 1 step x 1 GPU, the one call's 4 copies x 2 agents) = 8: all 8 rows of
+    # 40 + 32 tokens (80 in blocks of 16) at once
+    assert (engine.max_num_seqs, engine.call_tokens, engine.call) == (8, 8 * 80, "8 of 8 rows x 72")
     assert engine.non_torch == ENGINE_NON_TORCH_BYTES
     card = 2 * GIB
     assert engine.pool(card) == int(0.25 * card)
@@ -122,7 +144,8 @@ def test_the_smallest_utilization_holds_what_the_kv_cache_needs(tmp_path):
         vllm_config(tmp_path, vllm_max_model_length=96), small_model_config(), prompt_length=40
     ).vllm
     card = 2 * GIB
-    needed = engine.fixed + 320 * engine.kv_token_bytes  # 4 rows x 80 tokens > one 96-token sequence
+    assert engine.needed_tokens() == 640  # 8 rows x 80 tokens at once > one 96-token sequence
+    needed = engine.fixed + 640 * engine.kv_token_bytes
     smallest = engine.minimum_utilization(card)
     assert smallest == pytest.approx(math.ceil(needed / card * 100) / 100)
     kv_tokens = {
@@ -133,7 +156,7 @@ def test_the_smallest_utilization_holds_what_the_kv_cache_needs(tmp_path):
         ).vllm.kv_tokens(card)
         for utilization in (smallest, round(smallest - 0.01, 2))
     }
-    assert kv_tokens[smallest] >= 320 > kv_tokens[round(smallest - 0.01, 2)]
+    assert kv_tokens[smallest] >= 640 > kv_tokens[round(smallest - 0.01, 2)]
 
 
 def test_verdict_names_a_kv_cache_that_cannot_hold_one_max_length_sequence(tmp_path):
@@ -169,15 +192,16 @@ def test_verdict_names_a_pool_not_free_when_the_engine_starts(tmp_path):
 def test_a_kv_cache_smaller_than_the_largest_call_is_a_warning_not_a_failure(tmp_path):
     config = vllm_config(tmp_path, vllm_max_model_length=96, max_completion_length=56)
     engine = estimate_memory(config, small_model_config(), prompt_length=40).vllm
-    card = 4 * GIB  # a pool holding 2 of the 4 concurrent rows of 96 tokens
-    utilization = (engine.fixed + 2 * 96 * engine.kv_token_bytes) / card
+    card = 4 * GIB  # a pool holding 4 of the 8 concurrent rows of 96 tokens (+ half a block, kept off a block's edge)
+    utilization = (engine.fixed + (4 * 96 + 8) * engine.kv_token_bytes) / card
     config = vllm_config(
         tmp_path, vllm_max_model_length=96, max_completion_length=56, vllm_gpu_memory_utilization=utilization
     )
     estimate = estimate_memory(config, small_model_config(), prompt_length=40)
     failures, warnings = estimate.card_check(4)
     assert failures == [] and estimate.fits(4)
-    assert len(warnings) == 1 and "vLLM queues rows" in warnings[0] and "4 of 8 rows x 96" in warnings[0]
+    assert len(warnings) == 1 and "vLLM queues rows" in warnings[0] and "8 of 8 rows x 96" in warnings[0]
+    assert f"holds {4 * 96} tokens, fewer than the {8 * 96} of the largest call's rows" in warnings[0]
 
 
 def test_cli_estimate_prints_the_engine_and_a_verdict_per_card(default_model_dir, tmp_path, capsys):
@@ -218,9 +242,9 @@ def documented_vllm_flags(recipe: str) -> list[str]:
 
 
 def chosen_utilization(estimate) -> float:
-    """The rule docs/memory.md states: the smallest multiple of 0.05 whose KV cache holds the largest call's concurrent
-    rows (no failure, no warning) on every card, 16 or 24 GB, where the recipe fits at all; else the largest multiple
-    of 0.05 that fits 24 GB."""
+    """The rule docs/memory.md states: the smallest multiple of 0.05 whose KV cache holds every row of the largest
+    call, which the team engine runs at once (no failure, no warning), on every card, 16 or 24 GB, where the recipe
+    fits at all; else the largest multiple of 0.05 that fits 24 GB."""
 
     def at(utilization):
         return dataclasses.replace(estimate, vllm=dataclasses.replace(estimate.vllm, utilization=utilization))

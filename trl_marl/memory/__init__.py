@@ -26,7 +26,8 @@ One function per term, its formula in its docstring:
   `engine_pool_bytes` (a share of the card) holds its own `base_weight_bytes`, `lora_slot_bytes`,
   `engine_activation_bytes`, `ENGINE_NON_TORCH_BYTES` and what is left, its KV cache (`engine_kv_cache_bytes`,
   `kv_cache_tokens`), which must hold one `vllm_max_model_length` sequence (`sequence_kv_tokens`) and should hold the
-  largest call (`call_kv_tokens`); `card_problems` says what fails on a card.
+  largest call, whose rows the team engine runs at once (`call_kv_tokens`, `vllm_max_num_seqs`); `card_problems` says
+  what fails on a card.
 
 The rows and lengths those terms see come from `rollout_geometry` (`geometry.py`).
 """
@@ -53,7 +54,7 @@ from .generation import (
     prefill_working_set_bytes,
     routed_lora_weight_bytes,
 )
-from .geometry import GenerateCall, rollout_geometry, visible_answers
+from .geometry import GenerateCall, largest_call_rows, rollout_geometry, visible_answers, vllm_max_num_seqs
 from .shape import (
     ATTENTION_LINEARS,
     MLP_LINEARS,
@@ -156,6 +157,7 @@ __all__ = [
     "gradient_bytes",
     "kv_cache_bytes",
     "kv_cache_tokens",
+    "largest_call_rows",
     "largest_generation",
     "layer_activation_bytes",
     "layer_lora_parameters",
@@ -178,4 +180,5 @@ __all__ = [
     "targeted_linears",
     "training_layer_bytes",
     "visible_answers",
+    "vllm_max_num_seqs",
 ]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from .dtypes import byte_widths
 from .generation import GenerationTerms, largest_generation
-from .geometry import GenerateCall, rollout_geometry
+from .geometry import GenerateCall, rollout_geometry, vllm_max_num_seqs
 from .shape import lora_parameters, model_shape, parameter_count, targeted_linears
 from .training import (
     backward_working_set_bytes,
@@ -255,9 +255,7 @@ def estimate_memory(
             model_max_len=getattr(model_config, "max_position_embeddings", None) or 0,
             calls=calls,
             completion_length=completion,
-            max_num_seqs=config.per_device_train_batch_size
-            * config.vllm_tensor_parallel_size
-            * config.steps_per_generation,
+            max_num_seqs=vllm_max_num_seqs(config),  # `TeamVLLMGeneration`'s: the largest call's rows at once
             sleep_mode=bool(config.vllm_enable_sleep_mode),
         )
 

@@ -63,6 +63,23 @@ def rollout_geometry(config: MAGRPOConfig, prompt_length: int) -> tuple[list[Gen
     return calls, micro_batch, max(call.prompt_length for call in calls) + completion
 
 
+def largest_call_rows(config: MAGRPOConfig) -> int:
+    """The rows of the rollout's largest `generate` call (`rollout_geometry`): with vLLM, the rows the team engine
+    runs at once (`max_num_seqs`, times the tensor-parallel size)."""
+    calls, _, _ = rollout_geometry(config, prompt_length=0)
+    return max(call.rows for call in calls)
+
+
+def vllm_max_num_seqs(config: MAGRPOConfig) -> int:
+    """vLLM's `max_num_seqs` in the team engine (`TeamVLLMGeneration`): `max(TRL's value, largest call's rows ·
+    tp)`, TRL's value being `per_device_train_batch_size · steps_per_generation · tp`, tp =
+    `vllm_tensor_parallel_size`. TRL sizes it for one policy's prompts; a team call holds every agent's rows
+    (`agents · copies · K^t` in MAGRPO), so the engine runs the whole largest call at once."""
+    tp = config.vllm_tensor_parallel_size
+    trl_value = config.per_device_train_batch_size * config.steps_per_generation * tp
+    return max(trl_value, largest_call_rows(config) * tp)
+
+
 def visible_answers(scheduler: str, turn: int, answers_before: int, num_agents: int) -> int:
     """How many earlier answers a prompt shows, at most: the other agents' previous turn under `debate`, every
     earlier answer of the episode otherwise (`parallel`, `sequential`, `round_robin`, and plugins, as a bound)."""

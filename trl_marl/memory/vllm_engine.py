@@ -5,9 +5,9 @@ refuses to start when that much is not free. Inside the pool: its own copy of th
 NF4 on a 4-bit base), the LoRA slots it preallocates (`lora_slot_bytes`), the peak of its profiling forward
 (`engine_activation_bytes`) and its memory outside torch (`ENGINE_NON_TORCH_BYTES`); what is left is the KV cache
 (`engine_kv_cache_bytes`), in blocks of `KV_BLOCK_TOKENS` tokens (`kv_cache_tokens`). The KV cache must hold one
-`vllm_max_model_length` sequence, or vLLM refuses to start; it should hold the rows of the largest generation call
-that vLLM runs at once (`call_kv_tokens`), or vLLM queues rows (slower, not an error). `card_problems` says which of
-these fail on a card.
+`vllm_max_model_length` sequence, or vLLM refuses to start; it should hold every row of the largest generation call,
+which the team engine runs at once (its `max_num_seqs` is at least that call's rows: `geometry.vllm_max_num_seqs`), or
+vLLM queues rows (slower, not an error; `call_kv_tokens`). `card_problems` says which of these fail on a card.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def engine_activation_bytes(
     three slices of q/k/v) and, on a 4-bit base, the weight shard bitsandbytes dequantizes for one matmul
     `max(in·out)·b_m`. The sampler then runs on R = min(`max_num_seqs`, T) rows beside the hidden states `T·h·b_m`:
     `generation_logits_bytes` with sorting (vLLM's dummy sampler applies top-p and top-k). The peak is the larger.
+    In the team engine `max_num_seqs` is the largest call's rows (`geometry.vllm_max_num_seqs`).
     """
     tokens, heads_dim = batched_tokens, shape.head_dim
     attention = (2 * shape.num_heads + 2 * shape.num_kv_heads) * heads_dim
@@ -92,9 +93,11 @@ def sequence_kv_tokens(length: int) -> int:
 
 def call_kv_tokens(call: GenerateCall, completion_length: int, max_num_seqs: int) -> int:
     """The KV cache tokens of the rows of a `generate` call that vLLM runs at once: `min(R, max_num_seqs) ·
-    ⌈(P_t + C) / 16⌉·16`. TRL sets `max_num_seqs = per_device_train_batch_size · steps_per_generation ·
-    vllm_tensor_parallel_size`; rows beyond it wait for a free sequence slot whatever the KV cache. An upper bound:
-    vLLM's prefix caching shares the blocks of identical prompts (the G copies of a prompt)."""
+    ⌈(P_t + C) / 16⌉·16`; rows beyond `max_num_seqs` wait for a free sequence slot whatever the KV cache. The team
+    engine (`TeamVLLMGeneration`) sets `max_num_seqs = max(TRL's per_device_train_batch_size · steps_per_generation ·
+    vllm_tensor_parallel_size, the largest call's rows · vllm_tensor_parallel_size)` (`geometry.vllm_max_num_seqs`),
+    so every call runs all its R rows at once: `R · ⌈(P_t + C) / 16⌉·16`. An upper bound: vLLM's prefix caching
+    shares the blocks of identical prompts (the G copies of a prompt)."""
     return min(call.rows, max_num_seqs) * sequence_kv_tokens(call.prompt_length + completion_length)
 
 
@@ -104,7 +107,8 @@ class EngineTerms:
 
     `weights`, `lora_slots`, `activations`, `non_torch`: the pool's parts besides the KV cache (`fixed`);
     `kv_token_bytes`: one token's KV cache; `max_model_len`: vLLM's context (`vllm_max_model_length`, else the model's
-    `max_position_embeddings`); `call_tokens`: `call_kv_tokens` of the largest call, described by `call`.
+    `max_position_embeddings`); `call_tokens`: `call_kv_tokens` of the largest call, described by `call`;
+    `max_num_seqs`: the rows vLLM runs at once (the team engine's, `geometry.vllm_max_num_seqs`).
     """
 
     utilization: float
@@ -188,7 +192,8 @@ def engine_terms(
 ) -> EngineTerms:
     """The engine's card-independent terms for a rollout of `calls` (`rollout_geometry`); `weights` is the base's
     `base_weight_bytes` (vLLM loads the same checkpoint in the same dtype, NF4 with double quantization on a 4-bit
-    base). `max_model_len` None: vLLM takes `model_max_len` (the model's `max_position_embeddings`)."""
+    base). `max_model_len` None: vLLM takes `model_max_len` (the model's `max_position_embeddings`). `max_num_seqs`:
+    the engine's, `geometry.vllm_max_num_seqs(config)` (at least the largest call's rows)."""
     largest = max(calls, key=lambda call: call_kv_tokens(call, completion_length, max_num_seqs))
     return EngineTerms(
         utilization=utilization,
