@@ -37,7 +37,7 @@ from trl.generation import vllm_generation
 from trl.generation.vllm_generation import VLLMGeneration, empty_cache
 from trl.trainer import grpo_trainer
 
-from .memory.geometry import largest_call_rows
+from .memory.geometry import VLLM_MAX_NUM_BATCHED_TOKENS, vllm_max_num_seqs
 from .routing import BASE
 
 SERVER_MODE_REASON = (
@@ -115,6 +115,7 @@ class TeamVLLMGeneration(VLLMGeneration):
         if settings.get("mode", "colocate") != "colocate":
             raise ValueError(SERVER_MODE_REASON)
         if "max_num_seqs" in settings:
+            team_rows = min(team_rows, VLLM_MAX_NUM_BATCHED_TOKENS)  # vLLM refuses more sequences than tokens a step
             settings["max_num_seqs"] = max(settings["max_num_seqs"] or 0, team_rows) or None
         self.row_adapters = row_adapters
         self.adapter_names = list(adapter_names)
@@ -316,7 +317,7 @@ class TeamVLLMMixin:
             current_step=lambda: self.state.global_step,
             trained_adapters=self.trained_adapters,
             lora_rank=max(ranks),
-            team_rows=largest_call_rows(args) * args.vllm_tensor_parallel_size,
+            team_rows=vllm_max_num_seqs(args),
         )
         with mock.patch.object(grpo_trainer, "VLLMGeneration", factory):
             yield

@@ -70,14 +70,20 @@ def largest_call_rows(config: MAGRPOConfig) -> int:
     return max(call.rows for call in calls)
 
 
+# The tokens TRL's colocated vLLM engine schedules in one step (`max_num_batched_tokens`, set by TRL); vLLM refuses a
+# `max_num_seqs` above it.
+VLLM_MAX_NUM_BATCHED_TOKENS = 4096
+
+
 def vllm_max_num_seqs(config: MAGRPOConfig) -> int:
-    """vLLM's `max_num_seqs` in the team engine (`TeamVLLMGeneration`): `max(TRL's value, largest call's rows ·
-    tp)`, TRL's value being `per_device_train_batch_size · steps_per_generation · tp`, tp =
-    `vllm_tensor_parallel_size`. TRL sizes it for one policy's prompts; a team call holds every agent's rows
-    (`agents · copies · K^t` in MAGRPO), so the engine runs the whole largest call at once."""
+    """vLLM's `max_num_seqs` in the team engine (`TeamVLLMGeneration`): `min(max(TRL's value, largest call's rows ·
+    tp), 4096)`, TRL's value being `per_device_train_batch_size · steps_per_generation · tp`, tp =
+    `vllm_tensor_parallel_size`, 4096 = `VLLM_MAX_NUM_BATCHED_TOKENS`. TRL sizes it for one policy's prompts; a team
+    call holds every agent's rows (`agents · copies · K^t` in MAGRPO), so the engine runs the whole largest call at
+    once."""
     tp = config.vllm_tensor_parallel_size
     trl_value = config.per_device_train_batch_size * config.steps_per_generation * tp
-    return max(trl_value, largest_call_rows(config) * tp)
+    return min(max(trl_value, largest_call_rows(config) * tp), VLLM_MAX_NUM_BATCHED_TOKENS)
 
 
 def visible_answers(scheduler: str, turn: int, answers_before: int, num_agents: int) -> int:
