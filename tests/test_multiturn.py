@@ -236,6 +236,9 @@ def test_evaluation_runs_trees_and_reports_per_turn_metrics(tiny_model_dir, tmp_
     assert "eval_turns/1/reward" in metrics and "eval_turns/0/return" in metrics
 
 
+# The default run keeps the tiny-model tree tests (every sample reaches the loss once) and the multi-turn recipe on the
+# default model (test_quickstart.py); this one repeats both on the default model, so it runs with the slow set.
+@pytest.mark.slow
 def test_two_turn_training_on_the_default_model_trains_every_row_of_every_tree(default_model_dir, tmp_path):
     trainer = make_trainer(
         default_model_dir, tmp_path, transition=stop_some_branches, max_completion_length=8, learning_rate=1e-3

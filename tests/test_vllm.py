@@ -35,10 +35,10 @@ class Team:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
+        torch.manual_seed(0)  # LoRA A is drawn when an adapter is added, LoRA B below: the same adapters every run
         self.model = get_peft_model(base, config, adapter_name=ADAPTERS[0])
         for name in ADAPTERS[1:]:
             self.model.add_adapter(name, config)
-        torch.manual_seed(0)
         for name, parameter in self.model.named_parameters():
             if "lora_B" in name:  # fresh LoRA B is zero: every adapter would be the base
                 torch.nn.init.normal_(parameter, std=0.03)
@@ -109,8 +109,9 @@ def test_greedy_team_generation_through_vllm_equals_the_routed_generate(team, nu
     adapters = agents * 4
     served = team.through_vllm(rows, adapters)
     assert served == team.through_generate(rows, adapters)
-    # the adapters differ, so rows are really served by their own adapter
-    assert len({tuple(served[i]) for i in range(num_agents)}) > 1
+    # the adapters differ, so rows are really served by their own adapter: some prompt gets different answers
+    answers = [{tuple(served[p * num_agents + a]) for a in range(num_agents)} for p in range(4)]
+    assert any(len(different) > 1 for different in answers)
 
 
 def test_after_a_step_vllm_serves_the_new_adapters_under_a_new_version(team):

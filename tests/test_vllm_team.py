@@ -36,9 +36,9 @@ def saved_team(default_model_dir, tmp_path_factory):
     config = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
     agents = resolve_task("explain").agents
     names = [agent["name"] for agent in agents]
+    torch.manual_seed(1)  # LoRA A is drawn when an adapter is added, LoRA B below: the same adapters every run
     model = get_peft_model(base, config, adapter_name=names[0])
     model.add_adapter(names[1], config)
-    torch.manual_seed(1)
     for name, parameter in model.named_parameters():
         if "lora_B" in name:  # fresh LoRA B is zero: the adapters would be the base
             torch.nn.init.normal_(parameter, std=0.03)
@@ -65,7 +65,7 @@ def saved_team(default_model_dir, tmp_path_factory):
     return folder
 
 
-QUESTIONS = ["What is 3 plus 4?", "What colour is snow?", "Name a planet."]
+QUESTIONS = ["What is 3 plus 4?", "Name a planet."]
 
 
 def test_a_loaded_team_plays_the_same_greedy_episodes_through_vllm_as_through_generate(saved_team):
