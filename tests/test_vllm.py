@@ -19,7 +19,8 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from trl_marl.routing import AdapterRouter  # noqa: E402
-from trl_marl.vllm_generation import TeamVLLMGeneration, check_sleep_mode_available  # noqa: E402
+from trl_marl.vllm_generation import TeamVLLMGeneration  # noqa: E402
+from trl_marl.vllm_serving import check_quantization_served, check_sleep_mode_available  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -117,6 +118,8 @@ def test_greedy_team_generation_through_vllm_equals_the_routed_generate(team, nu
 def test_after_a_step_vllm_serves_the_new_adapters_under_a_new_version(team):
     frozen_request = team.engine.lora_requests["a3"]
     trained_request = team.engine.lora_requests["a0"]
+    rows = [prompt for prompt in team.prompts(2) for _ in ADAPTERS]
+    before_step = team.through_generate(rows, ADAPTERS * 2)
     with torch.no_grad():  # what an optimizer step does to the trained adapters
         for name, parameter in team.model.named_parameters():
             if "lora_B" in name and any(f".{adapter}." in name for adapter in TRAINED):
@@ -132,8 +135,33 @@ def test_after_a_step_vllm_serves_the_new_adapters_under_a_new_version(team):
     assert team.engine.lora_requests["a0"].lora_int_id != trained_request.lora_int_id
     assert team.engine.lora_requests["a3"] is frozen_request  # frozen: loaded once
     assert not os.path.exists(trained_request.lora_path)  # the old version is gone from disk
-    rows = [prompt for prompt in team.prompts(2) for _ in ADAPTERS]
-    assert team.through_vllm(rows, ADAPTERS * 2) == team.through_generate(rows, ADAPTERS * 2)
+    after_step = team.through_generate(rows, ADAPTERS * 2)
+    assert after_step != before_step  # the step changed what the adapters say: a stale adapter would show
+    assert team.through_vllm(rows, ADAPTERS * 2) == after_step
+
+
+def test_adapters_loaded_outside_a_step_are_sent_again_at_the_same_step(team):
+    served = dict(team.engine.lora_requests)
+    team.engine.sync_weights()  # the same step: nothing to send
+    assert team.engine.lora_requests == served
+    team.engine.invalidate()  # what loading a checkpoint or the best model does
+    team.engine.sync_weights()
+    assert team.engine.version == team.step
+    for adapter in TRAINED:
+        assert team.engine.lora_requests[adapter].lora_int_id != served[adapter].lora_int_id
+    assert team.engine.lora_requests["a3"] is served["a3"]  # frozen: never sent again
+
+
+def test_a_4bit_base_is_refused_where_vllm_has_no_bitsandbytes_naming_the_setting():
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    if "bitsandbytes" in QUANTIZATION_METHODS:
+        pytest.skip("this vLLM serves bitsandbytes 4-bit bases")
+    with pytest.raises(
+        ValueError, match=r"`use_vllm=True` with a 4-bit base \(`load_in_4bit`\): vLLM .* no bitsandbytes"
+    ):
+        check_quantization_served(True)
+    check_quantization_served(False)  # an unquantized base is served
 
 
 def test_with_sleep_mode_the_engine_wakes_for_each_generation_and_sleeps_at_level_1_keeping_its_adapters(team):

@@ -3,6 +3,8 @@ hand-computed values, and the settings the team engine refuses."""
 
 import math
 import shutil
+from collections import defaultdict
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -11,12 +13,8 @@ from accelerate import Accelerator
 
 from trl_marl import MAGRPOConfig
 from trl_marl.memory.geometry import largest_call_rows
-from trl_marl.vllm_generation import (
-    TeamVLLMGeneration,
-    importance_sampling_ratio,
-    keep_base_when_sleeping,
-    lora_engine_settings,
-)
+from trl_marl.vllm_generation import TeamVLLMGeneration, TeamVLLMMixin, importance_sampling_ratio
+from trl_marl.vllm_serving import check_sharding_served, keep_base_when_sleeping, lora_engine_settings
 
 # two rows of three tokens; the second row's last token is padding
 OLD = torch.tensor([[-1.0, -2.0, -0.5], [-0.2, -0.4, -9.0]])
@@ -97,3 +95,62 @@ def test_the_largest_call_of_a_magrpo_tree_holds_every_agents_rows_of_the_last_t
         num_turns=2, report_to="none", use_cpu=True,
     )  # fmt: skip
     assert largest_call_rows(config) == 2 * 2 * 3
+
+
+def test_tensor_parallel_vllm_is_refused_naming_the_setting(tmp_path):
+    values = dict(output_dir=str(tmp_path), agents=["writer", "editor"], report_to="none", use_cpu=True, use_vllm=True)
+    with pytest.raises(
+        ValueError, match=r"`vllm_tensor_parallel_size=2` is not supported with `use_vllm`.*Set it to 1"
+    ):
+        MAGRPOConfig(**values, vllm_tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("plugin", ["fsdp", "zero3"])
+def test_sharded_adapters_are_refused_before_an_engine_starts(plugin):
+    state = SimpleNamespace(fsdp_plugin=object() if plugin == "fsdp" else None, deepspeed_plugin=None)
+    if plugin == "zero3":
+        state.deepspeed_plugin = SimpleNamespace(zero_stage=3)
+    with pytest.raises(ValueError, match="not supported with FSDP or DeepSpeed ZeRO-3.*Use DDP or ZeRO-1/2"):
+        check_sharding_served(SimpleNamespace(state=state))
+    check_sharding_served(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=None, deepspeed_plugin=None)))  # DDP
+
+
+class SamplingCorrection(TeamVLLMMixin):
+    """The mixin's correction alone, with TRL's settings as attributes and a one-process gather."""
+
+    use_vllm = True
+    vllm_importance_sampling_mode = "token_truncate"
+    vllm_importance_sampling_clip_min = None
+    vllm_importance_sampling_clip_max = 3.0
+
+    def __init__(self, correct: bool):
+        self.vllm_importance_sampling_correction = correct
+        self.accelerator = SimpleNamespace(gather=lambda tensor: tensor)
+        self._metrics = {"train": defaultdict(list)}
+        self._sampling_logps = {}
+
+
+def test_a_token_vllm_could_not_score_gets_a_ratio_of_one_and_stays_out_of_the_gap_metric():
+    trainer = SamplingCorrection(correct=True)
+    # vLLM reports no log-prob (None) for the second token of the only row
+    trainer._record_sampling_logps([1], [[7, 8]], [[5, 6, 9]], [[-0.5, None, -2.0]])
+    sample = SimpleNamespace(agent=1, prompt_ids=[7, 8], completion_ids=[5, 6, 9])
+    output = {
+        "completion_ids": torch.tensor([[5, 6, 9, 0]]),  # padded to the batch's width
+        "completion_mask": torch.tensor([[1.0, 1.0, 1.0, 0.0]]),
+        "old_per_token_logps": torch.tensor([[-0.4, -1.0, -2.5, 0.0]]),
+    }
+    result = trainer._importance_sampling_outputs([sample], output, "train")
+    torch.testing.assert_close(
+        result["importance_sampling_ratio"], torch.tensor([[math.exp(0.1), 1.0, math.exp(-0.5), 1.0]])
+    )
+    assert math.isnan(result["sampling_per_token_logps"][0, 1])
+    assert trainer._metrics["train"]["sampling/sampling_logp_difference/max"] == [pytest.approx(0.5)]
+    assert trainer._sampling_logps == {}  # used once, then dropped
+
+
+def test_without_the_correction_no_sampling_log_probs_are_kept():
+    trainer = SamplingCorrection(correct=False)
+    trainer._record_sampling_logps([0], [[7]], [[5]], [[-0.5]])
+    assert trainer._sampling_logps == {}
+    assert trainer._importance_sampling_outputs([], {}, "train") == {}

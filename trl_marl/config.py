@@ -198,6 +198,12 @@ class TeamConfig(GRPOConfig, metaclass=_TeamConfigType):
             )
         if self.use_vllm and self.vllm_mode != "colocate":
             raise ValueError(SERVER_MODE_REASON)
+        if self.use_vllm and self.vllm_tensor_parallel_size != 1:
+            raise ValueError(
+                f"`vllm_tensor_parallel_size={self.vllm_tensor_parallel_size}` is not supported with `use_vllm`: "
+                "TRL's tensor-parallel generation gathers the prompts of several processes into one call, while each "
+                "process's rows carry their own agents' adapters. Set it to 1 (a team's base fits one GPU)."
+            )
         # Continuous batching does not keep rows in order, so it cannot route rows to adapters.
         if self.use_transformers_continuous_batching:
             raise ValueError(

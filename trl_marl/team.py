@@ -221,7 +221,9 @@ class Team:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         adapters = [self._adapters[a] for a in agent_index]
         if self.engine is not None:
-            rows = self.engine.generate(prompt_ids, adapters, max_new_tokens, do_sample, self._eos_token_ids())
+            rows = self.engine.generate(
+                prompt_ids, adapters, max_new_tokens, do_sample, self._eos_token_ids(), self.model.generation_config
+            )
         else:
             device = next(self.model.parameters()).device
             input_ids = torch.tensor([[pad_id] * (width - len(ids)) + list(ids) for ids in prompt_ids], device=device)
@@ -372,7 +374,7 @@ def load_team(
     scheduler = resolve_scheduler(scheduler or spec.get("scheduler", "parallel"))
     engine = None
     if use_vllm:
-        from .vllm_generation import SavedTeamEngine
+        from .vllm_serving import SavedTeamEngine
 
         engine = SavedTeamEngine(
             base,

@@ -91,6 +91,10 @@ class TeamActionsMixin:
         """A prompt that leaves no room for `max_completion_length` new tokens within the model's positions is an
         error naming the agent and quoting the prompt's end, before anything is generated or trained."""
         limit = getattr(self.model.config, "max_position_embeddings", None)
+        owner, field = "the model's", "max_position_embeddings"
+        vllm_limit = self.args.vllm_max_model_length if self.use_vllm else None
+        if vllm_limit and (not limit or vllm_limit < limit):
+            limit, owner, field = vllm_limit, "vLLM's", "vllm_max_model_length"
         if not limit:
             return
         room = limit - self.max_completion_length
@@ -99,9 +103,10 @@ class TeamActionsMixin:
                 tail = self.processing_class.decode(ids[-40:], skip_special_tokens=True)
                 raise ValueError(
                     f"Agent '{self.agent_names[agent]}' got a prompt of {len(ids)} tokens; with "
-                    f"max_completion_length={self.max_completion_length} it exceeds the model's {limit} positions "
-                    f"(max_position_embeddings). The prompt ends: ...{tail!r}. Filter out such rows (prompts of at "
-                    f"most {room} tokens, system prompt and earlier turns included), or lower max_completion_length."
+                    f"max_completion_length={self.max_completion_length} it exceeds {owner} {limit} positions "
+                    f"({field}). The prompt ends: ...{tail!r}. Filter out such rows (prompts of at most {room} "
+                    "tokens, system prompt and earlier turns included), or lower max_completion_length"
+                    + (" or raise vllm_max_model_length." if field == "vllm_max_model_length" else ".")
                 )
 
     def _score_joint_actions(self, joint_actions: list[JointAction]) -> torch.Tensor:

@@ -17,7 +17,8 @@ With `vllm_enable_sleep_mode=True` the engine sleeps at level 1 between generati
 KV cache freed) where TRL's sleeps at level 2 (weights discarded, merged ones re-sent): the team engine never re-sends
 the base, so it must keep it.
 
-`SavedTeamEngine` serves a team saved by `save_model` (its adapter folders as they are) for `load_team(...).run`.
+The engine's settings, the checks that refuse what vLLM cannot serve, and `SavedTeamEngine` (a saved team for
+`load_team(...).run`) are in `vllm_serving.py`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,15 @@ from trl.trainer import grpo_trainer
 
 from .memory.geometry import VLLM_MAX_NUM_BATCHED_TOKENS, vllm_max_num_seqs
 from .routing import BASE
+from .vllm_serving import (
+    check_quantization_served,
+    check_sharding_served,
+    check_sleep_mode_available,
+    check_vllm_installed,
+    keep_base_when_sleeping,
+    lora_engine_settings,
+    shut_down_engine,
+)
 
 SERVER_MODE_REASON = (
     "`vllm_mode='server'` is not supported: TRL's `trl vllm-serve` server receives merged full weights, one policy, "
@@ -47,41 +57,11 @@ SERVER_MODE_REASON = (
 )
 
 
-# The values vLLM accepts for `max_lora_rank` (vllm.config.lora.MaxLoRARanks, 0.22-0.31).
-VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def lora_engine_settings(num_adapters: int, lora_rank: int, dtype: torch.dtype | str) -> dict[str, Any]:
-    """The `vllm.LLM` arguments that serve `num_adapters` LoRA adapters of rank at most `lora_rank` in one batch, in
-    `dtype` (the model's: vLLM would otherwise pick its own). `max_lora_rank` is the smallest value vLLM accepts
-    that holds `lora_rank` (a rank-4 adapter is served in rank-8 slots)."""
-    supported = [rank for rank in VLLM_MAX_LORA_RANKS if rank >= lora_rank]
-    if not supported:
-        raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_MAX_LORA_RANKS[-1]}; `lora_r` is {lora_rank}.")
-    return {
-        "enable_lora": True,
-        "max_loras": num_adapters,
-        "max_lora_rank": supported[0],
-        "dtype": str(dtype).removeprefix("torch."),
-    }
-
-
-def keep_base_when_sleeping(llm: Any) -> Any:
-    """Make `llm.sleep` sleep at level 1 whatever level it is asked for. TRL's colocate engine sleeps at level 2,
-    which discards the weights because TRL re-sends merged weights at every wake-up; the team engine is sent adapters
-    only, so its base must survive the sleep: level 1 offloads the weights to CPU memory and frees the KV cache."""
-    sleep = llm.sleep
-
-    def sleep_keeping_the_base(level: int = 1, **kwargs: Any) -> None:
-        sleep(level=1, **kwargs)
-
-    llm.sleep = sleep_keeping_the_base
-    return llm
-
-
 def _shared_memory_dir() -> str | None:
-    """A RAM-backed folder for adapter versions where the system has one (Linux `/dev/shm`), else the default temp."""
-    return "/dev/shm" if Path("/dev/shm").is_dir() else None
+    """A RAM-backed folder for adapter versions where the system has one with room (Linux `/dev/shm`, at least 1 GiB
+    free: containers often give it 64 MiB), else the default temp."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and shutil.disk_usage(shm).free >= 2**30 else None
 
 
 class TeamVLLMGeneration(VLLMGeneration):
@@ -114,6 +94,8 @@ class TeamVLLMGeneration(VLLMGeneration):
     ):
         if settings.get("mode", "colocate") != "colocate":
             raise ValueError(SERVER_MODE_REASON)
+        check_sharding_served(settings.get("accelerator"))
+        self._owns_process_group = not torch.distributed.is_initialized()
         if "max_num_seqs" in settings:
             team_rows = min(team_rows, VLLM_MAX_NUM_BATCHED_TOKENS)  # vLLM refuses more sequences than tokens a step
             settings["max_num_seqs"] = max(settings["max_num_seqs"] or 0, team_rows) or None
@@ -131,10 +113,12 @@ class TeamVLLMGeneration(VLLMGeneration):
     def _init_vllm(self) -> None:
         """TRL's colocate engine, built with LoRA serving for every adapter, in the model's dtype, and sleeping at
         level 1 (`keep_base_when_sleeping`)."""
+        check_vllm_installed()
         from vllm import LLM
 
         if self.enable_sleep_mode:
             check_sleep_mode_available()
+        check_quantization_served(getattr(self.model, "is_loaded_in_4bit", False))
         settings = lora_engine_settings(len(self.adapter_names), self.lora_rank, self.model.dtype)
 
         def team_llm(**kwargs: Any) -> Any:
@@ -153,11 +137,11 @@ class TeamVLLMGeneration(VLLMGeneration):
             empty_cache()
             self.llm.wake_up(tags=["weights"])
             self._llm_weights_sleeping = False
-        if self.lora_requests and self.version == self.current_step():
+        step = self.current_step()
+        if self.lora_requests and self.version == step:
             return
-        self.version = self.current_step()
         for adapter in self.adapter_names if not self.lora_requests else self.trained_adapters:
-            folder = self._adapter_dir / f"{adapter}@step{self.version}-{self._next_lora_id}"
+            folder = self._adapter_dir / f"{adapter}@step{step}-{self._next_lora_id}"
             self.model.save_pretrained(folder, selected_adapters=[adapter])
             old = self.lora_requests.get(adapter)
             self.lora_requests[adapter] = LoRARequest(
@@ -167,6 +151,12 @@ class TeamVLLMGeneration(VLLMGeneration):
             if old is not None:
                 self.llm.llm_engine.remove_lora(old.lora_int_id)
                 shutil.rmtree(self._adapter_dir / old.lora_name, ignore_errors=True)
+        self.version = step  # only once every adapter of this version is served
+
+    def invalidate(self) -> None:
+        """Adapters were loaded into the model outside an optimizer step (a checkpoint, the best model): the next
+        `sync_weights` sends the trained adapters as a new version, whatever the step."""
+        self.version = None
 
     @staticmethod
     def _adapter_path(folder: Path, adapter: str) -> Path:
@@ -186,6 +176,8 @@ class TeamVLLMGeneration(VLLMGeneration):
 
     def generate(self, prompts, images, num_generations, profiler=None):
         """TRL's colocated generation, each row served with its adapter's LoRA."""
+        if self.enable_sleep_mode and self._llm_weights_sleeping:
+            self.sync_weights()  # wakes the weights (TRL's generate would, after the requests are built)
         requests = self.row_lora_requests(len(prompts))
         generate = self.llm.generate
         with mock.patch.object(self.llm, "generate", functools.partial(generate, lora_request=requests)):
@@ -194,84 +186,10 @@ class TeamVLLMGeneration(VLLMGeneration):
     def close(self) -> None:
         """Shut the engine down, free its memory (weights, KV cache) and remove the saved adapter versions. A later
         trainer can then start an engine of its own in this process."""
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
         if getattr(self, "llm", None) is not None:
             self.llm = None
-            cleanup_dist_env_and_memory()
+            shut_down_engine(self._owns_process_group)
         shutil.rmtree(self._adapter_dir, ignore_errors=True)
-
-
-def check_sleep_mode_available() -> None:
-    """Raise, saying what to do, where vLLM has no sleep mode (it has one on CUDA, ROCm and XPU, not on the CPU)."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_sleep_mode_available():
-        raise ValueError(
-            f"`vllm_enable_sleep_mode=True`: vLLM has no sleep mode on this device ({current_platform.device_type}); "
-            "it has one on CUDA, ROCm and XPU GPUs. Set `vllm_enable_sleep_mode=False`."
-        )
-
-
-class SavedTeamEngine:
-    """A vLLM engine serving a team saved by `save_model`: the base model once, each adapter folder as a LoRA.
-
-    Args:
-        base_model: the base model's Hub id or local folder.
-        adapter_folders: adapter name -> its PEFT folder.
-        lora_rank: the largest rank of the adapters.
-        dtype: the dtype to serve in (the trainer's model dtype keeps replays close to training).
-        **settings: further `vllm.LLM` arguments (`gpu_memory_utilization`, `max_model_len`, `quantization`, ...).
-    """
-
-    def __init__(
-        self,
-        base_model: str,
-        adapter_folders: dict[str, str | Path],
-        lora_rank: int,
-        dtype: torch.dtype | str,
-        **settings: Any,
-    ):
-        from vllm import LLM
-        from vllm.lora.request import LoRARequest
-
-        lora = lora_engine_settings(len(adapter_folders), lora_rank, dtype)
-        self.llm = LLM(model=base_model, **lora, **{k: v for k, v in settings.items() if v is not None})
-        self.lora_requests = {
-            name: LoRARequest(name, index, str(folder))
-            for index, (name, folder) in enumerate(adapter_folders.items(), start=1)
-        }
-
-    def generate(
-        self,
-        prompt_ids: list[list[int]],
-        adapters: list[str],
-        max_new_tokens: int,
-        do_sample: bool,
-        stop_token_ids: list[int],
-    ) -> list[list[int]]:
-        """Completion token ids of each prompt, row `i` served by adapter `adapters[i]`: greedy, or sampled at
-        temperature 1 with `do_sample` (as transformers' `generate` defaults), ending at a stop token (kept)."""
-        from vllm import SamplingParams
-
-        params = SamplingParams(
-            max_tokens=max_new_tokens, temperature=1.0 if do_sample else 0.0, stop_token_ids=stop_token_ids
-        )
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": ids} for ids in prompt_ids],
-            params,
-            lora_request=[self.lora_requests[adapter] for adapter in adapters],
-            use_tqdm=False,
-        )
-        return [list(output.outputs[0].token_ids) for output in outputs]
-
-    def close(self) -> None:
-        """Shut the engine down and free its memory."""
-        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-        if self.llm is not None:
-            self.llm = None
-            cleanup_dist_env_and_memory()
 
 
 def importance_sampling_ratio(
@@ -322,15 +240,33 @@ class TeamVLLMMixin:
         with mock.patch.object(grpo_trainer, "VLLMGeneration", factory):
             yield
 
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model=model)
+        self._serve_loaded_adapters()
+
+    def _load_best_model(self):
+        super()._load_best_model()
+        self._serve_loaded_adapters()
+
+    def _serve_loaded_adapters(self) -> None:
+        """Adapters loaded from a checkpoint are not the served version of any step: the next generation sends them."""
+        if getattr(self, "use_vllm", False) and getattr(self, "vllm_generation", None) is not None:
+            self.vllm_generation.invalidate()
+            self._last_loaded_step = -1
+
     @property
     def _corrects_vllm_sampling(self) -> bool:
         """Whether TRL's importance-sampling correction applies (vLLM samples, the trainer's model scores)."""
         return self.use_vllm and self.vllm_importance_sampling_correction
 
     def _record_sampling_logps(self, agent_index, prompt_ids, completion_ids, logprobs) -> None:
-        """Keep vLLM's log-prob of each generated token, by (agent, prompt, completion): equal keys were sampled by the
-        same adapter version from the same prompt, so they have equal log-probs."""
+        """Keep vLLM's log-prob of each generated token, by (agent, prompt, completion), while the correction needs
+        them: equal keys were sampled by the same adapter version from the same prompt, so they have equal log-probs.
+        A token vLLM could not score (None) is kept as NaN."""
+        if not self._corrects_vllm_sampling:
+            return
         for agent, prompt, completion, logps in zip(agent_index, prompt_ids, completion_ids, logprobs):
+            logps = [math.nan if logp is None else logp for logp in logps]
             self._sampling_logps[(agent, tuple(prompt), tuple(completion))] = logps
 
     def _importance_sampling_outputs(self, samples: list, output: dict, mode: str) -> dict:
@@ -355,6 +291,7 @@ class TeamVLLMMixin:
             self.vllm_importance_sampling_clip_max,
         )
         delta = torch.abs(old - sampling)[mask.bool()]
+        delta = delta[~torch.isnan(delta)]
         flat = ratio.flatten() if ratio.size(1) == 1 else ratio[mask.bool()]
         gather = self.accelerator.gather
         for name, values in (("sampling_logp_difference", delta), ("importance_sampling_ratio", flat)):
