@@ -144,12 +144,27 @@ def test_rollout_geometry_of_cross_mode_and_a_sequential_scheduler(tmp_path):
     assert (rows, seq_len) == (4, 10 + 256 + 256)
 
 
-def test_rollout_geometry_of_atgrpo(tmp_path):
-    config = ATGRPOConfig(
+def atgrpo_config(tmp_path, **kwargs) -> ATGRPOConfig:
+    defaults = dict(
         output_dir=str(tmp_path), agents=["planner", "coder"], num_turns=2, num_generations=4,
         per_device_train_batch_size=4, max_completion_length=50, use_cpu=True, report_to="none",
     )  # fmt: skip
-    calls, rows, seq_len = rollout_geometry(config, prompt_length=100)
+    return ATGRPOConfig(**{**defaults, **kwargs})
+
+
+def test_rollout_geometry_of_atgrpo_one_call_per_phase(tmp_path):
+    # `parallel` (the default): one phase of both agents a turn, one call of 2 agents x 4 copies = 8 rows
+    # (ATGRPOTrainer._generate_phase); both prompts of a phase see the earlier turns only: turn 1 shows turn 0's 2
+    # answers, 100 + 2 x 50
+    calls, rows, seq_len = rollout_geometry(atgrpo_config(tmp_path), prompt_length=100)
+    assert [(call.rows, call.prompt_length) for call in calls] == [(8, 100), (8, 200)]
+    assert (rows, seq_len) == (4 * 2 * 2, 200 + 50)
+    # `debate`: one phase a turn too; turn 1 shows the other agent's answer only, 100 + 1 x 50
+    calls, rows, seq_len = rollout_geometry(atgrpo_config(tmp_path, scheduler="debate"), prompt_length=100)
+    assert [(call.rows, call.prompt_length) for call in calls] == [(8, 100), (8, 150)]
+    assert (rows, seq_len) == (16, 150 + 50)
+    # `sequential`: one agent a phase, 4 rows a call, each prompt showing every earlier answer
+    calls, rows, seq_len = rollout_geometry(atgrpo_config(tmp_path, scheduler="sequential"), prompt_length=100)
     assert [(call.rows, call.prompt_length) for call in calls] == [(4, 100), (4, 150), (4, 200), (4, 250)]
     assert (rows, seq_len) == (16, 300)
 

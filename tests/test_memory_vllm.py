@@ -15,6 +15,7 @@ from trl_marl.memory import (
     CUDA_CONTEXT_BYTES,
     ENGINE_NON_TORCH_BYTES,
     GIB,
+    VLLM_MAX_LORA_RANKS,
     GenerateCall,
     call_kv_tokens,
     engine_activation_bytes,
@@ -26,6 +27,7 @@ from trl_marl.memory import (
     lora_slot_bytes,
     model_shape,
     sequence_kv_tokens,
+    vllm_lora_rank,
     vllm_max_num_seqs,
 )
 
@@ -55,6 +57,28 @@ def test_the_pool_is_a_share_of_the_whole_card():
 def test_lora_slots_cover_every_linear_for_each_adapter_at_the_largest_rank():
     # 3 slots x L=2 x r=8 x Σ(in + out) = (64+64) + (64+32) + (64+32) + (64+64) + 3 x (64+160), in bf16
     assert lora_slot_bytes(SMALL_SHAPE, 3, 8, 2) == 3 * 2 * 8 * 1120 * 2 == 107_520
+
+
+def test_lora_slots_use_the_rank_vllm_serves(tmp_path):
+    assert VLLM_MAX_LORA_RANKS == (1, 8, 16, 32, 64, 128, 256, 320, 512)
+    assert [vllm_lora_rank(rank) for rank in (1, 2, 4, 8, 12, 16, 17, 300, 512)] == [1, 8, 8, 8, 16, 16, 32, 320, 512]
+    with pytest.raises(ValueError, match="up to 512"):
+        vllm_lora_rank(513)
+    # lora_r = 4 is served in rank-8 slots: 2 adapters x L=2 x r=8 x Σ(in + out) = 1120, in bf16
+    engine = estimate_memory(vllm_config(tmp_path, lora_r=4), small_model_config()).vllm
+    assert engine.max_lora_rank == 8 and engine.lora_slots == 2 * 2 * 8 * 1120 * 2
+    assert ("vLLM: LoRA slots (2 x r=8, every linear)", engine.lora_slots) in engine.rows()
+
+
+def test_a_4bit_trainer_base_with_vllm_is_refused_and_vllms_copy_is_unquantized(tmp_path):
+    four_bit = estimate_memory(vllm_config(tmp_path), small_model_config(), load_in_4bit=True)
+    unquantized = estimate_memory(vllm_config(tmp_path), small_model_config())
+    assert four_bit.base_weights < unquantized.base_weights  # the trainer's NF4 base
+    assert four_bit.vllm.weights == unquantized.vllm.weights == unquantized.base_weights  # vLLM's, in bf16
+    assert four_bit.vllm.activations == unquantized.vllm.activations  # no bitsandbytes dequantization in vLLM
+    failures, _ = four_bit.card_check(2)
+    assert failures[0].startswith("vLLM cannot serve a 4-bit base (`load_in_4bit`")
+    assert not four_bit.fits(24) and unquantized.card_check(2)[0] == []
 
 
 def test_lora_slots_do_not_depend_on_the_adapters_targets(tmp_path):
@@ -103,12 +127,20 @@ def test_max_num_seqs_is_the_largest_team_call_not_trls_copies(tmp_path):
     assert (engine.max_num_seqs, engine.call_tokens, engine.call) == (64, 64 * 144, "64 of 64 rows x 136")
     tree.vllm_tensor_parallel_size = 2  # set after validation: both values count every tensor-parallel rank
     assert vllm_max_num_seqs(tree) == max(1 * 8 * 2, 64 * 2) == 128
-    # AT-GRPO: each call is one agent's 1 x 8 copies, TRL's value itself
-    atgrpo = ATGRPOConfig(
+    # AT-GRPO: one call per scheduler phase (ATGRPOTrainer._generate_phase); `parallel` puts both agents in one phase,
+    # 2 agents x 1 x 8 copies = 16 rows, twice TRL's value; `sequential` calls one agent's 8 copies, TRL's value itself
+    atgrpo = dict(
         output_dir=str(tmp_path), agents=["planner", "coder"], num_turns=2, num_generations=4, use_vllm=True,
-        per_device_train_batch_size=1, gradient_accumulation_steps=8, use_cpu=True, report_to="none",
+        per_device_train_batch_size=1, gradient_accumulation_steps=8, max_completion_length=32, use_cpu=True,
+        report_to="none",
     )  # fmt: skip
-    assert largest_call_rows(atgrpo) == 8 and vllm_max_num_seqs(atgrpo) == 1 * 8 * 1 == 8
+    parallel = ATGRPOConfig(**atgrpo)
+    assert largest_call_rows(parallel) == 2 * 8 and vllm_max_num_seqs(parallel) == max(1 * 8 * 1, 16) == 16
+    engine = estimate_memory(parallel, small_model_config(), prompt_length=40).vllm
+    # turn 1's call: both prompts show turn 0's 2 answers, 40 + 2 x 32, + 32 new tokens = 136, 144 in blocks of 16
+    assert (engine.max_num_seqs, engine.call_tokens, engine.call) == (16, 16 * 144, "16 of 16 rows x 136")
+    sequential = ATGRPOConfig(**atgrpo, scheduler="sequential")
+    assert largest_call_rows(sequential) == 8 and vllm_max_num_seqs(sequential) == 1 * 8 * 1 == 8
 
 
 def test_with_vllm_the_trainer_has_no_generation_phase_and_the_pool_sits_beside_it(tmp_path):
@@ -222,15 +254,16 @@ def test_a_vllm_estimate_on_the_cpu_says_the_pool_needs_a_gpu(tmp_path):
         estimate.fits(16)
 
 
-# Each paper recipe's documented vLLM variant (the command in its last comment block), with the prompt bound and the
-# model config its comment names: (recipe, model config, --prompt_length, fits 16 GB, fits 24 GB)
+# Each paper recipe's documented vLLM variant (the command in its last comment block: the base unquantized, in bf16,
+# as vLLM 0.31 cannot serve a 4-bit one), with the prompt bound and the model config its comment names: (recipe, model
+# config, --prompt_length, fits 16 GB, fits 24 GB)
 PAPER_VARIANTS = [
     ("magrpo_tldr.yaml", "Qwen3-1.7B", 512, True, True),
     ("magrpo_arxiv.yaml", "Qwen3-1.7B", 512, True, True),
-    ("magrpo_humaneval.yaml", "Qwen2.5-Coder-3B", 512, True, True),
+    ("magrpo_humaneval.yaml", "Qwen2.5-Coder-3B", 512, False, True),
     ("atgrpo_math.yaml", "Qwen3-1.7B", 512, True, True),
-    ("atgrpo_code_tester.yaml", "Qwen3-1.7B", 1024, False, True),
-    ("atgrpo_puzzles.yaml", "Qwen3-1.7B", 1024, False, True),
+    ("atgrpo_code_tester.yaml", "Qwen3-1.7B", 1024, False, True),  # with sleep mode only
+    ("atgrpo_puzzles.yaml", "Qwen3-1.7B", 1024, False, True),  # with sleep mode only
 ]
 
 
@@ -260,10 +293,11 @@ def chosen_utilization(estimate) -> float:
 @pytest.mark.parametrize(("recipe", "model", "prompt_length", "fits_16", "fits_24"), PAPER_VARIANTS)
 def test_paper_recipes_vllm_variants_fit_the_documented_cards(recipe, model, prompt_length, fits_16, fits_24):
     flags = documented_vllm_flags(recipe)
-    assert flags[:2] == ["--use_vllm", "true"] and "--vllm_max_model_length" in flags
+    assert flags[:4] == ["--use_vllm", "true", "--load_in_4bit", "false"] and "--vllm_max_model_length" in flags
     model_flags = ["--model_name_or_path", str(PAPER / "model_configs" / model)]
     estimate = estimate_config(str(PAPER / recipe), [*model_flags, *flags], prompt_length)
     engine = estimate.vllm
+    assert estimate.details["4-bit"] is False and engine.weights == estimate.base_weights  # both copies in bf16
     # the context covers the planner's longest prompt + completion, and vLLM serves both agents' adapters
     assert engine.max_model_len == estimate.details["training sequence length"]
     assert (engine.max_loras, engine.max_lora_rank) == (2, 16)
@@ -277,11 +311,17 @@ def test_paper_recipes_vllm_variants_fit_the_documented_cards(recipe, model, pro
     assert f"the trainer's {estimate.peak / GIB:.1f} GiB" in comment
 
 
-def test_sleep_mode_lets_the_longest_atgrpo_recipes_hold_every_row_on_24_gb():
-    recipe = "atgrpo_code_tester.yaml"
-    flags = [*documented_vllm_flags(recipe), "--vllm_gpu_memory_utilization", "0.3"]
+@pytest.mark.parametrize("recipe", ["atgrpo_code_tester.yaml", "atgrpo_puzzles.yaml"])
+def test_the_longest_atgrpo_recipes_fit_24_gb_with_vllm_only_in_sleep_mode(recipe):
+    flags = documented_vllm_flags(recipe)
+    assert flags[-2:] == ["--vllm_enable_sleep_mode", "true"]
     script_args, args = parse_train_config(str(PAPER / recipe), ["--bf16", "true", "--use_cpu", "true", *flags])
-    args.vllm_enable_sleep_mode = True  # as in its comment; set after validation, as the planner reads it
     model_config = AutoConfig.from_pretrained(PAPER / "model_configs" / "Qwen3-1.7B")
     estimate = estimate_memory(args, model_config, load_in_4bit=script_args.load_in_4bit, prompt_length=1024)
+    # the documented U holds every row on 24 GB, and the peak is the trainer's own (its static part + the pool is less)
     assert estimate.card_check(24) == ([], []) and estimate.process_peak(24) == estimate.peak
+    # without sleep mode, the bf16 trainer beside a pool with any KV cache is over 24 GB at every utilization
+    awake = dataclasses.replace(estimate.vllm, sleep_mode=False)
+    for utilization in [round(0.05 * step, 2) for step in range(1, 20)]:
+        at = dataclasses.replace(estimate, vllm=dataclasses.replace(awake, utilization=utilization))
+        assert not at.fits(24)

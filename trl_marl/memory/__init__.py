@@ -23,7 +23,7 @@ One function per term, its formula in its docstring:
 - `overhead_bytes` (GPU only: the CUDA context and the allocator's slack), and `estimate_memory`, which sums them
   (`estimate.py`);
 - with `use_vllm` (`vllm_engine.py`), no generation phase in the trainer: the colocated engine's pool
-  `engine_pool_bytes` (a share of the card) holds its own `base_weight_bytes`, `lora_slot_bytes`,
+  `engine_pool_bytes` (a share of the card) holds its own `base_weight_bytes`, `lora_slot_bytes` (`vllm_lora_rank`),
   `engine_activation_bytes`, `ENGINE_NON_TORCH_BYTES` and what is left, its KV cache (`engine_kv_cache_bytes`,
   `kv_cache_tokens`), which must hold one `vllm_max_model_length` sequence (`sequence_kv_tokens`) and should hold the
   largest call, whose rows the team engine runs at once (`call_kv_tokens`, `vllm_max_num_seqs`); `card_problems` says
@@ -84,6 +84,7 @@ from .vllm_engine import (
     ENGINE_BATCHED_TOKENS,
     ENGINE_NON_TORCH_BYTES,
     KV_BLOCK_TOKENS,
+    VLLM_MAX_LORA_RANKS,
     EngineTerms,
     call_kv_tokens,
     card_problems,
@@ -94,6 +95,7 @@ from .vllm_engine import (
     kv_cache_tokens,
     lora_slot_bytes,
     sequence_kv_tokens,
+    vllm_lora_rank,
 )
 from .weights import (
     FROZEN_ADAPTER_BYTES,
@@ -126,6 +128,7 @@ __all__ = [
     "GenerateCall",
     "GenerationTerms",
     "KV_BLOCK_TOKENS",
+    "VLLM_MAX_LORA_RANKS",
     "LOGPROB_STATS_PER_TOKEN",
     "LOGPROB_TOKEN_TILE",
     "LOGPROB_VOCAB_TILE",
@@ -180,5 +183,6 @@ __all__ = [
     "targeted_linears",
     "training_layer_bytes",
     "visible_answers",
+    "vllm_lora_rank",
     "vllm_max_num_seqs",
 ]

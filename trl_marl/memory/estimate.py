@@ -241,12 +241,12 @@ def estimate_memory(
     generation = largest_generation(shape, calls, completion, dtypes, targets, rank, adapters, sorted_sampling)
     base_weights = base_weight_bytes(shape, dtypes.model, load_in_4bit)
     engine = None
-    if config.use_vllm:  # vLLM generates: no generation phase in the trainer; its engine loads the same base
+    if config.use_vllm:  # vLLM generates: no generation phase in the trainer; its engine loads the base unquantized
         generation = GenerationTerms(0, 0, 0, 0)
         engine = engine_terms(
             shape,
             utilization=config.vllm_gpu_memory_utilization,
-            weights=base_weights,
+            weights=base_weight_bytes(shape, dtypes.model, False),
             model_bytes=dtypes.model,
             load_in_4bit=load_in_4bit,
             max_loras=adapters,

@@ -2,11 +2,12 @@
 length of a training micro-batch.
 
 MAGRPO turn t (0-based) has `copies·K^t` nodes' worth of rows per acting agent, with K = G (aligned) or G^N (cross)
-and `copies = per_device_train_batch_size · steps_per_generation`; AT-GRPO has `copies` rows per agent step. A
-micro-batch is the rows of a generation batch divided by `steps_per_generation`. Prompts at later turns carry the
-earlier answers: P_t = P + (answers visible before it)·C — every earlier answer of the episode, or under `debate`
-the other agents' previous answers — an upper bound that ignores a transition's own feedback text (raise
-`prompt_length` to cover it).
+and `copies = per_device_train_batch_size · steps_per_generation`; AT-GRPO has `copies` rows per agent step. Both
+make one `generate` call per scheduler phase, holding every acting agent of the phase (AT-GRPO:
+`ATGRPOTrainer._generate_phase`). A micro-batch is the rows of a generation batch divided by `steps_per_generation`.
+Prompts at later phases carry the earlier answers: P_t = P + (answers visible before it)·C — every answer of the
+episode's earlier phases (the agents of one phase do not see each other's), or under `debate` the other agents'
+previous answers — an upper bound that ignores a transition's own feedback text (raise `prompt_length` to cover it).
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ def rollout_geometry(config: MAGRPOConfig, prompt_length: int) -> tuple[list[Gen
     """`(generate calls, training rows per micro-batch, training sequence length)` of one generation batch.
 
     MAGRPO: at turn t (0-based) each acting agent of a scheduler phase answers `copies·K^t` rows in one call per
-    phase (K = G aligned, G^N cross); the rows of trained agents are trained. AT-GRPO: every acting agent's step is
-    one call of `copies` rows. An answer is shown, at most, to every later call: P_t = P + (earlier answers)·C. The
-    micro-batch holds ⌈rows / steps_per_generation⌉ rows padded to the longest: S = max P_t + C.
+    phase (K = G aligned, G^N cross); the rows of trained agents are trained. AT-GRPO: each scheduler phase is one
+    call of `len(phase) · copies` rows (`ATGRPOTrainer._generate_phase`: the phase's agents in one batch). An answer
+    is shown, at most, to every later phase's call; the agents of a phase see the answers of earlier phases only, the
+    same number for each, so one prompt length, the phase's longest, serves the whole call: P_t = P + (earlier
+    answers)·C. The micro-batch holds ⌈rows / steps_per_generation⌉ rows padded to the longest: S = max P_t + C.
     """
     from ..config import ATGRPOConfig
     from ..scheduling import resolve_scheduler
@@ -46,19 +49,13 @@ def rollout_geometry(config: MAGRPOConfig, prompt_length: int) -> tuple[list[Gen
     completion = config.max_completion_length
     calls, train_rows, answers_before = [], 0, 0
     for turn in range(config.num_turns):
+        nodes = copies if at_grpo else copies * per_node**turn
         for phase in scheduler.phases(turn, config.num_agents):
-            if at_grpo:
-                for agent in phase:
-                    visible = visible_answers(config.scheduler, turn, answers_before, config.num_agents)
-                    calls.append(GenerateCall(copies, prompt_length + visible * completion))
-                    train_rows += copies if agent in trained else 0
-                    answers_before += 1
-            else:
-                nodes = copies * per_node**turn
-                visible = visible_answers(config.scheduler, turn, answers_before, config.num_agents)
-                calls.append(GenerateCall(nodes * len(phase), prompt_length + visible * completion))
-                train_rows += nodes * len(trained.intersection(phase))
-                answers_before += len(phase)
+            # the agents of a phase see the same earlier answers (their prompts are fixed when the phase begins)
+            visible = visible_answers(config.scheduler, turn, answers_before, config.num_agents)
+            calls.append(GenerateCall(nodes * len(phase), prompt_length + visible * completion))
+            train_rows += nodes * len(trained.intersection(phase))
+            answers_before += len(phase)
     micro_batch = math.ceil(train_rows / config.steps_per_generation)
     return calls, micro_batch, max(call.prompt_length for call in calls) + completion
 
@@ -79,8 +76,8 @@ def vllm_max_num_seqs(config: MAGRPOConfig) -> int:
     """vLLM's `max_num_seqs` in the team engine (`TeamVLLMGeneration`): `min(max(TRL's value, largest call's rows ·
     tp), 4096)`, TRL's value being `per_device_train_batch_size · steps_per_generation · tp`, tp =
     `vllm_tensor_parallel_size`, 4096 = `VLLM_MAX_NUM_BATCHED_TOKENS`. TRL sizes it for one policy's prompts; a team
-    call holds every agent's rows (`agents · copies · K^t` in MAGRPO), so the engine runs the whole largest call at
-    once."""
+    call holds the rows of every agent of a phase (`agents · copies · K^t` in MAGRPO, `agents · copies` in AT-GRPO),
+    so the engine runs the whole largest call at once."""
     tp = config.vllm_tensor_parallel_size
     trl_value = config.per_device_train_batch_size * config.steps_per_generation * tp
     return min(max(trl_value, largest_call_rows(config) * tp), VLLM_MAX_NUM_BATCHED_TOKENS)

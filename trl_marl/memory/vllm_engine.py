@@ -2,9 +2,10 @@
 
 At start vLLM reserves `vllm_gpu_memory_utilization` of the card's *total* memory, its pool (`engine_pool_bytes`), and
 refuses to start when that much is not free. Inside the pool: its own copy of the base weights (`base_weight_bytes`,
-NF4 on a 4-bit base), the LoRA slots it preallocates (`lora_slot_bytes`), the peak of its profiling forward
-(`engine_activation_bytes`) and its memory outside torch (`ENGINE_NON_TORCH_BYTES`); what is left is the KV cache
-(`engine_kv_cache_bytes`), in blocks of `KV_BLOCK_TOKENS` tokens (`kv_cache_tokens`). The KV cache must hold one
+unquantized in the model dtype: vLLM 0.31 has no bitsandbytes quantization, so a 4-bit trainer base is refused), the
+LoRA slots it preallocates at a rank vLLM serves (`lora_slot_bytes`, `vllm_lora_rank`), the peak of its profiling
+forward (`engine_activation_bytes`) and its memory outside torch (`ENGINE_NON_TORCH_BYTES`); what is left is the KV
+cache (`engine_kv_cache_bytes`), in blocks of `KV_BLOCK_TOKENS` tokens (`kv_cache_tokens`). The KV cache must hold one
 `vllm_max_model_length` sequence, or vLLM refuses to start; it should hold every row of the largest generation call,
 which the team engine runs at once (its `max_num_seqs` is at least that call's rows: `geometry.vllm_max_num_seqs`), or
 vLLM queues rows (slower, not an error; `call_kv_tokens`). `card_problems` says which of these fail on a card.
@@ -27,6 +28,19 @@ KV_BLOCK_TOKENS = 16
 # What vLLM's profiling counts outside torch's allocator in the pool ("non-torch forward increase memory": cuBLAS and
 # attention-backend workspaces, communicator buffers). vLLM logs 0.05-0.2 GiB for one GPU; an allowance, not measured.
 ENGINE_NON_TORCH_BYTES = 256 * 2**20
+# The LoRA ranks vLLM accepts as `max_lora_rank` (its slot sizes); trl_marl serves an adapter in the smallest that
+# holds its rank. Kept here, free of torch and vLLM, for the planner and `vllm_generation.lora_engine_settings`.
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(lora_rank: int) -> int:
+    """The `max_lora_rank` vLLM is given for adapters of rank at most `lora_rank`: the smallest of
+    `VLLM_MAX_LORA_RANKS` (1, 8, 16, 32, 64, 128, 256, 320, 512) that holds it (a rank-4 adapter is served in rank-8
+    slots). Raises `ValueError` above 512."""
+    supported = [rank for rank in VLLM_MAX_LORA_RANKS if rank >= lora_rank]
+    if not supported:
+        raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_MAX_LORA_RANKS[-1]}; `lora_r` is {lora_rank}.")
+    return supported[0]
 
 
 def engine_pool_bytes(gpu_memory_bytes: int, utilization: float) -> int:
@@ -38,6 +52,7 @@ def engine_pool_bytes(gpu_memory_bytes: int, utilization: float) -> int:
 def lora_slot_bytes(shape: ModelShape, max_loras: int, max_lora_rank: int, model_bytes: int) -> int:
     """The LoRA slots vLLM preallocates with `enable_lora`: `max_loras · L · Σ r_max·(in + out) · b_m` over every
     linear of a decoder layer (`lora_parameters` at `max_lora_rank`), in the model dtype (vLLM's `lora_dtype="auto"`).
+    r_max is the rank vLLM is given, `vllm_lora_rank(lora_r)` (16 for r = 16, 8 for r = 4).
 
     vLLM wraps every linear layer (q/k/v, o, gate/up, down), whatever the adapters target.
     """
@@ -58,7 +73,8 @@ def engine_activation_bytes(
     The forward over T = `batched_tokens` tokens (4096 with TRL) holds the residual stream and the hidden states
     `2·T·h·b_m` and the larger block's outputs: attention `T·(2·n_h + 2·n_kv)·d·b_m` (fused q/k/v and the attention
     output) or MLP `3·T·I·b_m` (fused gate/up and the SiLU product); plus Punica's fp32 LoRA buffer `3·T·r_max·4` (the
-    three slices of q/k/v) and, on a 4-bit base, the weight shard bitsandbytes dequantizes for one matmul
+    three slices of q/k/v) and, on a 4-bit base (a vLLM with bitsandbytes, before 0.31; the planner passes False, as
+    trl_marl's engine serves the base unquantized), the weight shard bitsandbytes dequantizes for one matmul
     `max(in·out)·b_m`. The sampler then runs on R = min(`max_num_seqs`, T) rows beside the hidden states `T·h·b_m`:
     `generation_logits_bytes` with sorting (vLLM's dummy sampler applies top-p and top-k). The peak is the larger.
     In the team engine `max_num_seqs` is the largest call's rows (`geometry.vllm_max_num_seqs`).
@@ -125,6 +141,7 @@ class EngineTerms:
     max_loras: int
     max_lora_rank: int
     sleep_mode: bool
+    four_bit_trainer: bool = False  # the trainer's base is 4-bit: the engine refuses it (`card_problems`)
 
     @property
     def fixed(self) -> int:
@@ -191,16 +208,19 @@ def engine_terms(
     sleep_mode: bool,
 ) -> EngineTerms:
     """The engine's card-independent terms for a rollout of `calls` (`rollout_geometry`); `weights` is the base's
-    `base_weight_bytes` (vLLM loads the same checkpoint in the same dtype, NF4 with double quantization on a 4-bit
-    base). `max_model_len` None: vLLM takes `model_max_len` (the model's `max_position_embeddings`). `max_num_seqs`:
-    the engine's, `geometry.vllm_max_num_seqs(config)` (at least the largest call's rows)."""
+    unquantized `base_weight_bytes` (vLLM loads the same checkpoint in the model dtype). `load_in_4bit`: the trainer's
+    base is 4-bit, which trl_marl's engine refuses (vLLM 0.31 has no bitsandbytes): `card_problems` says so on every
+    card. `max_lora_rank`: `lora_r`, served at `vllm_lora_rank(lora_r)`. `max_model_len` None: vLLM takes
+    `model_max_len` (the model's `max_position_embeddings`). `max_num_seqs`: the engine's,
+    `geometry.vllm_max_num_seqs(config)` (at least the largest call's rows)."""
     largest = max(calls, key=lambda call: call_kv_tokens(call, completion_length, max_num_seqs))
+    max_lora_rank = vllm_lora_rank(max_lora_rank)
     return EngineTerms(
         utilization=utilization,
         weights=weights,
         lora_slots=lora_slot_bytes(shape, max_loras, max_lora_rank, model_bytes),
         activations=engine_activation_bytes(
-            shape, ENGINE_BATCHED_TOKENS, max_num_seqs, model_bytes, max_lora_rank, load_in_4bit
+            shape, ENGINE_BATCHED_TOKENS, max_num_seqs, model_bytes, max_lora_rank, load_in_4bit=False
         ),
         non_torch=ENGINE_NON_TORCH_BYTES,
         kv_token_bytes=kv_cache_bytes(shape, 1, 1, model_bytes),
@@ -212,6 +232,7 @@ def engine_terms(
         max_loras=max_loras,
         max_lora_rank=max_lora_rank,
         sleep_mode=sleep_mode,
+        four_bit_trainer=load_in_4bit,
     )
 
 
@@ -220,7 +241,8 @@ def card_problems(
 ) -> tuple[list[str], list[str]]:
     """`(failures, warnings)` of the engine beside the trainer on a card of M = `gpu_memory_bytes`, in words.
 
-    Failures: vLLM refuses to start when `trainer_at_start` (what the trainer holds when the engine starts: CUDA
+    Failures: trl_marl refuses a 4-bit trainer base with vLLM (`load_in_4bit`: vLLM 0.31 cannot serve it); vLLM
+    refuses to start when `trainer_at_start` (what the trainer holds when the engine starts: CUDA
     context, base weights, adapters) leaves less than the pool free, when the pool has no room for a KV cache, or when
     the KV cache cannot hold one `max_model_len` sequence; the run runs out of memory when `process_peak` (the
     trainer, whose own peak is `trainer_peak`, with the pool beside it) exceeds M. Warning: the KV cache holds fewer
@@ -233,6 +255,12 @@ def card_problems(
         f"{engine.needed_tokens():,} tokens on this card is {engine.minimum_utilization(gpu_memory_bytes):g})"
     )
     failures, warnings = [], []
+    if engine.four_bit_trainer:
+        failures.append(
+            "vLLM cannot serve a 4-bit base (`load_in_4bit`: vLLM 0.31 has no bitsandbytes quantization) and trl_marl "
+            "refuses `use_vllm` with one: load the base unquantized (`--load_in_4bit false`, in the model dtype), as "
+            "predicted here for vLLM's copy, or keep the 4-bit base without vLLM"
+        )
     if gpu_memory_bytes - trainer_at_start < pool:
         failures.append(
             f"vLLM refuses to start: the trainer holds {trainer_at_start / gib:.1f} GiB when the engine starts, which "
