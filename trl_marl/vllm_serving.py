@@ -10,21 +10,17 @@ from typing import Any
 import torch
 from trl.generation.vllm_generation import empty_cache
 
-# The values vLLM accepts for `max_lora_rank` (vllm.config.lora.MaxLoRARanks, 0.22-0.31).
-VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+from .memory.vllm_engine import vllm_lora_rank
 
 
 def lora_engine_settings(num_adapters: int, lora_rank: int, dtype: torch.dtype | str) -> dict[str, Any]:
     """The `vllm.LLM` arguments that serve `num_adapters` LoRA adapters of rank at most `lora_rank` in one batch, in
     `dtype` (the model's: vLLM would otherwise pick its own). `max_lora_rank` is the smallest value vLLM accepts
-    that holds `lora_rank` (a rank-4 adapter is served in rank-8 slots)."""
-    supported = [rank for rank in VLLM_MAX_LORA_RANKS if rank >= lora_rank]
-    if not supported:
-        raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_MAX_LORA_RANKS[-1]}; `lora_r` is {lora_rank}.")
+    that holds `lora_rank` (`memory.vllm_lora_rank`: a rank-4 adapter is served in rank-8 slots)."""
     return {
         "enable_lora": True,
         "max_loras": num_adapters,
-        "max_lora_rank": supported[0],
+        "max_lora_rank": vllm_lora_rank(lora_rank),
         "dtype": str(dtype).removeprefix("torch."),
     }
 
