@@ -93,7 +93,9 @@ def test_evaluate_task_and_the_cli_generate_through_vllm(saved_team, default_mod
     # vLLM sampled the rows, the model scored them: TRL's sampling metrics exist only on that path
     assert metrics["sampling/sampling_logp_difference/max"] < 1e-3
 
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    distributed = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # TRL's engine set them here
+    env = {key: value for key, value in os.environ.items() if key not in distributed}
+    env.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     command = [sys.executable, "-m", "trl_marl.cli", "evaluate", "explain", "--team", str(saved_team), "--limit", "2"]
     command += ["--max_completion_length", "8", "--use_vllm", "--vllm_max_model_length", "512"]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)

@@ -95,7 +95,6 @@ class TeamVLLMGeneration(VLLMGeneration):
         if settings.get("mode", "colocate") != "colocate":
             raise ValueError(SERVER_MODE_REASON)
         check_sharding_served(settings.get("accelerator"))
-        self._owns_process_group = not torch.distributed.is_initialized()
         if "max_num_seqs" in settings:
             team_rows = min(team_rows, VLLM_MAX_NUM_BATCHED_TOKENS)  # vLLM refuses more sequences than tokens a step
             settings["max_num_seqs"] = max(settings["max_num_seqs"] or 0, team_rows) or None
@@ -188,7 +187,7 @@ class TeamVLLMGeneration(VLLMGeneration):
         trainer can then start an engine of its own in this process."""
         if getattr(self, "llm", None) is not None:
             self.llm = None
-            shut_down_engine(self._owns_process_group)
+            shut_down_engine()
         shutil.rmtree(self._adapter_dir, ignore_errors=True)
 
 

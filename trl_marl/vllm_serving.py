@@ -66,19 +66,20 @@ def check_quantization_served(load_in_4bit: bool) -> None:
         )
 
 
-def shut_down_engine(owns_process_group: bool) -> None:
+def shut_down_engine() -> None:
     """Free a dropped engine's memory. vLLM's full cleanup also destroys torch.distributed's default process group:
-    only when vLLM created it (a single process); under `accelerate launch` it is the trainer's, which lives on."""
+    fine in one process (vLLM's own group, or accelerate's of world size 1), but under `accelerate launch` with several
+    processes the group is the trainer's and must live on, so only vLLM's model-parallel state is dropped there."""
     import gc
 
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory, destroy_model_parallel
 
-    if owns_process_group:
-        cleanup_dist_env_and_memory()
-    else:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         destroy_model_parallel()
         gc.collect()
         empty_cache()
+    else:
+        cleanup_dist_env_and_memory()
 
 
 def check_sharding_served(accelerator: Any) -> None:
@@ -130,7 +131,6 @@ class SavedTeamEngine:
 
         check_quantization_served(settings.get("quantization") == "bitsandbytes")
         lora = lora_engine_settings(len(adapter_folders), lora_rank, dtype)
-        self._owns_process_group = not torch.distributed.is_initialized()
         self.llm = LLM(model=base_model, **lora, **{k: v for k, v in settings.items() if v is not None})
         self.lora_requests = {
             name: LoRARequest(name, index, str(folder))
@@ -175,4 +175,4 @@ class SavedTeamEngine:
         """Shut the engine down and free its memory."""
         if self.llm is not None:
             self.llm = None
-            shut_down_engine(self._owns_process_group)
+            shut_down_engine()
