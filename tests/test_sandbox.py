@@ -340,36 +340,72 @@ def test_results_come_back_in_order_and_check_many_scores_each(isolated):
     assert [result.stdout for result in results] == [f"{index}\n" for index in range(5)]
 
 
+# Each moment is reached exactly, from inside the trainer: the interrupt lands while the pool is still being filled
+# (two runs started, the last item not yet submitted), or once every worker runs, or outside `map` while another
+# thread's runs go on and more are queued (the interpreter exits with them); or the trainer is SIGKILLed then.
 INTERRUPTED = """
-import sys, warnings
+import concurrent.futures, signal, sys, threading, time, warnings
 warnings.simplefilter("ignore")
-from trl_marl.sandbox import Limits, Sandbox
-sandbox = Sandbox(sys.argv[1], limits=Limits(wall_time_s=120), max_workers=2)
-print("started", flush=True)
-sandbox.run_many(["import time\\ntime.sleep(100)"] * 4)
+from trl_marl.sandbox import Limits, Sandbox, process
+backend, moment = sys.argv[1:]
+sandbox = Sandbox(backend, limits=Limits(wall_time_s=120), max_workers=2)
+SOURCES = ["import time\\ntime.sleep(100)"] * 4
+
+def when_both_run(then):
+    deadline = time.monotonic() + 60
+    while len(process._LIVE) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    then()
+
+def interrupt():
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+if moment == "filling":
+    submit = concurrent.futures.ThreadPoolExecutor.submit
+    submitted = []
+
+    def submit_until_interrupted(pool, *args, **kwargs):
+        submitted.append(args)
+        if len(submitted) == 4:
+            when_both_run(interrupt)
+            time.sleep(30)  # the KeyboardInterrupt is raised here
+        return submit(pool, *args, **kwargs)
+
+    concurrent.futures.ThreadPoolExecutor.submit = submit_until_interrupted
+elif moment == "running":
+    threading.Thread(target=when_both_run, args=(interrupt,), daemon=True).start()
+elif moment == "exiting":
+    threading.Thread(target=sandbox.run_many, args=(SOURCES,)).start()
+    when_both_run(interrupt)
+    time.sleep(30)  # the KeyboardInterrupt is raised here, and the interpreter exits
+else:
+    threading.Thread(target=when_both_run, args=(lambda: print("running", flush=True),), daemon=True).start()
+sandbox.run_many(SOURCES)
 """
 
 
 @pytest.mark.parametrize("backend", ["bubblewrap", "local"])
-@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["interrupt", "kill"])
-def test_an_interrupted_or_killed_trainer_leaves_no_sandbox_behind(backend, how, shared_tmp, isolated):
+@pytest.mark.parametrize("moment", ["filling", "running", "exiting", "killed"])
+def test_an_interrupted_or_killed_trainer_leaves_no_sandbox_behind(backend, moment, shared_tmp, isolated):
     before = sandbox_processes()
     trainer = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(INTERRUPTED), backend],
+        [sys.executable, "-c", textwrap.dedent(INTERRUPTED), backend, moment],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env={**os.environ, "TMPDIR": str(shared_tmp)},
         text=True,
     )
-    assert trainer.stdout.readline() == "started\n"
-    deadline = time.monotonic() + 60
-    while len(sandbox_processes() - before) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert sandbox_processes() - before, "the sandboxes never started"
-    trainer.send_signal(how)
-    _, stderr = trainer.communicate(timeout=60)
-    if how == signal.SIGINT:
-        assert "KeyboardInterrupt" in stderr
+    if moment == "killed":
+        assert trainer.stdout.readline() == "running\n"
+        trainer.kill()
+    try:
+        _, stderr = trainer.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        trainer.kill()
+        trainer.communicate()
+        pytest.fail(f"the trainer had not exited 30 s after the interrupt ({moment}): a Ctrl-C must end it promptly")
+    if moment != "killed":
+        assert "KeyboardInterrupt" in stderr, stderr
         assert list(shared_tmp.iterdir()) == []  # every run removed its files
     assert wait_until_gone(before, timeout_s=10) == set()
 

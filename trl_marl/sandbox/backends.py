@@ -6,19 +6,26 @@ reach. See docs/sandbox.md for the threat model and what each one guarantees.
 
 from __future__ import annotations
 
+import errno
 import functools
+import json
 import marshal
 import os
 import shutil
+import signal
 import stat
+import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from .harness import JOB_FORMAT
+from .cleanup import remove_tree
+from .harness import JOB_FORMAT, SETUP_EXIT_CODE
 from .process import Finished, run_command
 from .result import Limits
+from .seccomp import DENIED, DENIED_WITH, SeccompUnavailable, filter_program
 
 HARNESS_SOURCE = (Path(__file__).with_name("harness.py")).read_bytes()
 NOBODY = 65534  # the uid/gid sandboxes run as when the trainer runs as root (RLIMIT_NPROC does not bind root)
@@ -132,8 +139,13 @@ class BubblewrapBackend:
 
     def run(self, job: dict, stdin: bytes | None, limits: Limits, owner: object = None) -> Run:
         """Run ``job`` (see harness.py) in a fresh sandbox; ``owner`` tags the process for `process.kill_all`."""
-        harness_fd, job_fd = _memfd("harness", HARNESS_SOURCE), _memfd("job", marshal.dumps(job, JOB_FORMAT))
+        mounts = [["/scratch", int(limits.scratch_bytes), limits.tmpfs_inodes]]
+        mounts += [["/dev/shm", int(limits.shm_bytes), limits.tmpfs_inodes]]
+        harness_fd = _memfd("harness", HARNESS_SOURCE)
+        job_fd = _memfd("job", marshal.dumps({**job, "mounts": mounts}, JOB_FORMAT))
+        filter_fd = _memfd("seccomp", filter_program())
         info_read, info_write = os.pipe()
+        first = FirstProcess(info_read)
         environment = []
         for key, value in {**_SANDBOX_ENV, "HOME": "/scratch", "TMPDIR": "/scratch"}.items():
             environment += ["--setenv", key, value]
@@ -147,6 +159,10 @@ class BubblewrapBackend:
             "--new-session",
             "--cap-drop",
             "ALL",
+            "--cap-add",
+            "CAP_SYS_ADMIN",  # for the harness's inode-capped mounts; it drops every capability before the candidate
+            "--seccomp",
+            str(filter_fd),
             "--hostname",
             "sandbox",
             *self._mounts(limits),
@@ -177,26 +193,75 @@ class BubblewrapBackend:
                     wall_time_s=limits.wall_time_s,
                     output_bytes=limits.output_bytes,
                     env={},
-                    pass_fds=(harness_fd, job_fd, info_write),
+                    pass_fds=(harness_fd, job_fd, filter_fd, info_write),
                     user=self.user,
                     owner=owner,
+                    stop=first.stop,
                 )
             except OSError as error:  # bwrap itself could not be started
                 return Run(Finished.not_started(), refused=f"{self.bwrap}: {error}")
             os.close(info_write)
             info_write = -1
-            os.set_blocking(info_read, False)
-            try:
-                started = os.read(info_read, 4096)
-            except BlockingIOError:
-                started = b""
+            started = first.info()
         finally:
-            for fd in (harness_fd, job_fd, info_read, info_write):
+            first.close()
+            for fd in (harness_fd, job_fd, filter_fd, info_write):
                 if fd >= 0:
                     os.close(fd)
+        if finished.returncode == SETUP_EXIT_CODE and finished.stderr.startswith(b"sandbox setup failed: "):
+            # The harness's setup failed before the candidate ran (a candidate that prints this and exits 87 only
+            # scores 0 uncached).
+            return Run(finished, refused=finished.stderr.decode(errors="replace").strip())
         if started or finished.timed_out or finished.flooded:
             return Run(finished)
         return Run(finished, refused=finished.stderr.decode(errors="replace").strip() or "bubblewrap did not start")
+
+
+class FirstProcess:
+    """The sandbox's first process (the harness), by the host pid that bubblewrap writes to ``--info-fd``.
+
+    Stopping a sandbox kills it first: bubblewrap, its parent, reaps it and exits. Killed the other way round, it
+    would be orphaned to the nearest subreaper or PID 1 (the trainer, in a container without an init) and stay a zombie
+    there.
+    """
+
+    def __init__(self, info_fd: int):
+        self._fd, self._info, self._lock = info_fd, b"", threading.Lock()
+        os.set_blocking(info_fd, False)
+
+    def info(self) -> bytes:
+        """What bubblewrap has written so far: nothing until the sandbox exists."""
+        with self._lock:
+            try:
+                while self._fd >= 0 and (chunk := os.read(self._fd, 4096)):
+                    self._info += chunk
+            except BlockingIOError:
+                pass
+            return self._info
+
+    def close(self) -> None:
+        with self._lock:
+            os.close(self._fd)
+            self._fd = -1
+
+    def stop(self, bwrap: subprocess.Popen) -> bool:
+        """SIGKILL the harness; False when there is none to kill (not started yet, or already reaped)."""
+        try:
+            pid = int(json.loads(self.info())["child-pid"])
+            pidfd = os.pidfd_open(pid)
+        except (ValueError, KeyError, TypeError, OSError):
+            return False
+        try:
+            # Still bubblewrap's child, so not reaped: the pidfd names the harness, not a process that reused its pid.
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[1]) != bwrap.pid:
+                return False
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            return True
+        except (OSError, IndexError, ValueError):
+            return False
+        finally:
+            os.close(pidfd)
 
 
 class LocalBackend:
@@ -240,21 +305,7 @@ class LocalBackend:
             )
             return Run(finished)
         finally:
-            _remove_tree(run_dir)
-
-
-def _remove_tree(path: Path) -> None:
-    """rmtree that also removes what the child made unreadable (chmod 000 directories)."""
-
-    def make_writable_and_retry(function, failed_path, _):
-        for parent in (failed_path, os.path.dirname(failed_path)):
-            try:
-                os.chmod(parent, 0o700)
-            except OSError:
-                pass
-        function(failed_path)
-
-    shutil.rmtree(path, onerror=make_writable_and_retry)
+            remove_tree(run_dir)  # never follows what the child planted; logs, never raises, a failure
 
 
 @dataclass(frozen=True)
@@ -318,11 +369,13 @@ def probe(python: str | None = None) -> Capability:
         )
     user = sandbox_user()
     try:
+        filter_program()
         backend = BubblewrapBackend(bwrap, python or sandbox_python(user), user)
-    except SandboxUnavailable as error:
+    except (SandboxUnavailable, SeccompUnavailable) as error:
         return Capability(None, str(error))
-    job = {"mode": "program", "source": "print(6 * 7)", "rlimits": {}}
-    run = backend.run(job, None, Limits(wall_time_s=10.0))
+    limits = Limits(wall_time_s=10.0)
+    job = {"mode": "program", "source": _PROBE_PROGRAM, "rlimits": {}}
+    run = backend.run(job, None, limits)
     if run.refused and "Unknown option" in run.refused:
         return Capability(
             None,
@@ -331,7 +384,31 @@ def probe(python: str | None = None) -> Capability:
         )
     if run.refused:
         return Capability(None, f"bubblewrap refused to start a sandbox ({run.refused}). {_userns_hint()}")
-    if run.finished.returncode != 0 or run.finished.stdout != b"42\n":
-        return Capability(None, f"a probe program failed inside bubblewrap: {run.finished.stderr[-300:]!r}")
+    expected = f"{errno.EPERM} {limits.tmpfs_inodes} 0000000000000000\n".encode()
+    if run.finished.returncode != 0 or run.finished.stdout != expected:
+        return Capability(
+            None,
+            f"a probe program did not find the full profile inside bubblewrap (expected {expected!r}: the seccomp "
+            f"filter's EPERM for vsock, the inode cap, no capabilities): {run.finished.stdout[-200:]!r} "
+            f"{run.finished.stderr[-300:]!r}",
+        )
     as_who = "as nobody" if user is not None else "as this user"
-    return Capability("bubblewrap", f"bubblewrap at {bwrap} isolates code here ({as_who}, Python {backend.python}).")
+    return Capability(
+        "bubblewrap",
+        f"bubblewrap at {bwrap} isolates code here ({as_who}, Python {backend.python}; seccomp filter active: "
+        f"{', '.join(dict.fromkeys([*DENIED.values(), *(label for *_, label in DENIED_WITH)]))} denied).",
+    )
+
+
+# Runs in the full profile: proves the seccomp filter is applied (its EPERM comes before the kernel's own answer for
+# vsock), the inode cap is set and no capability is left.
+_PROBE_PROGRAM = """
+import os, socket
+try:
+    socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM).close()
+    vsock = "allowed"
+except OSError as error:
+    vsock = error.errno
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+print(vsock, os.statvfs("/scratch").f_files, status["CapEff"].strip())
+"""

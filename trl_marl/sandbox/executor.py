@@ -6,17 +6,18 @@ import json
 import os
 import signal
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from .backends import make_backend
-from .harness import MEMORY_EXIT_CODE, decode_plain, encode_plain
+from .harness import MEMORY_EXIT_CODE, PlainBoundError, PlainDecoder, encode_plain
 from .process import kill_all
 from .result import CallOutput, ExecutionResult, Limits, Status
-from .scoring import pass_rate
+from .scoring import MAX_SHARED_HASH, pass_rate
 
 
 def max_concurrency() -> int:
@@ -40,6 +41,71 @@ def _slots() -> threading.BoundedSemaphore:
         if _SLOTS is None:
             _SLOTS = threading.BoundedSemaphore(max_concurrency())
         return _SLOTS
+
+
+class _Batch:
+    """The items of one `Sandbox.map` call. An item starts only while its batch is not stopped and the interpreter is
+    not exiting; ``running`` counts the items started and not yet returned (their runs reaped, their files removed)."""
+
+    def __init__(self, owner: Sandbox):
+        self.owner, self.stopped, self.running = owner, False, 0
+
+    def run(self, function: Callable[[Any], Any], item: Any) -> Any:
+        global _items_running
+        with _ITEMS_CHANGED:
+            if self.stopped or _exiting:
+                raise CancelledError("the sandbox was interrupted, closed, or the interpreter is exiting")
+            self.running += 1
+            _items_running += 1
+        try:
+            return function(item)
+        finally:
+            with _ITEMS_CHANGED:
+                self.running -= 1
+                _items_running -= 1
+                _ITEMS_CHANGED.notify_all()
+
+
+_BATCHES: set[_Batch] = set()  # the `map` calls under way
+_ITEMS_CHANGED = threading.Condition()  # guards the batches and the two below; notified when an item returns
+_items_running = 0  # over all batches
+_exiting = False
+
+
+def _stop(batches: Iterable[_Batch], owner: Sandbox) -> None:
+    """Start no more items of ``batches``, and SIGKILL ``owner``'s runs until none of their items is running."""
+    batches = list(batches)
+    with _ITEMS_CHANGED:
+        for batch in batches:
+            batch.stopped = True
+    _kill_until(lambda: not any(batch.running for batch in batches), owner)
+
+
+def _kill_until(idle: Callable[[], bool], owner: Sandbox | None = None) -> None:
+    """SIGKILL ``owner``'s runs (every run of the process when None) until ``idle()``, checked under `_ITEMS_CHANGED`.
+    Killing repeatedly also catches a run that a worker was starting while a kill went out (its process not yet
+    registered), which would otherwise run to its deadline."""
+    while True:
+        kill_all(owner=owner)
+        with _ITEMS_CHANGED:
+            if _ITEMS_CHANGED.wait_for(idle, timeout=0.05):
+                return
+
+
+def _stop_at_exit() -> None:
+    """At interpreter exit, start no queued item and kill every run until no item is running.
+
+    Registered with `threading._register_atexit`, as concurrent.futures registers the join of its worker threads, and
+    after it, so it runs first (they run in reverse): that join would otherwise first run every queued item, each to
+    its wall-time limit, while `atexit`'s `kill_all` comes only after it.
+    """
+    global _exiting
+    with _ITEMS_CHANGED:
+        _exiting = True
+    _kill_until(lambda: _items_running == 0)
+
+
+threading._register_atexit(_stop_at_exit)
 
 
 _CPU_SIGNALS = (signal.SIGKILL, signal.SIGXCPU)
@@ -137,31 +203,33 @@ class Sandbox:
 
     def map(self, function: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
         """`function(item)` for each item on this sandbox's worker threads (within `max_concurrency()` runs at once),
-        results in order. For scoring that runs code in the sandbox and does more around it; on an interruption the
-        sandbox's runs are killed and cleaned up before the exception propagates."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="trl-marl-sandbox")
-        futures: list[Future] = [self._pool.submit(function, item) for item in items]
-        try:
+        results in order. For scoring that runs code in the sandbox and does more around it; on an interruption,
+        wherever it lands (the pool still being filled included), no further item starts and the sandbox's runs are
+        killed and cleaned up before the exception propagates."""
+        batch = _Batch(self)
+        try:  # everything, submitting included: an interrupt can land while items are still being submitted
+            with _ITEMS_CHANGED:
+                _BATCHES.add(batch)
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="trl-marl-sandbox")
+            futures: list[Future] = [self._pool.submit(batch.run, function, item) for item in items]
             return [future.result() for future in futures]
         except BaseException:
-            # Interrupted (or a run failed to start): start nothing new, kill what runs, wait until each run has
-            # reaped its processes and removed its files, then re-raise.
-            # Killing repeatedly until every future is done also catches a run that a worker was starting while
-            # the first kill went out (its process not yet registered), which would otherwise run to its deadline.
-            for future in futures:
-                future.cancel()
-            while True:
-                kill_all(owner=self)
-                _, running = wait(futures, timeout=0.05)
-                if not running:
-                    break
+            # Interrupted (or an item failed): start nothing new, kill what runs, wait until each run has reaped its
+            # processes and removed its files, then re-raise. A second interrupt meanwhile leaves the rest to
+            # `_stop_at_exit`.
+            _stop([batch], owner=self)
             raise
+        finally:
+            with _ITEMS_CHANGED:
+                _BATCHES.discard(batch)
 
     def close(self) -> None:
-        """Kill this object's running sandboxes and stop its worker threads."""
+        """Kill this object's running sandboxes, start none of its queued items, and stop its worker threads."""
+        with _ITEMS_CHANGED:
+            batches = [batch for batch in _BATCHES if batch.owner is self]
+        _stop(batches, owner=self)
         if self._pool is not None:
-            kill_all(owner=self)
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
@@ -190,9 +258,17 @@ class Sandbox:
         status, signal_number, reason = _classify(finished, limits, self.backend.name)
         outputs = None
         if status is Status.OK and job["mode"] == "calls":
-            outputs = _parse_outputs(finished.stdout, len(job["calls"]))
-            if outputs is None:
-                status, reason = Status.ERROR, "the harness output was missing or malformed (an early exit?)"
+            # Parsing is the trainer's own work, but it counts in the run's time: the bounds keep it linear in the
+            # output, and a run whose parse still ends past the wall-time limit is a timeout.
+            parse_started = time.monotonic()
+            try:
+                outputs = _parse_outputs(finished.stdout, len(job["calls"]))
+            except ValueError as error:
+                status, reason = Status.ERROR, str(error)
+            common["wall_time_s"] += time.monotonic() - parse_started
+            if common["wall_time_s"] > limits.wall_time_s:
+                status, outputs = Status.TIMEOUT, None
+                reason = f"parsing the call results took the rest of the wall-time limit of {limits.wall_time_s:g} s"
         return ExecutionResult(
             status,
             returncode=finished.returncode,
@@ -224,25 +300,37 @@ def _classify(finished, limits: Limits, backend: str) -> tuple[Status, int | Non
     return Status.OK, None, ""
 
 
-def _parse_outputs(stdout: bytes, expected_count: int) -> list[CallOutput] | None:
-    """The harness's results, or None when they are not exactly one well-formed document with one entry per call."""
+# Bounds of one run's results document, besides its size (Limits.output_bytes): honest results stay far within them.
+RESULT_MAX_DEPTH = 64
+RESULT_MAX_VALUES = 100_000
+
+
+def _parse_outputs(stdout: bytes, expected_count: int) -> list[CallOutput]:
+    """The harness's results: exactly one well-formed document with one entry per call, within the bounds above and
+    `MAX_SHARED_HASH`, checked before anything in it is hashed or compared. Raises ValueError with the reason."""
+    malformed = "the harness output was missing or malformed (an early exit?)"
+    decoder = PlainDecoder(RESULT_MAX_DEPTH, RESULT_MAX_VALUES, MAX_SHARED_HASH)
     try:
         document = json.loads(stdout)
         entries = document["results"]
         if type(document) is not dict or len(document) != 1 or type(entries) is not list:
-            return None
+            raise ValueError(malformed)
         if len(entries) != expected_count:
-            return None
+            raise ValueError(malformed)
         outputs = []
         for entry in entries:
             if type(entry) is not dict or len(entry) != 1:
-                return None
+                raise ValueError(malformed)
             if "value" in entry:
-                outputs.append(CallOutput(value=decode_plain(entry["value"])))
+                outputs.append(CallOutput(value=decoder.decode(entry["value"])))
             elif type(entry.get("error")) is str:
                 outputs.append(CallOutput(error=entry["error"]))
             else:
-                return None
+                raise ValueError(malformed)
         return outputs
-    except (ValueError, TypeError, KeyError, RecursionError):
-        return None
+    except PlainBoundError as error:
+        raise ValueError(f"the call results are over a bound: {error}") from None
+    except RecursionError:  # json.loads met nesting deeper than the interpreter's recursion limit
+        raise ValueError(f"the call results are over a bound: nested deeper than {RESULT_MAX_DEPTH} levels") from None
+    except (ValueError, TypeError, KeyError):
+        raise ValueError(malformed) from None

@@ -6,8 +6,9 @@ source runs as ``__main__``) or as a function under test (``mode="calls"``: the 
 called on each input, and every return value is printed as plain JSON).
 
 Nothing this harness prints is trusted. The candidate runs in the same interpreter and can patch, skip or imitate any
-of it; that is fine, because the expected values never enter the sandbox. The parent decodes the output with
-[`decode_plain`], which accepts only the tagged plain types below, and compares with exact, type-checked equality.
+of it; that is fine, because the expected values never enter the sandbox. The parent decodes the output with a
+bounded [`PlainDecoder`], which accepts only the tagged plain types below, and compares with exact, type-checked
+equality.
 
 Plain values: ``None``, ``bool``, ``int``, ``str`` and finite ``float`` as themselves; ``list`` as a JSON array; other
 types as a one-key object: ``{"float": "nan"}``, ``{"tuple": [...]}``, ``{"dict": [[k, v], ...]}``, ``{"set": [...]}``,
@@ -22,7 +23,8 @@ import sys
 
 JOB_FORMAT = 4  # marshal version of the job file: plain dicts, lists, strings and numbers, readable by Python >= 3.4
 MEMORY_EXIT_CODE = 86  # the harness's exit status when the candidate ran out of memory (see Limits.memory_bytes)
-_TAGS = ("float", "tuple", "dict", "set", "frozenset", "bytes")
+SETUP_EXIT_CODE = 87  # the harness's exit status when it could not set the sandbox up; nothing of the candidate ran
+_CONTAINER_TAGS = ("tuple", "dict", "set", "frozenset")
 
 
 def encode_plain(value):
@@ -47,34 +49,98 @@ def encode_plain(value):
 
 def decode_plain(data):
     """JSON-parsed plain value → Python value. Raises ValueError on anything [`encode_plain`] cannot have produced."""
-    kind = type(data)
-    if data is None or kind is bool or kind is int or kind is str:
-        return data
-    if kind is float:
-        if not math.isfinite(data):
-            raise ValueError("a non-finite float must be tagged")
-        return data
-    if kind is list:
-        return [decode_plain(item) for item in data]
-    if kind is not dict or len(data) != 1:
-        raise ValueError(f"not a plain value: {str(data)[:80]!r}")
-    ((tag, payload),) = data.items()
-    if tag == "float" and payload in ("nan", "inf", "-inf"):
-        return float(payload)
-    if tag == "bytes" and type(payload) is str:
-        return bytes.fromhex(payload)
-    if tag not in _TAGS or type(payload) is not list:
-        raise ValueError(f"unknown plain-value tag {tag!r}")
-    items = [decode_plain(item) for item in payload]
-    if tag == "tuple":
-        return tuple(items)
-    if tag == "set":
-        return set(items)
-    if tag == "frozenset":
-        return frozenset(items)
-    if tag == "dict" and all(type(pair) is list and len(pair) == 2 for pair in items):
-        return {key: item for key, item in items}
-    raise ValueError(f"malformed {tag!r} payload")
+    return PlainDecoder().decode(data)
+
+
+class PlainBoundError(ValueError):
+    """A plain value over a bound of [`PlainDecoder`] or [`HashCheck`]."""
+
+
+class PlainDecoder:
+    """Decodes plain values, under bounds when they are untrusted (None: no bound). A value over a bound raises
+    `PlainBoundError` before it is built, so that decoding stays linear in the size of the input:
+
+    - ``max_depth``: containers nested at most this deep (64 nested lists are 64 levels);
+    - ``max_values``: values in all, containers and scalars, over every `decode` of this decoder;
+    - ``max_shared_hash``: set elements or dict keys with one hash, see [`HashCheck`].
+    """
+
+    def __init__(self, max_depth=None, max_values=None, max_shared_hash=None):
+        self.max_depth = max_depth
+        self.max_values = max_values
+        self.values = 0
+        self.hashes = HashCheck(max_shared_hash) if max_shared_hash is not None else None
+
+    def decode(self, data, depth=0):
+        """JSON-parsed plain value → Python value. Raises ValueError on anything [`encode_plain`] cannot have
+        produced, PlainBoundError (a ValueError) on a value over a bound."""
+        self.values += 1
+        if self.max_values is not None and self.values > self.max_values:
+            raise PlainBoundError(f"more than {self.max_values} values")
+        kind = type(data)
+        if data is None or kind is bool or kind is int or kind is str:
+            return data
+        if kind is float:
+            if not math.isfinite(data):
+                raise ValueError("a non-finite float must be tagged")
+            return data
+        if kind is dict and len(data) == 1:
+            ((tag, payload),) = data.items()
+            if tag == "float" and payload in ("nan", "inf", "-inf"):
+                return float(payload)
+            if tag == "bytes" and type(payload) is str:
+                return bytes.fromhex(payload)
+            if tag not in _CONTAINER_TAGS or type(payload) is not list:
+                raise ValueError(f"not a plain value: {str(data)[:80]!r}")
+        elif kind is not list:
+            raise ValueError(f"not a plain value: {str(data)[:80]!r}")
+        if self.max_depth is not None and depth >= self.max_depth:
+            raise PlainBoundError(f"nested deeper than {self.max_depth} levels")
+        if kind is list:
+            return [self.decode(item, depth + 1) for item in data]
+        if tag == "tuple":
+            return tuple([self.decode(item, depth + 1) for item in payload])
+        if tag == "dict" and not all(type(pair) is list and len(pair) == 2 for pair in payload):
+            raise ValueError("malformed 'dict' payload")
+        keys, values, nested = [], [], set()
+        for item in payload:
+            colliding = self.hashes.colliding if self.hashes is not None else 0
+            keys.append(self.decode(item[0] if tag == "dict" else item, depth + 1))
+            if self.hashes is not None and self.hashes.colliding > colliding:
+                nested.add(len(keys) - 1)
+            if tag == "dict":
+                values.append(self.decode(item[1], depth + 1))
+        if self.hashes is not None:
+            self.hashes.check(keys, nested)
+        if tag == "dict":
+            return dict(zip(keys, values))
+        return set(keys) if tag == "set" else frozenset(keys)
+
+
+class HashCheck:
+    """Refuses the keys of a set or dict (its elements, or its keys) before they are hashed into it, when building it
+    could go quadratic: more than ``max_shared_hash`` keys with one hash (each is compared with the others), or keys
+    that share a hash and hold a set whose own elements share a hash (comparing two such keys looks each element up
+    among several candidates, and nesting would multiply those). Honest values seldom share a hash (-1 and -2 do)."""
+
+    def __init__(self, max_shared_hash):
+        self.max_shared_hash = max_shared_hash
+        self.colliding = 0  # key lists checked so far in which some keys share a hash
+
+    def check(self, keys, nested):
+        """Raises PlainBoundError when ``keys`` are over the bound; ``nested``: the indices of the keys that hold a
+        checked set whose keys share a hash. TypeError for an unhashable key."""
+        hashes = list(map(hash, keys))
+        if len(set(hashes)) == len(hashes):
+            return
+        counts = {}
+        for code in hashes:
+            counts[code] = counts.get(code, 0) + 1
+        if max(counts.values()) > self.max_shared_hash:
+            raise PlainBoundError(f"more than {self.max_shared_hash} set elements or dict keys share a hash")
+        if any(counts[code] > 1 and index in nested for index, code in enumerate(hashes)):
+            raise PlainBoundError("set elements or dict keys that share a hash hold sets whose elements share one")
+        self.colliding += 1
 
 
 def _die_with_parent(parent_pid):
@@ -84,6 +150,39 @@ def _die_with_parent(parent_pid):
     ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
     if os.getppid() != parent_pid:  # the trainer died before the request took effect
         os._exit(1)
+
+
+def _mount_tmpfs(mounts):
+    """Bubblewrap: mount each writable tmpfs afresh with its size and inode caps (bubblewrap's ``--tmpfs`` takes no
+    inode cap), in a mount namespace of the sandbox's own, then drop every capability, ``CAP_SYS_ADMIN`` (which
+    bubblewrap granted for these mounts only) included: the candidate starts with none and cannot regain any."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result, what):
+        if result != 0:
+            number = ctypes.get_errno()
+            raise OSError(number, f"{what}: {os.strerror(number)}")
+
+    check(libc.unshare(0x00020000), "unshare(CLONE_NEWNS)")
+    for path, size, inodes in mounts:
+        options = f"size={size},nr_inodes={inodes},mode=0755".encode()
+        check(libc.mount(b"tmpfs", path.encode(), b"tmpfs", 2 | 4, options), f"mount {path}")  # MS_NOSUID | MS_NODEV
+    os.chdir(os.getcwd())  # the same path now names the new mount
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Sets(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    check(libc.capset(ctypes.byref(Header(0x20080522, 0)), (Sets * 2)()), "capset")  # version 3: all sets empty
+    with open("/proc/self/status") as status:
+        held = [line.strip() for line in status if line.startswith(("CapInh", "CapPrm", "CapEff", "CapAmb"))]
+    held = [line for line in held if line.split(":")[1].strip("0\t ")]
+    if held:
+        raise OSError(f"capabilities left after dropping them: {', '.join(held)}")
 
 
 def _set_limits(rlimits):
@@ -126,6 +225,12 @@ def main(job_path):
         job = marshal.load(handle)  # written by the trainer, not by the candidate
     if "parent_pid" in job:
         _die_with_parent(job["parent_pid"])
+    if "mounts" in job:
+        try:
+            _mount_tmpfs(job["mounts"])
+        except OSError as error:
+            os.write(2, f"sandbox setup failed: {error}\n".encode())
+            os._exit(SETUP_EXIT_CODE)
     _set_limits(job["rlimits"])
     try:
         if job["mode"] == "program":

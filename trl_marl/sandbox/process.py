@@ -14,11 +14,13 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-_LIVE: dict[subprocess.Popen, object] = {}  # running command -> its owner
+_LIVE: dict[subprocess.Popen, tuple[object, Callable | None]] = {}  # running command -> (its owner, its stop)
 _LIVE_LOCK = threading.Lock()
+STOP_GRACE_S = 2.0  # how long a stopped command has to exit by itself, and its killed orphans to die
 
 
 @dataclass
@@ -61,9 +63,10 @@ def kill_group(process: subprocess.Popen) -> None:
 def kill_all(owner: object = None) -> None:
     """Kill the running sandboxes started for ``owner``; every one this process started when ``owner`` is None."""
     with _LIVE_LOCK:
-        live = [process for process, started_for in _LIVE.items() if owner is None or started_for is owner]
-    for process in live:
-        kill_group(process)
+        live = [(process, stop) for process, (started, stop) in _LIVE.items() if owner is None or started is owner]
+    for process, stop in live:  # a command stopped by its own `stop` exits by itself; its run_command reaps it
+        if stop is None or not stop(process):
+            kill_group(process)
 
 
 atexit.register(kill_all)
@@ -80,11 +83,14 @@ def run_command(
     pass_fds: Sequence[int] = (),
     user: int | None = None,
     owner: object = None,
+    stop: Callable[[subprocess.Popen], bool] | None = None,
 ) -> Finished:
     """Start ``argv`` in a new session and collect its output until it exits, floods, or reaches the deadline.
 
     The output is drained as it comes and never awaited to EOF: a descendant may keep a pipe open after the command
-    exits. Whatever happens, the command's process group is SIGKILLed and reaped before this returns.
+    exits. Whatever happens, the command's process group is SIGKILLed and reaped before this returns. ``stop``, when
+    given, is how a command that is still running is killed first (it returns whether it did); the command then exits
+    by itself, having reaped its own children, within `STOP_GRACE_S` or its process group is killed.
     """
     stdin_fd = None
     if stdin is not None:  # a memory file: no writer thread, no pipe to fill
@@ -112,7 +118,7 @@ def run_command(
         if stdin_fd is not None:
             os.close(stdin_fd)
     with _LIVE_LOCK:
-        _LIVE[process] = owner
+        _LIVE[process] = (owner, stop)
     captured = {process.stdout.fileno(): bytearray(), process.stderr.fileno(): bytearray()}
     truncated = dict.fromkeys(captured, False)
     timed_out = flooded = False
@@ -143,9 +149,10 @@ def run_command(
             for fd in list(selector.get_map()):
                 _read_into(fd, captured[fd], truncated, output_bytes, selector)
     finally:
-        kill_group(process)
         if exit_status is None:
-            _, exit_status = os.waitpid(process.pid, 0)
+            exit_status = _stop(process, stop)
+        kill_group(process)  # what is left of its group (the local backend's children)
+        _reap_orphans(process.pid)
         process.returncode = os.waitstatus_to_exitcode(exit_status)  # keeps Popen from reaping it again
         selector.close()
         process.stdout.close()
@@ -163,6 +170,61 @@ def run_command(
         stderr_truncated=truncated[stderr_fd],
         wall_time_s=time.monotonic() - start,
     )
+
+
+def _stop(process: subprocess.Popen, stop: Callable[[subprocess.Popen], bool] | None) -> int:
+    """Kill a command that is still running and reap it; its wait status."""
+    if stop is not None and stop(process):
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline:
+            pid, exit_status = os.waitpid(process.pid, os.WNOHANG)
+            if pid:
+                return exit_status
+            time.sleep(0.001)
+    kill_group(process)
+    return os.waitpid(process.pid, 0)[1]
+
+
+def _reap_orphans(session: int) -> None:
+    """Reap the processes of a command's session that were orphaned to this process, once they have died.
+
+    Orphans go to the nearest subreaper, else to PID 1: to the trainer when it runs as PID 1 in a container without an
+    init. Unreaped, each would stay a zombie, and zombies count against the sandbox user's process limit. Only
+    processes of ``session`` (the command started its own) are reaped, never another child of the trainer. They were
+    SIGKILLed with their group; one still dying is waited for up to `STOP_GRACE_S`.
+    """
+    deadline = time.monotonic() + STOP_GRACE_S
+    while True:
+        dying = False
+        for pid, state in _children_in_session(session):
+            if state != "Z":
+                dying = True
+                continue
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        if not dying or time.monotonic() > deadline:
+            return
+        time.sleep(0.002)
+
+
+def _children_in_session(session: int) -> list[tuple[int, str]]:
+    """(pid, state) of this process's children that belong to ``session``."""
+    found = []
+    for children in Path("/proc/self/task").glob("*/children"):
+        try:
+            pids = children.read_text().split()
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[3]) == session:  # fields: state, ppid, pgrp, session, ...
+                found.append((int(pid), fields[0]))
+    return found
 
 
 def _read_into(fd: int, buffer: bytearray, truncated: dict, cap: int, selector) -> bool:

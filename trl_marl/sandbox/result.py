@@ -22,11 +22,13 @@ class Limits:
     max_processes: int = 16  # RLIMIT_NPROC: processes and threads of the sandbox, the harness included
     scratch_bytes: int = 64 * 2**20  # size of the scratch tmpfs (bubblewrap) and RLIMIT_FSIZE (both backends)
     shm_bytes: int = 8 * 2**20  # size of /dev/shm (bubblewrap)
+    tmpfs_inodes: int = 4096  # files, directories and links in /scratch, and separately in /dev/shm (bubblewrap)
     output_bytes: int = 1 * 2**20  # captured bytes of stdout, and separately of stderr; more kills the run
     max_open_files: int = 64  # RLIMIT_NOFILE
 
     def __post_init__(self):
-        for name in ("wall_time_s", "memory_bytes", "max_processes", "scratch_bytes", "shm_bytes", "output_bytes"):
+        positive = ("wall_time_s", "memory_bytes", "max_processes", "scratch_bytes", "shm_bytes", "tmpfs_inodes")
+        for name in (*positive, "output_bytes"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"Limits.{name} must be a positive number, got {value!r}.")
