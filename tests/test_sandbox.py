@@ -342,7 +342,9 @@ def test_results_come_back_in_order_and_check_many_scores_each(isolated):
 
 # Each moment is reached exactly, from inside the trainer: the interrupt lands while the pool is still being filled
 # (two runs started, the last item not yet submitted), or once every worker runs, or outside `map` while another
-# thread's runs go on and more are queued (the interpreter exits with them); or the trainer is SIGKILLed then.
+# thread's runs go on and more are queued (the interpreter exits with them); or the trainer is SIGKILLed then. A run
+# counts as started once its harness runs (under bubblewrap: has replaced bubblewrap's child, which asks to die with
+# bubblewrap only just before that).
 INTERRUPTED = """
 import concurrent.futures, signal, sys, threading, time, warnings
 warnings.simplefilter("ignore")
@@ -351,9 +353,19 @@ backend, moment = sys.argv[1:]
 sandbox = Sandbox(backend, limits=Limits(wall_time_s=120), max_workers=2)
 SOURCES = ["import time\\ntime.sleep(100)"] * 4
 
+def harness_runs(pid):
+    try:
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
+        if b"python" in argv[0].rsplit(b"/", 1)[-1] and any(arg.endswith(b"harness.py") for arg in argv):
+            return True
+        children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+    except OSError:
+        return False
+    return any(harness_runs(int(child)) for child in children)
+
 def when_both_run(then):
     deadline = time.monotonic() + 60
-    while len(process._LIVE) < 2 and time.monotonic() < deadline:
+    while sum(harness_runs(command.pid) for command in list(process._LIVE)) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     then()
 

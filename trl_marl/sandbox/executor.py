@@ -212,7 +212,8 @@ class Sandbox:
                 _BATCHES.add(batch)
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.max_workers, thread_name_prefix="trl-marl-sandbox")
-            futures: list[Future] = [self._pool.submit(batch.run, function, item) for item in items]
+            pool = self._pool  # `close` from another thread sets it to None; the pool itself then refuses new items
+            futures: list[Future] = [pool.submit(batch.run, function, item) for item in items]
             return [future.result() for future in futures]
         except BaseException:
             # Interrupted (or an item failed): start nothing new, kill what runs, wait until each run has reaped its
