@@ -6,6 +6,7 @@ the sandbox cannot reach it either. CI sets TRL_MARL_REQUIRE_BWRAP=1, so that a 
 """
 
 import ctypes
+import os
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import warnings
 import pytest
 from sandbox_helpers import require_bubblewrap
 
-from trl_marl.sandbox import Limits, Sandbox, SandboxUnavailable, Status, backends, seccomp
+from trl_marl.sandbox import Limits, Sandbox, SandboxUnavailable, Status, backends, capability, seccomp
 
 LIMITS = Limits(wall_time_s=5.0, memory_bytes=64 * 2**20, scratch_bytes=8 * 2**20, tmpfs_inodes=200)
 
@@ -246,7 +247,7 @@ def test_the_candidate_holds_no_capability_and_cannot_mount(sandbox):
 
 def test_the_probe_reports_the_filter_and_fails_closed_without_libseccomp(monkeypatch):
     require_bubblewrap()
-    assert "seccomp filter active" in backends.probe().reason and "keyrings" in backends.probe().reason
+    assert "seccomp filter active" in capability.probe().reason and "keyrings" in capability.probe().reason
 
     def missing():
         raise seccomp.SeccompUnavailable(
@@ -256,9 +257,9 @@ def test_the_probe_reports_the_filter_and_fails_closed_without_libseccomp(monkey
     seccomp.filter_program.cache_clear()
     monkeypatch.setattr(seccomp, "_library", missing)
     try:
-        capability = backends.probe.__wrapped__()
-        assert capability.backend is None and "libseccomp is not installed" in capability.reason
-        monkeypatch.setattr(backends, "probe", backends.probe.__wrapped__)
+        found = capability.probe.__wrapped__()
+        assert found.backend is None and "libseccomp is not installed" in found.reason
+        monkeypatch.setattr(capability, "probe", capability.probe.__wrapped__)
         with pytest.raises(SandboxUnavailable, match="libseccomp"):
             Sandbox("bubblewrap")
     finally:
@@ -313,3 +314,22 @@ def test_local_mode_is_unchanged_by_the_bubblewrap_profile():
         local = Sandbox("local", limits=LIMITS)
     result = local.run("import os\nos.memfd_create('x')\nprint('local')")
     assert result.ok and result.stdout == "local\n"
+
+
+def test_a_harness_whose_trainer_died_during_setup_never_runs_the_candidate(monkeypatch):
+    # bubblewrap arms its die-with-parent signal only just before it starts the harness; a trainer SIGKILLed during
+    # those milliseconds leaves no one to enforce the deadline. The harness sees the trainer's end of its lifeline
+    # closed and exits before the candidate's first line.
+    require_bubblewrap()
+
+    def dead_trainer():
+        read, write = os.pipe()
+        os.close(write)
+        return read, -1
+
+    sandbox = Sandbox("bubblewrap", limits=LIMITS)
+    monkeypatch.setattr(backends, "lifeline_pipe", dead_trainer)
+    result = sandbox.run("print('ran')")
+    assert (result.status, result.returncode, result.stdout) == (Status.ERROR, 1, "")
+    monkeypatch.undo()
+    assert sandbox.run("print('ran')").stdout == "ran\n"

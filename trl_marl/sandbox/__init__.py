@@ -3,7 +3,8 @@
 See docs/sandbox.md for the threat model and what each backend guarantees.
 """
 
-from .backends import Capability, SandboxUnavailable, probe
+from .backends import SandboxUnavailable
+from .capability import Capability, probe
 from .executor import CallTest, Sandbox, max_concurrency
 from .process import kill_all
 from .result import CallOutput, ExecutionResult, Limits, Status

@@ -13,7 +13,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from .backends import make_backend
+from .capability import make_backend
 from .harness import MEMORY_EXIT_CODE, PlainBoundError, PlainDecoder, encode_plain
 from .process import kill_all
 from .result import CallOutput, ExecutionResult, Limits, Status

@@ -152,6 +152,21 @@ def _die_with_parent(parent_pid):
         os._exit(1)
 
 
+def _die_with_sandbox(lifeline):
+    """Bubblewrap: have the kernel SIGKILL this process when bubblewrap dies, and exit now if the trainer has died.
+
+    bubblewrap arms the same signal only just before it starts the harness, so a trainer killed during the few
+    milliseconds of setup would leave the harness running, orphaned and without a deadline. The trainer holds the only
+    write end of the ``lifeline`` pipe: end of file there means it is gone (and bubblewrap, which dies with it)."""
+    import ctypes
+    import select
+
+    ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    if select.select([lifeline], [], [], 0)[0] and not os.read(lifeline, 1):
+        os._exit(1)
+    os.close(lifeline)
+
+
 def _mount_tmpfs(mounts):
     """Bubblewrap: mount each writable tmpfs afresh with its size and inode caps (bubblewrap's ``--tmpfs`` takes no
     inode cap), in a mount namespace of the sandbox's own, then drop every capability, ``CAP_SYS_ADMIN`` (which
@@ -225,6 +240,8 @@ def main(job_path):
         job = marshal.load(handle)  # written by the trainer, not by the candidate
     if "parent_pid" in job:
         _die_with_parent(job["parent_pid"])
+    if "lifeline" in job:
+        _die_with_sandbox(job["lifeline"])
     if "mounts" in job:
         try:
             _mount_tmpfs(job["mounts"])
