@@ -42,3 +42,19 @@ def tiny_model_dir(default_model_dir, tmp_path_factory) -> str:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture
+def shared_tmp(monkeypatch):
+    """A temporary directory that the sandbox user (nobody, when the tests run as root) can reach, as TMPDIR: where the
+    local backend makes its run directories."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    directory = Path(tempfile.mkdtemp(dir="/var/tmp"))
+    directory.chmod(0o755)
+    monkeypatch.setenv("TMPDIR", str(directory))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    yield directory
+    shutil.rmtree(directory)

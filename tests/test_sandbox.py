@@ -2,16 +2,13 @@
 
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import threading
 import time
 import warnings
-from pathlib import Path
 
 import pytest
 from sandbox_helpers import require_bubblewrap, sandbox_processes, wait_until_gone
@@ -161,17 +158,6 @@ def test_limits_hold_in_both_backends(backend, request):
 def test_local_mode_warns_that_it_is_not_a_security_boundary():
     with pytest.warns(UserWarning, match="not a security boundary"):
         Sandbox("local")
-
-
-@pytest.fixture
-def shared_tmp(monkeypatch):
-    """A temporary directory that the sandbox user (nobody, when the tests run as root) can reach, as TMPDIR."""
-    directory = Path(tempfile.mkdtemp(dir="/var/tmp"))
-    directory.chmod(0o755)
-    monkeypatch.setenv("TMPDIR", str(directory))
-    monkeypatch.setattr(tempfile, "tempdir", None)
-    yield directory
-    shutil.rmtree(directory)
 
 
 def test_local_mode_removes_its_files(local, shared_tmp):

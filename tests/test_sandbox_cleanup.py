@@ -37,17 +37,6 @@ def reachable_tmp():
 
 
 @pytest.fixture
-def shared_tmp(monkeypatch):
-    """A reachable temporary directory as TMPDIR, where the local backend makes its run directories."""
-    directory = Path(tempfile.mkdtemp(dir="/var/tmp"))
-    directory.chmod(0o755)
-    monkeypatch.setenv("TMPDIR", str(directory))
-    monkeypatch.setattr(tempfile, "tempdir", None)
-    yield directory
-    shutil.rmtree(directory)
-
-
-@pytest.fixture
 def victim(tmp_path):
     """A directory of the trainer's outside the run, holding a file named like one in the run's scratch."""
     directory = tmp_path / "victim"
