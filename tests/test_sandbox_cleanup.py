@@ -12,6 +12,8 @@ import os
 import shutil
 import signal
 import stat
+import subprocess
+import sys
 import tempfile
 import textwrap
 import time
@@ -132,6 +134,32 @@ def test_a_removal_that_keeps_failing_is_logged_not_raised(tmp_path, monkeypatch
     with caplog.at_level(logging.WARNING):
         remove_tree(run)  # returns after a bounded number of passes
     assert str(run) in caplog.text and "busy" in caplog.text
+
+
+DEEP_REMOVAL = """
+import os, resource, sys
+from trl_marl.sandbox.cleanup import remove_tree
+
+run = sys.argv[1]
+fd = os.open(run, os.O_RDONLY | os.O_DIRECTORY)
+for _ in range(3000):  # nested deeper than PATH_MAX allows by path: made one level at a time
+    os.mkdir("d", dir_fd=fd)
+    deeper = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+    os.close(fd)
+    fd = deeper
+os.close(fd)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+print(remove_tree(run), os.path.exists(run))
+"""
+
+
+def test_a_tree_nested_deeper_than_the_open_file_limit_is_removed(tmp_path):
+    # One open directory per level would run a trainer with 256 descriptors out of them 256 levels down.
+    run = tmp_path / "run"
+    run.mkdir()
+    done = subprocess.run([sys.executable, "-c", DEEP_REMOVAL, str(run)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "False"], done.stderr[-2000:]
 
 
 ESCAPING_SWAPPER = """

@@ -5,6 +5,7 @@ Every value here could come from the candidate: it can print any results documen
 ``Limits.output_bytes``) on the results stream, file descriptor 3.
 """
 
+import gc
 import itertools
 import json
 import time
@@ -95,7 +96,7 @@ def test_results_over_a_bound_are_malformed_before_anything_is_hashed():
         deep = [deep]
     for stdout, bound in [
         (results(deep), "deeper than 64 levels"),
-        (b'{"results": [{"value": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]}", "deeper than 64 levels"),
+        (b'{"results": [{"value": ' + b"[" * 90_000 + b"]" * 90_000 + b"}]}", "deeper than 64 levels"),
         (results([0] * 60_000, [0] * 40_001), "more than 100000 values"),
         (results({"set": [index * M for index in range(1000)]}), "more than 16 set elements or dict keys share"),
         (results({"set": nested_collisions(4)}), "hold"),
@@ -104,6 +105,30 @@ def test_results_over_a_bound_are_malformed_before_anything_is_hashed():
             executor_module._parse_outputs(stdout, expected_count=stdout.count(b'"value"'))
     honest = executor_module._parse_outputs(results({"set": [0, M]}, "x"), expected_count=2)
     assert [output.value for output in honest] == [{0, M}, "x"]
+
+
+def test_a_document_of_too_many_containers_is_refused_before_it_is_parsed(monkeypatch):
+    # json.loads would build all 350k lists first, each counting towards a garbage collection of the trainer's whole
+    # heap (0.6 s with torch imported): the containers are counted in the bytes before anything is built.
+    def never(document):
+        raise AssertionError("json.loads ran on a document over the bound")
+
+    flood = b'{"results": [{"value": [' + b"[]," * 350_000 + b"[]]}]}"
+    monkeypatch.setattr(executor_module.json, "loads", never)
+    with pytest.raises(ValueError, match="more than 100000 values"):
+        executor_module._parse_outputs(flood, expected_count=1)
+
+
+def test_results_are_parsed_with_the_garbage_collector_paused_and_it_is_resumed(sandbox, monkeypatch):
+    parse, states = executor_module._parse_outputs, []
+
+    def recording_parse(stdout, expected_count):
+        states.append(gc.isenabled())
+        return parse(stdout, expected_count)
+
+    monkeypatch.setattr(executor_module, "_parse_outputs", recording_parse)
+    assert sandbox.call("def f():\n    return [[1], [2]]", "f", [()]).outputs[0].value == [[1], [2]]
+    assert states == [False] and gc.isenabled()
 
 
 def test_colliding_set_printed_by_the_candidate_is_an_error_naming_the_bound(sandbox):

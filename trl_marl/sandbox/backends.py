@@ -163,8 +163,10 @@ class BubblewrapBackend:
             "--new-session",
             "--cap-drop",
             "ALL",
+            "--cap-add",  # for the harness's mounts and its bounding-set drop; it then drops every capability
+            "CAP_SYS_ADMIN",
             "--cap-add",
-            "CAP_SYS_ADMIN",  # for the harness's inode-capped mounts; it drops every capability before the candidate
+            "CAP_SETPCAP",
             "--seccomp",
             str(filter_fd),
             "--hostname",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .backends import BubblewrapBackend, LocalBackend, SandboxUnavailable, sandbox_python, sandbox_user
 from .result import Limits
-from .seccomp import DENIED, DENIED_WITH, SeccompUnavailable, filter_program
+from .seccomp import SeccompUnavailable, denied, filter_program
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def probe(python: str | None = None) -> Capability:
     return Capability(
         "bubblewrap",
         f"bubblewrap at {bwrap} isolates code here ({as_who}, Python {backend.python}; seccomp filter active: "
-        f"{', '.join(dict.fromkeys([*DENIED.values(), *(label for *_, label in DENIED_WITH)]))} denied).",
+        f"{', '.join(denied())} denied).",
     )
 
 

@@ -9,6 +9,7 @@ never act elsewhere. Nothing is done by path below the run directory.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import stat
@@ -18,6 +19,9 @@ logger = logging.getLogger(__name__)
 # Passes over the tree: a pass that met a swap starts again from the top, which sees the tree as it now is. Bounded:
 # cleanup never loops forever on a child that keeps changing its files.
 _PASSES = 5
+# Directories held open at once. A directory deeper than this is moved up into the top one and removed from there, so
+# a child that nested thousands cannot exhaust the trainer's file descriptors.
+_MAX_OPEN = 32
 _OPEN_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -49,7 +53,8 @@ def remove_tree(path: str | os.PathLike) -> bool:
 def _remove_entry(parent_fd: int, name: str) -> None:
     """Remove the entry ``name`` of the open directory ``parent_fd``; a directory with everything in it, depth first.
 
-    Iterative, one open directory per level: a deep tree costs file descriptors, not Python stack.
+    Iterative, one open directory per level down to `_MAX_OPEN` levels: a deep tree costs neither Python stack nor more
+    file descriptors.
     """
     opened = _unlink_or_open(parent_fd, name)
     if opened is None:
@@ -60,6 +65,9 @@ def _remove_entry(parent_fd: int, name: str) -> None:
             above_fd, directory, fd, names = stack[-1]
             if names:
                 child = names.pop()
+                if len(stack) >= _MAX_OPEN:
+                    _unlink_or_move(fd, child, top_fd=stack[0][2], top_names=stack[0][3])
+                    continue
                 opened = _unlink_or_open(fd, child)
                 if opened is not None:
                     stack.append((fd, child, *opened))
@@ -75,6 +83,27 @@ def _remove_entry(parent_fd: int, name: str) -> None:
     finally:
         for _, _, fd, _ in stack:
             os.close(fd)
+
+
+def _unlink_or_move(dir_fd: int, name: str, top_fd: int, top_names: list[str]) -> None:
+    """Unlink the entry ``name`` of ``dir_fd``, or, for a directory, move it into ``top_fd`` to be removed from there
+    (its new name joins ``top_names``)."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+        return
+    except FileNotFoundError:
+        return
+    except IsADirectoryError:
+        pass
+    moved = f".trl-marl-deep-{next(_MOVED)}"
+    try:
+        os.rename(name, moved, src_dir_fd=dir_fd, dst_dir_fd=top_fd)
+    except FileNotFoundError:
+        return
+    top_names.append(moved)
+
+
+_MOVED = itertools.count()
 
 
 def _unlink_or_open(dir_fd: int, name: str) -> tuple[int, list[str]] | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import signal
@@ -263,7 +265,8 @@ class Sandbox:
             # output, and a run whose parse still ends past the wall-time limit is a timeout.
             parse_started = time.monotonic()
             try:
-                outputs = _parse_outputs(finished.stdout, len(job["calls"]))
+                with _collector_paused():
+                    outputs = _parse_outputs(finished.stdout, len(job["calls"]))
             except ValueError as error:
                 status, reason = Status.ERROR, str(error)
             common["wall_time_s"] += time.monotonic() - parse_started
@@ -306,11 +309,28 @@ RESULT_MAX_DEPTH = 64
 RESULT_MAX_VALUES = 100_000
 
 
+@contextlib.contextmanager
+def _collector_paused():
+    """Pause the garbage collector: the containers of a results document would each count towards a collection that
+    walks the trainer's whole heap (0.60 s to parse 350k empty lists with torch imported, 0.08 s paused)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _parse_outputs(stdout: bytes, expected_count: int) -> list[CallOutput]:
     """The harness's results: exactly one well-formed document with one entry per call, within the bounds above and
     `MAX_SHARED_HASH`, checked before anything in it is hashed or compared. Raises ValueError with the reason."""
     malformed = "the harness output was missing or malformed (an early exit?)"
     decoder = PlainDecoder(RESULT_MAX_DEPTH, RESULT_MAX_VALUES, MAX_SHARED_HASH)
+    # json.loads builds every container before the decoder counts them: count them first (a bracket inside a string
+    # counts too, which only errs on the safe side).
+    if stdout.count(b"[") + stdout.count(b"{") > RESULT_MAX_VALUES:
+        raise ValueError(f"the call results are over a bound: more than {RESULT_MAX_VALUES} values")
     try:
         document = json.loads(stdout)
         entries = document["results"]

@@ -169,8 +169,9 @@ def _die_with_sandbox(lifeline):
 
 def _mount_tmpfs(mounts):
     """Bubblewrap: mount each writable tmpfs afresh with its size and inode caps (bubblewrap's ``--tmpfs`` takes no
-    inode cap), in a mount namespace of the sandbox's own, then drop every capability, ``CAP_SYS_ADMIN`` (which
-    bubblewrap granted for these mounts only) included: the candidate starts with none and cannot regain any."""
+    inode cap), in a mount namespace of the sandbox's own, then drop every capability from every set, the bounding set
+    included (``CAP_SYS_ADMIN`` for these mounts and ``CAP_SETPCAP`` for that drop are all bubblewrap granted): the
+    candidate starts with none and cannot regain any."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -192,9 +193,12 @@ def _mount_tmpfs(mounts):
     class Sets(ctypes.Structure):
         _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
+    for capability in range(64):  # PR_CAPBSET_DROP, up to the first number this kernel does not know
+        if libc.prctl(24, capability, 0, 0, 0) != 0 and ctypes.get_errno() == 22:
+            break
     check(libc.capset(ctypes.byref(Header(0x20080522, 0)), (Sets * 2)()), "capset")  # version 3: all sets empty
     with open("/proc/self/status") as status:
-        held = [line.strip() for line in status if line.startswith(("CapInh", "CapPrm", "CapEff", "CapAmb"))]
+        held = [line.strip() for line in status if line.startswith(("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"))]
     held = [line for line in held if line.split(":")[1].strip("0\t ")]
     if held:
         raise OSError(f"capabilities left after dropping them: {', '.join(held)}")

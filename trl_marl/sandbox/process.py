@@ -62,11 +62,12 @@ def kill_group(process: subprocess.Popen) -> None:
 
 def kill_all(owner: object = None) -> None:
     """Kill the running sandboxes started for ``owner``; every one this process started when ``owner`` is None."""
+    # Under the lock: a command leaves the registry before it is reaped, so no signal can reach a reused pid.
     with _LIVE_LOCK:
-        live = [(process, stop) for process, (started, stop) in _LIVE.items() if owner is None or started is owner]
-    for process, stop in live:  # a command stopped by its own `stop` exits by itself; its run_command reaps it
-        if stop is None or not stop(process):
-            kill_group(process)
+        for process, (started, stop) in _LIVE.items():
+            # A command stopped by its own `stop` exits by itself; its run_command reaps it.
+            if (owner is None or started is owner) and (stop is None or not stop(process)):
+                kill_group(process)
 
 
 atexit.register(kill_all)
@@ -121,14 +122,13 @@ def run_command(
         _LIVE[process] = (owner, stop)
     captured = {process.stdout.fileno(): bytearray(), process.stderr.fileno(): bytearray()}
     truncated = dict.fromkeys(captured, False)
-    timed_out = flooded = False
-    exit_status = None
+    timed_out = flooded = exited = False
     selector = selectors.DefaultSelector()
     try:
         for fd in captured:
             os.set_blocking(fd, False)
             selector.register(fd, selectors.EVENT_READ)
-        while exit_status is None:
+        while not exited:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 timed_out = True
@@ -142,23 +142,23 @@ def run_command(
                 flooded |= _read_into(key.fd, captured[key.fd], truncated, output_bytes, selector)
             if flooded:
                 break
-            pid, exit_status = os.waitpid(process.pid, os.WNOHANG)
-            if pid == 0:
-                exit_status = None
-        if exit_status is not None:  # exited: take what is already buffered, without waiting for EOF
+            exited = _exited(process.pid, timeout_s=0)
+        if exited:  # take what is already buffered, without waiting for EOF
             for fd in list(selector.get_map()):
                 _read_into(fd, captured[fd], truncated, output_bytes, selector)
     finally:
-        if exit_status is None:
-            exit_status = _stop(process, stop)
+        # Exited or killed, the command is reaped last: until then its pid and group id cannot be reused.
+        if not exited:
+            _stop(process, stop)
         kill_group(process)  # what is left of its group (the local backend's children)
         _reap_orphans(process.pid)
+        with _LIVE_LOCK:
+            _LIVE.pop(process, None)
+        _, exit_status = os.waitpid(process.pid, 0)
         process.returncode = os.waitstatus_to_exitcode(exit_status)  # keeps Popen from reaping it again
         selector.close()
         process.stdout.close()
         process.stderr.close()
-        with _LIVE_LOCK:
-            _LIVE.pop(process, None)
     stdout_fd, stderr_fd = captured
     return Finished(
         returncode=None if timed_out or flooded else process.returncode,
@@ -172,17 +172,25 @@ def run_command(
     )
 
 
-def _stop(process: subprocess.Popen, stop: Callable[[subprocess.Popen], bool] | None) -> int:
-    """Kill a command that is still running and reap it; its wait status."""
-    if stop is not None and stop(process):
-        deadline = time.monotonic() + STOP_GRACE_S
-        while time.monotonic() < deadline:
-            pid, exit_status = os.waitpid(process.pid, os.WNOHANG)
-            if pid:
-                return exit_status
-            time.sleep(0.001)
+def _stop(process: subprocess.Popen, stop: Callable[[subprocess.Popen], bool] | None) -> None:
+    """Kill a command that is still running; return once it has exited, leaving it to be reaped."""
+    if stop is not None and stop(process) and _exited(process.pid, timeout_s=STOP_GRACE_S):
+        return
     kill_group(process)
-    return os.waitpid(process.pid, 0)[1]
+    _exited(process.pid, timeout_s=None)
+
+
+def _exited(pid: int, timeout_s: float | None) -> bool:
+    """Whether child ``pid`` has exited, waiting up to ``timeout_s`` (None: until it has), without reaping it."""
+    if timeout_s is None:
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        return True
+    deadline = time.monotonic() + timeout_s
+    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def _reap_orphans(session: int) -> None:
@@ -210,7 +218,7 @@ def _reap_orphans(session: int) -> None:
 
 
 def _children_in_session(session: int) -> list[tuple[int, str]]:
-    """(pid, state) of this process's children that belong to ``session``."""
+    """(pid, state) of this process's children that belong to ``session``, but its leader."""
     found = []
     for children in Path("/proc/self/task").glob("*/children"):
         try:
@@ -222,7 +230,7 @@ def _children_in_session(session: int) -> list[tuple[int, str]]:
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             except (OSError, IndexError):
                 continue
-            if int(fields[3]) == session:  # fields: state, ppid, pgrp, session, ...
+            if int(fields[3]) == session and int(pid) != session:  # fields: state, ppid, pgrp, session, ...
                 found.append((int(pid), fields[0]))
     return found
 

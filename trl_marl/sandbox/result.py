@@ -57,6 +57,7 @@ class Limits:
             "RLIMIT_FSIZE": int(self.scratch_bytes),
             "RLIMIT_NOFILE": int(self.max_open_files),
             "RLIMIT_CORE": 0,
+            "RLIMIT_SIGPENDING": 64,  # queued signals, and POSIX timers (each holds one): kernel memory otherwise
         }
 
 
