@@ -157,9 +157,13 @@ def test_a_tree_nested_deeper_than_the_open_file_limit_is_removed(tmp_path):
     # One open directory per level would run a trainer with 256 descriptors out of them 256 levels down.
     run = tmp_path / "run"
     run.mkdir()
-    done = subprocess.run([sys.executable, "-c", DEEP_REMOVAL, str(run)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["True", "False"], done.stderr[-2000:]
+    try:
+        command = [sys.executable, "-c", DEEP_REMOVAL, str(run)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split() == ["True", "False"], done.stderr[-2000:]
+    finally:  # whatever failed, leave no tree that pytest's own (recursive) cleanup of tmp_path would choke on
+        subprocess.run(["rm", "-rf", str(run)], check=True)
 
 
 ESCAPING_SWAPPER = """
