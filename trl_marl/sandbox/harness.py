@@ -143,28 +143,24 @@ class HashCheck:
         self.colliding += 1
 
 
-def _die_with_parent(parent_pid):
-    """Local mode (no pid namespace): have the kernel SIGKILL this process when the trainer dies."""
+def _die_with_trainer(job):
+    """Have the kernel SIGKILL this process when its parent dies, then exit now if the trainer already has.
+
+    Local mode (no pid namespace): the parent is the trainer, checked by pid. Bubblewrap: the parent is bubblewrap,
+    which arms the same signal only just before it starts the harness, so a trainer killed during those milliseconds
+    of setup would leave the harness running, orphaned and without a deadline; the trainer holds the only write end of
+    the ``lifeline`` pipe, and end of file there means it is gone (and bubblewrap, which dies with it)."""
     import ctypes
 
     ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    if os.getppid() != parent_pid:  # the trainer died before the request took effect
+    if "parent_pid" in job and os.getppid() != job["parent_pid"]:
         os._exit(1)
+    if "lifeline" in job:
+        import select
 
-
-def _die_with_sandbox(lifeline):
-    """Bubblewrap: have the kernel SIGKILL this process when bubblewrap dies, and exit now if the trainer has died.
-
-    bubblewrap arms the same signal only just before it starts the harness, so a trainer killed during the few
-    milliseconds of setup would leave the harness running, orphaned and without a deadline. The trainer holds the only
-    write end of the ``lifeline`` pipe: end of file there means it is gone (and bubblewrap, which dies with it)."""
-    import ctypes
-    import select
-
-    ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    if select.select([lifeline], [], [], 0)[0] and not os.read(lifeline, 1):
-        os._exit(1)
-    os.close(lifeline)
+        if select.select([job["lifeline"]], [], [], 0)[0] and not os.read(job["lifeline"], 1):
+            os._exit(1)
+        os.close(job["lifeline"])
 
 
 def _mount_tmpfs(mounts):
@@ -242,10 +238,7 @@ def main(job_path):
     del sys.path[0]  # this file's directory: nothing there for the candidate to import
     with open(job_path, "rb") as handle:
         job = marshal.load(handle)  # written by the trainer, not by the candidate
-    if "parent_pid" in job:
-        _die_with_parent(job["parent_pid"])
-    if "lifeline" in job:
-        _die_with_sandbox(job["lifeline"])
+    _die_with_trainer(job)
     if "mounts" in job:
         try:
             _mount_tmpfs(job["mounts"])
