@@ -1,8 +1,9 @@
-"""The learning benchmark's own rewards and report (recipes/benchmarks/bench_learning.py); its runs are benchmarks,
-not tests."""
+"""The learning benchmark's own parts (recipes/benchmarks/bench_learning.py): the coarse-key ablation, the statistics
+and the report; its runs are benchmarks, not tests."""
 
 import importlib.util
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,47 +18,52 @@ def bench():
     return module
 
 
-def test_single_agent_answer_is_its_first_line_and_the_rest_its_explanation(bench):
-    text = "Answer: 7\n\nExplanation: Three plus four is seven.\nCount on from three."
-    assert bench.split_answer(text) == {"concise": "7", "detailed": "Three plus four is seven. Count on from three."}
-    assert bench.split_answer("seven") == {"concise": "seven", "detailed": ""}
+def test_coarse_groups_compare_every_problems_candidates_of_one_turn_and_agent(bench):
+    # (turn 0, first): problem 1 rewards [1, 0], problem 2 [0, 0]; (turn 1, second): [0.5, 0.5].
+    # Coarse group of four: mean 0.25, unbiased std sqrt((0.75² + 3 · 0.25²) / 3) = 0.5, so (1 − 0.25) / 0.5001 and
+    # (0 − 0.25) / 0.5001: problem 2's candidates are pushed down although they tied within their own problem.
+    entries = [(0, 0, 1.0), (0, 0, 0.0), (0, 0, 0.0), (0, 0, 0.0), (1, 1, 0.5), (1, 1, 0.5)]
+    samples = [SimpleNamespace(turn=t, agent=a, group=None, advantage=None) for t, a, _ in entries]
+    joint_actions = [SimpleNamespace(reward=r, advantage=None) for _, _, r in entries]
+    bench.coarsen_groups(SimpleNamespace(samples=samples, joint_actions=joint_actions), "mean", "group")
+    expected = [0.75 / 0.5001, -0.25 / 0.5001, -0.25 / 0.5001, -0.25 / 0.5001, 0.0, 0.0]
+    assert [s.advantage for s in samples] == pytest.approx(expected, abs=1e-5)
+    assert [ja.advantage for ja in joint_actions] == pytest.approx(expected, abs=1e-5)
+    assert [s.group for s in samples] == [0, 0, 0, 0, 1, 1]
 
 
-def test_single_agent_explain_reward_is_the_team_reward_of_its_two_parts(bench):
-    # 1 word / 4 words: (4 / 1 - 1) / 2 = 1.5, clipped to 1; 2 words / 4 words: (2 - 1) / 2 = 0.5; no explanation: 0.
-    completions = ["7\nThree plus four, seven.", "It's seven\nThree plus four, seven.", "seven"]
-    assert bench.single_explain_reward(None, completions) == [1.0, 0.5, 0.0]
-    conversational = [[{"role": "assistant", "content": "7\nThree plus four, seven."}]]
-    assert bench.single_explain_reward(None, conversational) == [1.0]
+def test_interval_is_the_mean_and_the_95_percent_t_half_width(bench):
+    # mean 0.5, sample std 0.2, 3 values: 4.303 · 0.2 / sqrt(3) = 0.49687
+    mean, half = bench.interval([0.3, 0.5, 0.7])
+    assert mean == pytest.approx(0.5) and half == pytest.approx(4.303 * 0.2 / 3**0.5)
+    assert bench.interval([0.4]) == (0.4, 0.0)
 
 
-def test_independent_rewards_score_each_role_alone(bench):
-    # 0 words, 3 words, 10 words: (15 - 10) / 10 = 0.5, 20 words.
-    assert bench.short_answer(None, ["", "a b c", " ".join("w" * 10), " ".join("w" * 20)]) == [0.0, 1.0, 0.5, 0.0]
-    texts = ["One.", "One. Two!", "One. Two. Three?", "A. B. C. D.", "A. B. C. D. E.", ""]
-    assert bench.two_or_three_sentences(None, texts) == [0.5, 1.0, 1.0, 0.5, 0.0, 0.0]
+def run(method, seed, scores, success=None):
+    final = {"step": 4, "scores": scores, **({"success": success} if success is not None else {})}
+    start = {"step": 0, "scores": [0.0] * len(scores), **({"success": 0.0} if success is not None else {})}
+    return {"task": "pick_new", "method": method, "seed": seed, "evaluations": [start, final], "minutes": 10.0}
 
 
-def test_single_agent_reach_reward_success_and_format(bench):
-    # start 5, target 15: "+10" lands (1.0); "4" covers 4 of 10 (0.4); no number stays at 5 (0.0).
-    completions, start, target = ["10", "I add 4", "no idea"], [5, 5, 5], [15, 15, 15]
-    assert bench.single_reach_reward(None, completions, start=start, target=target) == [1.0, 0.4, 0.0]
-    assert bench.on_target(None, completions, start=start, target=target) == [1.0, 0.0, 0.0]
-    assert bench.single_format(None, completions) == [1.0, 0.5, 0.0]
+def test_paired_difference_is_per_seed_mean_of_per_problem_differences(bench):
+    a = [run("at_grpo", 0, [1.0, 0.5]), run("at_grpo", 1, [1.0, 1.0]), run("at_grpo", 2, [0.5, 0.5])]
+    b = [run("coarse", 0, [0.5, 0.5]), run("coarse", 2, [0.5, 0.0])]
+    assert bench.paired_difference(a, b) == [0.25, 0.25]  # seed 1 has no partner
 
 
-def test_table_reports_mean_and_sample_std_over_seeds(bench):
-    runs = [
-        {
-            "task": "explain",
-            "method": "magrpo",
-            "seed": s,
-            "team_reward": r,
-            "success_rate": None,
-            "minutes": 4.0,
-            "curve": [],
-        }
-        for s, r in enumerate([0.5, 0.7, 0.9])
-    ]
-    runs[0]["curve"], runs[1]["curve"], runs[2]["curve"] = [0.0, 1.0], [0.5], []  # means 0.5 and 0.5; none
-    assert "| explain | magrpo | 3 | 0.700 ± 0.200 | - | 0.500 ± 0.000 | 4.0 |" in bench.table(runs).splitlines()
+def test_table_reports_untrained_from_step_0_the_methods_and_their_paired_differences(bench):
+    runs = [run("at_grpo", s, [1.0, v], success=v) for s, v in enumerate([0.0, 1.0, 0.5])]
+    runs += [run("coarse", s, [0.5, v], success=0.0) for s, v in enumerate([0.0, 1.0, 0.5])]
+    lines = bench.table(runs).splitlines()
+    # untrained − at_grpo: per-seed means -0.5, -1, -0.75
+    assert "| pick_new | untrained | 3 | 0.000 ± 0.000 | 0.000 ± 0.000 | -0.750 ± 0.621 | - |" in lines
+    # at_grpo: per-seed means 0.5, 1.0, 0.75 -> mean 0.75, std 0.25, half-width 4.303 · 0.25 / sqrt(3) = 0.621
+    assert "| pick_new | at_grpo | 3 | 0.750 ± 0.621 | 0.500 ± 1.242 | - | 10.0 |" in lines
+    # coarse − at_grpo on every problem: -0.5 and 0 -> -0.25 for each seed, no spread
+    assert "| pick_new | coarse | 3 | 0.500 ± 0.621 | 0.000 ± 0.000 | -0.250 ± 0.000 | 10.0 |" in lines
+
+
+def test_first_choice_says_what_the_first_answer_did(bench):
+    assert bench.first_choice({"picks": [("first", None, False)]}) == "invalid"
+    assert bench.first_choice({"picks": [("first", "red", False), ("second", "blue", True)]}) == "repeated"
+    assert bench.first_choice({"picks": [("first", "red", True)]}) == "new"

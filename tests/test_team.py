@@ -17,7 +17,7 @@ from trl_marl.tasks.coding.code_tester import code_tester_feedback
 from trl_marl.tasks.coding.coop_coding import coding_feedback
 from trl_marl.tasks.math_tool import math_feedback
 from trl_marl.tasks.toy import word_count_feedback
-from trl_marl.team import import_by_name
+from trl_marl.importable import import_by_name
 
 AGENTS = [{"name": "planner", "system_prompt": "Plan briefly."}, {"name": "checker", "system_prompt": "Check."}]
 NEW_PROMPT = [{"role": "user", "content": "Suggest a name for a cat."}]

@@ -13,12 +13,9 @@ per agent, or `out/team/` when the agents share an adapter), the tokenizer, and 
 the prompt building of training: each agent gets its role and what the transition shows it, nothing else.
 """
 
-import importlib
-import importlib.util
 import json
 import math
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 from .agents import agent_prompt, keep_4bit_weights_trainable
 from .config import ATGRPOConfig
 from .episode import RolloutSettings
+from .importable import import_by_name, importable_name
 from .models import DEFAULT_MODEL_ID, default_model_path, four_bit_config, is_default_model
 from .registry import PluginError
 from .rollout import TreeRollout, default_transition
@@ -41,55 +39,6 @@ from .tasks import resolve_task
 
 TEAM_FILE = "team.json"
 TEAM_FORMAT = "trl_marl.team/1"
-
-
-def importable_name(func: Callable) -> str | None:
-    """`"module:qualname"` when importing that gives back `func`, so another process can rebuild it; a function of a
-    script run as `__main__` is named by the script's path (`"/path/script.py:qualname"`). None otherwise (lambdas,
-    local functions)."""
-    module, qualname = getattr(func, "__module__", None), getattr(func, "__qualname__", "")
-    if not module or "<" in qualname:
-        return None
-    if module == "__main__":
-        script = getattr(sys.modules["__main__"], "__file__", None)
-        found = sys.modules["__main__"]
-        for part in qualname.split("."):
-            found = getattr(found, part, None)
-        return f"{os.path.abspath(script)}:{qualname}" if script and found is func else None
-    try:
-        found = import_by_name(f"{module}:{qualname}")
-    except (ImportError, AttributeError):
-        return None
-    return f"{module}:{qualname}" if found is func else None
-
-
-# Where the built-in tasks' modules were before `trl_marl.tasks` became a package: `team.json` files written then name
-# their transitions by these paths.
-MOVED_MODULES = {
-    "trl_marl.plugins.tasks": "trl_marl.tasks.toy",
-    "trl_marl.plugins.coding": "trl_marl.tasks.coding.coop_coding",
-    "trl_marl.plugins.code_tester": "trl_marl.tasks.coding.code_tester",
-    "trl_marl.plugins.math_tool": "trl_marl.tasks.math_tool",
-    "trl_marl.plugins.puzzles.tasks": "trl_marl.tasks.puzzles.tool_and_plan",
-}
-
-
-def import_by_name(name: str) -> Callable:
-    """The object named `"module:qualname"` or `"/path/script.py:qualname"` (a module in `MOVED_MODULES` is looked up
-    where it is now)."""
-    module_name, _, qualname = name.rpartition(":")
-    module_name = MOVED_MODULES.get(module_name, module_name)
-    if module_name.endswith(".py"):
-        spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
-        if spec is None or not Path(module_name).is_file():
-            raise ImportError(f"no script at {module_name}")
-        found = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(found)
-    else:
-        found = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        found = getattr(found, part)
-    return found
 
 
 def base_model_name(model: Any) -> str:
@@ -128,10 +77,13 @@ def write_team_file(folder: str | os.PathLike, spec: dict) -> None:
 
 @dataclass
 class TeamRun:
-    """One episode: per turn, what each acting agent was shown (its role included) and what it answered."""
+    """One episode: per turn, what each acting agent was shown (its role included) and what it answered; every
+    agent's latest answer (what the team reward scores) and the task's final environment state (None without one)."""
 
     observations: list[dict[str, Prompt]]
     turns: list[dict[str, str]]
+    latest: dict[str, str] | None = None
+    state: Any = None
 
     @property
     def final(self) -> dict[str, str]:
@@ -178,6 +130,17 @@ class Team:
     ) -> TeamRun:
         """Play one episode on `prompt` (a string or chat messages, as in the training data) for `num_turns` turns
         (default: as trained). `columns` are the extra dataset columns the transition reads (e.g. tests)."""
+        return self.play([{**columns, "prompt": prompt}], num_turns, max_new_tokens, do_sample)[0]
+
+    def play(
+        self,
+        rows: list[dict],
+        num_turns: int | None = None,
+        max_new_tokens: int | None = None,
+        do_sample: bool = False,
+    ) -> list[TeamRun]:
+        """Play one episode per dataset row (its `prompt` and the columns the task reads), all rows' agents of a turn
+        in one generation call; an episode ends early when the transition says it is done."""
         max_new_tokens = max_new_tokens or self.spec["max_completion_length"]
         settings = RolloutSettings(
             agent_names=self.agent_names,
@@ -194,15 +157,26 @@ class Team:
             ),
         )
         rollout = TreeRollout(settings, num_generations=1).run(
-            [{**columns, "prompt": prompt}],
+            [dict(row) for row in rows],
             first_copy=0,
             generate=lambda inputs, agent_index: self._generate(inputs, agent_index, max_new_tokens, do_sample),
             score=lambda joint_actions: torch.full((len(joint_actions), 1), math.nan),
         )
-        observations = [{} for _ in rollout.joint_actions]
+        # With one generation per node each row is one path: a joint action continues its parent's (`branch.parent`),
+        # and a later node's key ends with the index of the joint action it continues.
+        row_of = []
+        for joint_action in rollout.joint_actions:
+            row_of.append(joint_action.node[2] if joint_action.turn == 0 else row_of[joint_action.branch.parent])
+        paths = [[ja for ja, row in zip(rollout.joint_actions, row_of) if row == index] for index in range(len(rows))]
+        observations = [[{} for _ in path] for path in paths]
         for sample in rollout.samples:
-            observations[sample.turn][self.agent_names[sample.agent]] = sample.model_input
-        return TeamRun(observations=observations, turns=[dict(ja.said) for ja in rollout.joint_actions])
+            row = sample.node[2] if sample.turn == 0 else row_of[sample.node[2]]
+            observations[row][sample.turn][self.agent_names[sample.agent]] = sample.model_input
+        runs = [
+            TeamRun(seen, [dict(ja.said) for ja in path], dict(path[-1].completions), path[-1].state)
+            for seen, path in zip(observations, paths)
+        ]
+        return runs
 
     @torch.no_grad()
     def _generate(self, model_inputs: list, agent_index: list[int], max_new_tokens: int, do_sample: bool):

@@ -1,305 +1,279 @@
-"""Learning benchmark: does a team trained with trl_marl beat its baselines on held-out problems?
+"""Learning benchmark: does the team learn what its members cannot learn on their own rewards?
 
-Two cooperative tasks on the embedded default model (SmolLM2-135M-Instruct), on the CPU, each method run with
-several seeds; every figure is measured on the task's held-out split after training.
+Two built-in tasks (`trl_marl/tasks/teamwork.py`) on the embedded default model (SmolLM2-135M-Instruct), on the
+CPU; every method is trained with the same settings and seeds and scored on the same 64 held-out problems, greedily,
+every `--eval_every` steps (step 0 is the untrained team: LoRA starts as the identity).
 
-**explain** (MAGRPO, one turn): for a short question `concise` gives the bare answer and `detailed` explains it; the
-team reward (`explain_ratio_reward`) asks the explanation to be three times as long as the answer, so it needs both.
-- `untrained`: the base model in both roles;
-- `magrpo`: `MAGRPOTrainer` on the shared team reward;
-- `independent`: each agent trained on its own reward, never seeing the team's: `concise` is rewarded for a short
-  answer (at most 5 words, ramping to 0 at 15), `detailed` for two or three sentences. GRPO groups of one agent's
-  candidates from one prompt (`ATGRPOTrainer` with one turn and `team_reward_weight=0`: r = the agent's own reward);
-- `single`: one agent doing the whole job with TRL's own `GRPOTrainer` (one LoRA adapter), asked for the short answer
-  on its first line and the explanation on the next ones; its first line stands for `concise`'s answer and the rest
-  for `detailed`'s in the same team reward. It gets the team's token budget (2 x 40 new tokens).
+**distinct_items** (one turn, both teammates at once): each names 3 members of a category; the team reward counts the
+distinct valid members of both lists.
+- `magrpo`: `MAGRPOTrainer` on the team reward;
+- `per_role`: each teammate trained on its own reward (valid members in its own list, the task's local reward):
+  `ATGRPOTrainer` with one turn and α = 0, so a group is one teammate's candidates for one problem;
+- `single`: one agent doing every part: MAGRPO with one shared adapter (the role prompts tell the parts apart).
 
-**reach_target** (AT-GRPO, two turns): a counter must reach a target; `mover` then `finisher` add a number at each of
-two turns (the built-in task, `trl_marl/tasks/toy.py`).
-- `untrained`: the base model in both roles, one AT-GRPO episode per puzzle;
-- `at_grpo`: `ATGRPOTrainer` (K candidates per agent and turn, greedy continuation, α · team + local reward);
-- `single`: one agent asked for the one number that reaches the target, trained with TRL's `GRPOTrainer` on the same
-  team reward and local format reward (`is_a_number`).
+**pick_new** (up to three turns, one teammate per turn): name options not named yet, until the team has two new ones.
+- `at_grpo`: `ATGRPOTrainer` (K candidates per problem, turn and agent; greedy continuation; α · team + format);
+- `single`: the same with one shared adapter;
+- `magrpo`: `MAGRPOTrainer` on the same task (its tree of joint actions, team reward only);
+- `alpha0`: AT-GRPO with α = 0 (the local format reward only);
+- `coarse`: AT-GRPO with its groups coarsened to (turn, agent): every problem's candidates of one turn compared
+  together, the ablation that shows whether grouping by problem matters.
 
-The team methods are scored by `trl_marl.evaluate_task` on the split (explain: the mean team reward over sampled joint
-actions; reach_target, one AT-GRPO episode per puzzle: `episodes/team_reward`, the team reward of the joint action each
-episode ends on, and `episodes/success_rate`); the single agent by `GRPOTrainer.evaluate` with the same reward
-functions and sampling (temperature 1). Every run logs its training team reward each step, the curves in the PNG:
-MAGRPO's mean over its sampled joint actions; for the AT-GRPO trainers (`at_grpo`, `independent`)
-`episodes/team_reward`, the team reward of the joint action each episode ended on, along the greedy path (the best of K
-candidates by the training reward at each step, so it runs above a sampled mean); the single agent's mean team reward.
+    pip install -e ".[bench]"                                   # matplotlib, for the PNG
+    python recipes/benchmarks/bench_learning.py                # both tasks, every method, seeds 0 1 2
+    python recipes/benchmarks/bench_learning.py --task pick_new --methods at_grpo --seeds 0   # one run
+    python recipes/benchmarks/bench_learning.py --report       # the table and the PNG from the saved runs
 
-    pip install -e ".[bench]"                                          # matplotlib, for the PNG
-    python recipes/benchmarks/bench_learning.py                       # both tasks, every method, seeds 0 1 2
-    python recipes/benchmarks/bench_learning.py --task explain --methods magrpo --seeds 0 --steps 4   # one run
-
-Results go to `recipes/benchmarks/results/bench_learning.json` as each run finishes (a run already there is
-skipped: delete the file, or pass `--fresh`, to start over), then the table is printed and the curves are drawn to
-`recipes/benchmarks/results/bench_learning.png`.
+Each run is saved to `recipes/benchmarks/results/bench_learning.json` as it finishes (a run already there with the
+same settings is skipped, so a long benchmark resumes where it stopped; `--fresh` forgets the saved runs). The
+table (also written to `bench_learning.md`) and the curves (`bench_learning.png`) are regenerated from that file.
+Settings were chosen on the training split only (untrained samples read on training problems); the held-out split is
+only ever scored.
 """
 
 import argparse
 import datetime
 import gc
 import json
+import math
 import os
 import platform
-import re
 import statistics
 import tempfile
 import time
 
 import torch
-from datasets import Dataset
-from peft import LoraConfig
-from trl import GRPOConfig, GRPOTrainer
+from transformers import TrainerCallback
 
 import trl_marl
-from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, default_model_path
-from trl_marl.evaluation import evaluate_task
+from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, default_model_path, load_team
+from trl_marl.advantages import group_advantages
 from trl_marl.tasks import task_defaults
-from trl_marl.tasks.toy import Explain, ReachTarget, explain_ratio_reward, is_a_number, parse_move
+from trl_marl.tasks.teamwork import DistinctItems, PickNew, distinct_items_reward, own_items_reward
 
-TASKS = {"explain": Explain, "reach_target": ReachTarget}
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+TASKS = {"distinct_items": DistinctItems, "pick_new": PickNew}
+# method -> (algorithm, config fields); the first trained method of a task is the one the others are compared with
 METHODS = {
-    "explain": ["untrained", "magrpo", "independent", "single"],
-    "reach_target": ["untrained", "at_grpo", "single"],
+    "distinct_items": {
+        "magrpo": ("magrpo", {}),
+        "per_role": ("at_grpo", {"team_reward_weight": 0.0}),
+        "single": ("magrpo", {"adapter_mode": "shared"}),
+    },
+    "pick_new": {
+        "at_grpo": ("at_grpo", {}),
+        "single": ("at_grpo", {"adapter_mode": "shared"}),
+        "magrpo": ("magrpo", {}),
+        "alpha0": ("at_grpo", {"team_reward_weight": 0.0}),
+        "coarse": ("at_grpo", {}),
+    },
 }
-# Shared by every trained method of a task (the quickstart's settings for explain, the recipe's for reach_target).
+SETTINGS = {  # per task: training steps, tokens per answer, sampling temperature
+    "distinct_items": {"max_steps": 16, "max_completion_length": 16, "temperature": 0.7},
+    "pick_new": {"max_steps": 16, "max_completion_length": 6, "temperature": 0.7},
+}
 COMMON = dict(
     num_generations=4,
-    per_device_train_batch_size=8,  # two problems x four completions per agent per step
+    per_device_train_batch_size=8,  # two problems x four candidates per agent per step
     learning_rate=5e-4,
     lr_scheduler_type="constant",
+    gradient_checkpointing=False,  # tiny batches: recomputing activations would only cost time
     logging_steps=1,
     save_strategy="no",
     report_to="none",
+    lora_r=16,
+    lora_alpha=32,
     use_cpu=not torch.cuda.is_available(),
     bf16=torch.cuda.is_available(),
 )
-LORA = dict(lora_r=16, lora_alpha=32)
-TOKENS = {"explain": 40, "reach_target": 12}
-STEPS = {"explain": 16, "reach_target": 12}
+T_95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
 
 
-# --- explain: the independent agents' own rewards, and the single agent's format ---
+# --- the coarse-key ablation ---
 
 
-def short_answer(prompts, completions, **kwargs):
-    """`concise`'s own reward: 1 for 1-5 words, falling linearly to 0 at 15 words; 0 when silent."""
-    words = [len(text.split()) for text in completions]
-    return [0.0 if n == 0 else 1.0 if n <= 5 else max(0.0, (15 - n) / 10) for n in words]
+def coarsen_groups(rollout, baseline: str, scale_rewards: str) -> None:
+    """Recompute an AT-GRPO rollout's advantages with groups keyed by (turn, agent) instead of (problem, turn, agent):
+    every problem's candidates of one turn and agent are compared with each other (single process)."""
+    groups: dict[tuple[int, int], list] = {}
+    for sample, joint_action in zip(rollout.samples, rollout.joint_actions):
+        groups.setdefault((sample.turn, sample.agent), []).append((sample, joint_action))
+    width = max(len(members) for members in groups.values())
+    rewards = torch.full((len(groups), width), math.nan)
+    for i, members in enumerate(groups.values()):
+        rewards[i, : len(members)] = torch.tensor([joint_action.reward for _, joint_action in members])
+    advantages, _ = group_advantages(rewards, baseline, scale_rewards)
+    for i, members in enumerate(groups.values()):
+        for k, (sample, joint_action) in enumerate(members):
+            sample.group = i
+            sample.advantage = joint_action.advantage = advantages[i, k].item()
 
 
-def two_or_three_sentences(prompts, completions, **kwargs):
-    """`detailed`'s own reward: 1 for two or three sentences, 0.5 for one or four, else 0."""
-    counts = [len([s for s in re.split(r"[.!?]+", text) if s.strip()]) for text in completions]
-    return [1.0 if n in (2, 3) else 0.5 if n in (1, 4) else 0.0 for n in counts]
+class CoarseGroupsTrainer(ATGRPOTrainer):
+    """AT-GRPO with (turn, agent) groups: the ablation of its grouping."""
+
+    def _rollout(self, inputs, num_generations):
+        rollout = super()._rollout(inputs, num_generations)
+        coarsen_groups(rollout, self.args.baseline, self.args.scale_rewards)
+        return rollout
 
 
-class IndependentExplain(Explain):
-    """The explain task with a reward per agent; with `team_reward_weight=0` the team reward is only logged."""
-
-    scheduler = "parallel"
-    local_reward_funcs = {"concise": [short_answer], "detailed": [two_or_three_sentences]}
+# --- held-out evaluation ---
 
 
-SINGLE_EXPLAIN = (
-    "Answer the question. On the first line write only the short answer, in a few words. On the next lines explain "
-    "the answer in two or three sentences."
-)
-LABEL = re.compile(r"^\W*(answer|explanation)\W*:\s*", re.IGNORECASE)
+def first_choice(state) -> str:
+    """What the first teammate's first answer did: named a `new` option, `repeated` a named one, or was `invalid`."""
+    _, choice, new = state["picks"][0]
+    return "invalid" if choice is None else "new" if new else "repeated"
 
 
-def completion_text(completion) -> str:
-    return completion[0]["content"] if isinstance(completion, list) else completion
+def score_team(task_name: str, folder: str, rows: list[dict], max_new_tokens: int) -> dict:
+    """Play every held-out problem greedily with the team saved in `folder`: per-problem team rewards, diagnostics."""
+    team = load_team(folder)
+    try:
+        runs = team.play(rows, max_new_tokens=max_new_tokens)
+    finally:
+        team.close()
+    columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+    completions = [run.latest for run in runs]
+    if task_name == "distinct_items":
+        scores = distinct_items_reward(None, completions, **columns)
+        own = [own_items_reward(None, [c[name] for c in completions], **columns) for name in completions[0]]
+        return {"scores": scores, "own": [statistics.mean(values) for values in own]}
+    scores = [min(1.0, run.state["new"] / row["goal"]) for run, row in zip(runs, rows)]
+    second = {}  # the second teammate's first answer, by what the first one's did: the share that named a new option
+    for run in runs:
+        if len(run.state["picks"]) > 1:
+            second.setdefault(first_choice(run.state), []).append(float(run.state["picks"][1][2]))
+    return {
+        "scores": scores,
+        "success": statistics.mean(score == 1.0 for score in scores),
+        "second_by_first": {key: [statistics.mean(values), len(values)] for key, values in sorted(second.items())},
+        "turns": statistics.mean(len(run.turns) for run in runs),
+    }
 
 
-def split_answer(text: str) -> dict[str, str]:
-    """The first non-empty line as `concise`'s answer, the lines after it as `detailed`'s explanation (labels such
-    as 'Answer:' dropped)."""
-    lines = [LABEL.sub("", line) for line in text.strip().splitlines() if line.strip()]
-    return {"concise": lines[0] if lines else "", "detailed": " ".join(lines[1:])}
+class SaveEvery(TrainerCallback):
+    """Saves the team every `every` steps (and at step 0), for the held-out curve."""
+
+    def __init__(self, trainer, every: int, folder: str):
+        self.trainer, self.every, self.folder = trainer, every, folder
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.every == 0:
+            self.trainer.save_model(os.path.join(self.folder, f"step-{state.global_step}"))
 
 
-def single_explain_reward(prompts, completions, **kwargs):
-    """The team reward of the answer line and the explanation lines of one completion (0 without both)."""
-    return explain_ratio_reward(prompts, [split_answer(completion_text(c)) for c in completions])
+def training_diagnostics(log_history: list[dict], agent_names: list[str], num_turns: int) -> dict:
+    """Per step: the training team reward, and per (turn, agent) the share of groups whose rewards all tie and the
+    chosen candidate's reward (AT-GRPO; MAGRPO groups are joint actions, so per turn)."""
+    keys = {"reward": "reward", "frac_reward_zero_std": "frac_reward_zero_std"}
+    for turn in range(num_turns):
+        keys[f"turns/{turn}/frac_reward_zero_std"] = f"turns/{turn}/frac_reward_zero_std"
+        for name in agent_names:
+            for what in ("frac_reward_zero_std", "chosen_reward"):
+                keys[f"turns/{turn}/agents/{name}/{what}"] = f"turns/{turn}/agents/{name}/{what}"
+    steps = [entry for entry in log_history if "train_runtime" not in entry and "reward" in entry]
+    curves = {key: [entry.get(key) for entry in steps] for key in keys}
+    return {key: values for key, values in curves.items() if any(v is not None for v in values)}
 
 
-# --- reach_target: the single agent makes the one move ---
-
-SINGLE_REACH = "You move the counter alone, once. Reply with only the whole number to add."
-
-
-def reached_value(completion, start) -> int:
-    move = parse_move(completion_text(completion))
-    return start + (move or 0)
-
-
-def single_reach_reward(prompts, completions, start, target, **kwargs):
-    """`reach_target_reward` after the single agent's one move."""
-    values = [reached_value(c, s) for c, s in zip(completions, start)]
-    return [1.0 - min(1.0, abs(t - v) / max(1, abs(t - s))) for v, s, t in zip(values, start, target)]
-
-
-def on_target(prompts, completions, start, target, **kwargs):
-    """1 when the move lands on the target: the success rate (weight 0: logged, not trained on)."""
-    return [float(reached_value(c, s) == t) for c, s, t in zip(completions, start, target)]
-
-
-def single_format(prompts, completions, **kwargs):
-    """The teams' local reward (`is_a_number`) on the single agent's answer."""
-    return is_a_number(prompts, [completion_text(c) for c in completions])
-
-
-def with_system(dataset: Dataset, system: str) -> Dataset:
-    return dataset.map(lambda row: {"prompt": [{"role": "system", "content": system}, *row["prompt"]]})
-
-
-# --- runs ---
-
-
-def curve(trainer, key: str) -> list[float]:
-    return [entry[key] for entry in trainer.state.log_history if key in entry and "train_runtime" not in entry]
-
-
-def evaluate_team(task, team_dir, seed, algorithm, tokens) -> dict:
-    kwargs = {"team": team_dir} if team_dir else {}
-    metrics = evaluate_task(
-        task,
-        baseline="team" if team_dir else task.scheduler,  # untrained: the base model in every role
-        algorithm=algorithm,
-        seed=seed,
-        max_completion_length=tokens,
-        use_cpu=COMMON["use_cpu"],
-        **kwargs,
-    )
-    # AT-GRPO's "reward" averages every agent's turn (the first scored before its teammate answers): take the team
-    # reward each episode ended on, which the single agent's reward (its one answer) compares with
-    team_reward = metrics["episodes/team_reward"] if algorithm == "at_grpo" else metrics["reward"]
-    return {"team_reward": team_reward, "success_rate": metrics.get("episodes/success_rate")}
-
-
-def run_team(task_name: str, method: str, seed: int, steps: int, output_dir: str) -> dict:
-    tokens = TOKENS[task_name]
+def run(task_name: str, method: str, seed: int, steps: int, eval_every: int) -> dict:
     task = TASKS[task_name]()
-    algorithm = "at_grpo" if task_name == "reach_target" else "magrpo"  # how the task's teams are evaluated
-    if method == "untrained":
-        return {**evaluate_team(task, None, seed, algorithm, tokens), "curve": []}
-    if method == "independent":
-        train_task = IndependentExplain()
-        config_class, trainer_class, extra = ATGRPOConfig, ATGRPOTrainer, {"team_reward_weight": 0.0}
-    elif method == "at_grpo":
-        train_task = task
-        config_class, trainer_class, extra = ATGRPOConfig, ATGRPOTrainer, {}
-    else:
-        train_task = task
-        config_class, trainer_class, extra = MAGRPOConfig, MAGRPOTrainer, {}
-    args = config_class(
-        output_dir=output_dir,
-        **task_defaults(train_task),
-        **COMMON,
-        **LORA,
-        **extra,
-        max_completion_length=tokens,
-        max_steps=steps,
-        seed=seed,
+    algorithm, fields = METHODS[task_name][method]
+    settings = {**SETTINGS[task_name], "max_steps": steps}
+    rows = task.dataset("eval").to_list()
+    config_class = ATGRPOConfig if algorithm == "at_grpo" else MAGRPOConfig
+    trainer_class = (
+        CoarseGroupsTrainer if method == "coarse" else ATGRPOTrainer if algorithm == "at_grpo" else MAGRPOTrainer
     )
-    trainer = trainer_class(default_model_path(), args=args, task=train_task)
-    trainer.train()
-    trainer.save_model(output_dir)
-    # The team reward of the joint actions training formed: MAGRPO's sampled ones; AT-GRPO's mean over every candidate
-    # would count the first agent's candidates scored before its teammate answers, so the episodes' final joint actions
-    training_curve = curve(
-        trainer,
-        "episodes/team_reward" if trainer_class is ATGRPOTrainer else f"rewards/{task.reward_funcs[0].__name__}/mean",
-    )
-    del trainer
-    gc.collect()
-    return {**evaluate_team(task, output_dir, seed, algorithm, tokens), "curve": training_curve}
-
-
-def run_single(task_name: str, seed: int, steps: int, output_dir: str) -> dict:
-    """One agent with TRL's GRPOTrainer and a LoRA adapter of the teams' size."""
-    task = TASKS[task_name]()
-    if task_name == "explain":
-        system, reward_funcs, weights, tokens = SINGLE_EXPLAIN, [single_explain_reward], None, 2 * TOKENS["explain"]
-        curve_key = "rewards/single_explain_reward/mean"
-    else:
-        system, tokens = SINGLE_REACH, TOKENS["reach_target"]
-        reward_funcs, weights = [single_reach_reward, single_format, on_target], [1.0, 1.0, 0.0]
-        curve_key = "rewards/single_reach_reward/mean"
-    train, held_out = (with_system(task.dataset(split), system) for split in ("train", "eval"))
-    args = GRPOConfig(
-        output_dir=output_dir,
-        **COMMON,
-        max_completion_length=tokens,
-        max_steps=steps,
-        seed=seed,
-        reward_weights=weights,
-        num_generations_eval=2,
-        per_device_eval_batch_size=8,
-    )
-    peft_config = LoraConfig(r=LORA["lora_r"], lora_alpha=LORA["lora_alpha"], target_modules="all-linear")
-    trainer = GRPOTrainer(
-        default_model_path(),
-        reward_funcs,
-        args=args,
-        train_dataset=train,
-        eval_dataset=held_out,
-        peft_config=peft_config,
-    )
-    trainer.train()
-    metrics = trainer.evaluate()
-    training_curve = curve(trainer, curve_key)
-    del trainer
-    gc.collect()
-    success = metrics.get("eval_rewards/on_target/mean")
-    return {"team_reward": metrics[f"eval_{curve_key}"], "success_rate": success, "curve": training_curve}
-
-
-def run(task_name: str, method: str, seed: int, steps: int) -> dict:
     torch.manual_seed(seed)
-    steps = 0 if method == "untrained" else steps
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as output_dir:
-        if method == "single":
-            result = run_single(task_name, seed, steps, output_dir)
-        else:
-            result = run_team(task_name, method, seed, steps, output_dir)
-    minutes = (time.perf_counter() - started) / 60
-    return {**result, "task": task_name, "method": method, "seed": seed, "steps": steps, "minutes": minutes}
+        args = config_class(output_dir=output_dir, **task_defaults(task), **COMMON, **settings, **fields, seed=seed)
+        trainer = trainer_class(default_model_path(), args=args, task=task)
+        saves = os.path.join(output_dir, "saves")
+        trainer.save_model(os.path.join(saves, "step-0"))
+        trainer.add_callback(SaveEvery(trainer, eval_every, saves))
+        trainer.train()
+        diagnostics = training_diagnostics(trainer.state.log_history, trainer.agent_names, args.num_turns)
+        del trainer
+        gc.collect()
+        train_minutes = (time.perf_counter() - started) / 60
+        evaluations = []
+        for step in range(0, steps + 1, eval_every):
+            result = score_team(
+                task_name, os.path.join(saves, f"step-{step}"), rows, settings["max_completion_length"]
+            )
+            evaluations.append({"step": step, **result})
+            print(f"   step {step}: held-out team reward {statistics.mean(result['scores']):.3f}", flush=True)
+    return {
+        "task": task_name,
+        "method": method,
+        "seed": seed,
+        "steps": steps,
+        "eval_every": eval_every,
+        "evaluations": evaluations,
+        "training": diagnostics,
+        "train_minutes": train_minutes,
+        "minutes": (time.perf_counter() - started) / 60,
+    }
 
 
 # --- report ---
 
 
-def mean_std(values: list[float]) -> str:
-    values = [v for v in values if v is not None]
+def interval(values: list[float]) -> tuple[float, float]:
+    """Mean and the half-width of its 95 % t-interval (0 for a single value)."""
+    mean = statistics.mean(values)
+    if len(values) < 2:
+        return mean, 0.0
+    return mean, T_95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def paired_difference(runs_a: list[dict], runs_b: list[dict]) -> list[float]:
+    """Per seed present in both: the mean over held-out problems of (score under A − score under B), at the end."""
+    by_seed = {run["seed"]: run["evaluations"][-1]["scores"] for run in runs_b}
+    return [
+        statistics.mean(a - b for a, b in zip(run["evaluations"][-1]["scores"], by_seed[run["seed"]]))
+        for run in runs_a
+        if run["seed"] in by_seed
+    ]
+
+
+def untrained_runs(runs: list[dict]) -> list[dict]:
+    """The untrained team of each run's seed (its step-0 evaluation), as runs of their own."""
+    return [{**run, "method": "untrained", "evaluations": run["evaluations"][:1]} for run in runs]
+
+
+def fmt(values: list[float]) -> str:
     if not values:
         return "-"
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.3f} ± {std:.3f}"
+    mean, half = interval(values)
+    return f"{mean:.3f} ± {half:.3f}" if len(values) > 1 else f"{mean:.3f}"
 
 
 def table(runs: list[dict]) -> str:
     lines = [
-        "| task | method | seeds | held-out team reward | held-out success rate | training team reward, mean over "
-        "steps | minutes per run |",
+        "| task | method | seeds | held-out team reward | success rate | paired difference: method − reference | "
+        "minutes per run |",
         "|---|---|---|---|---|---|---|",
     ]
     for task_name, methods in METHODS.items():
-        for method in methods:
-            done = [r for r in runs if r["task"] == task_name and r["method"] == method]
+        reference = next(iter(methods))
+        of_task = {m: [r for r in runs if r["task"] == task_name and r["method"] == m] for m in methods}
+        first_method = next((m for m in methods if of_task[m]), None)
+        rows = [("untrained", untrained_runs(of_task[first_method]) if first_method else [])]
+        rows += list(of_task.items())
+        for method, done in rows:
             if not done:
                 continue
-            minutes = statistics.mean(r["minutes"] for r in done)
+            finals = [statistics.mean(r["evaluations"][-1]["scores"]) for r in done]
+            success = [r["evaluations"][-1]["success"] for r in done if "success" in r["evaluations"][-1]]
+            difference = "-" if method == reference else fmt(paired_difference(done, of_task[reference]))
+            minutes = "-" if method == "untrained" else f"{statistics.mean(r['minutes'] for r in done):.1f}"
             lines.append(
-                f"| {task_name} | {method} | {len(done)} | {mean_std([r['team_reward'] for r in done])} | "
-                f"{mean_std([r['success_rate'] for r in done])} | "
-                f"{mean_std([statistics.mean(r['curve']) if r['curve'] else None for r in done])} | {minutes:.1f} |"
+                f"| {task_name} | {method} | {len(done)} | {fmt(finals)} | {fmt(success)} | {difference} | {minutes} |"
             )
     return "\n".join(lines)
 
@@ -313,18 +287,31 @@ def plot(runs: list[dict], path: str) -> None:
     figure, axes = plt.subplots(1, len(METHODS), figsize=(6 * len(METHODS), 4))
     for axis, (task_name, methods) in zip(axes, METHODS.items()):
         for method in methods:
-            curves = [r["curve"] for r in runs if r["task"] == task_name and r["method"] == method and r["curve"]]
-            if not curves:
+            done = [r for r in runs if r["task"] == task_name and r["method"] == method]
+            if not done:
                 continue
-            length = min(len(c) for c in curves)
-            mean = [statistics.mean(c[i] for c in curves) for i in range(length)]
-            axis.plot(range(1, length + 1), mean, label=f"{method} ({len(curves)} seeds)")
-        axis.set_title(f"{task_name}: team reward while training (mean over seeds)")
-        axis.set_xlabel("step")
+            steps = [e["step"] for e in done[0]["evaluations"]]
+            means = [
+                statistics.mean(statistics.mean(r["evaluations"][i]["scores"]) for r in done)
+                for i in range(len(steps))
+            ]
+            axis.plot(steps, means, marker="o", label=f"{method} ({len(done)} seeds)")
+        axis.set_title(f"{task_name}: held-out team reward (greedy, mean over seeds)")
+        axis.set_xlabel("training step")
         axis.set_ylabel("team reward")
         axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=100)
+
+
+def report(record: dict, results: str) -> None:
+    text = table(record["runs"])
+    print(text)
+    stem = os.path.splitext(results)[0]
+    with open(stem + ".md", "w") as f:
+        f.write(text + "\n")
+    plot(record["runs"], stem + ".png")
+    print(f"Runs: {results}; table: {stem}.md; curves: {stem}.png")
 
 
 def main() -> None:
@@ -332,47 +319,45 @@ def main() -> None:
     parser.add_argument("--task", choices=[*METHODS, "all"], default="all")
     parser.add_argument("--methods", nargs="+", help="Subset of the task's methods (default: all of them).")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, help="Training steps (default: 16 for explain, 12 for reach_target).")
+    parser.add_argument("--steps", type=int, help="Training steps (default: the task's, in SETTINGS).")
+    parser.add_argument("--eval_every", type=int, default=4, help="Held-out evaluation every N steps.")
     parser.add_argument("--results", default=os.path.join(RESULTS, "bench_learning.json"))
     parser.add_argument("--fresh", action="store_true", help="Forget the runs already in the results file.")
+    parser.add_argument("--report", action="store_true", help="Only regenerate the table and the PNG.")
     options = parser.parse_args()
 
     record = {"runs": []}
     if os.path.exists(options.results) and not options.fresh:
         with open(options.results) as f:
             record = json.load(f)
+    if options.report:
+        return report(record, options.results)
     record.update(
         machine=f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
         + (torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"),
         trl_marl=trl_marl.__version__,
-        model=str(default_model_path()),
     )
-    tasks = list(METHODS) if options.task == "all" else [options.task]
-    for task_name in tasks:
+    for task_name in list(METHODS) if options.task == "all" else [options.task]:
         for method in options.methods or METHODS[task_name]:
             if method not in METHODS[task_name]:
-                raise SystemExit(f"--methods: {method!r} is not a method of {task_name} ({METHODS[task_name]}).")
+                raise SystemExit(f"--methods: {method!r} is not a method of {task_name} ({list(METHODS[task_name])}).")
+            steps = options.steps or SETTINGS[task_name]["max_steps"]
             for seed in options.seeds:
-                steps = options.steps or STEPS[task_name]
-                done = [r for r in record["runs"] if (r["task"], r["method"], r["seed"]) == (task_name, method, seed)]
-                if done and done[0]["steps"] in (steps, 0):
+                key = (task_name, method, seed, steps, options.eval_every)
+                if any(
+                    (r["task"], r["method"], r["seed"], r["steps"], r["eval_every"]) == key for r in record["runs"]
+                ):
                     continue
                 print(f"== {task_name} / {method} / seed {seed}", flush=True)
-                result = run(task_name, method, seed, steps)
-                print(
-                    f"   team reward {result['team_reward']:.3f}, success rate {result['success_rate']}, "
-                    f"{result['minutes']:.1f} min",
-                    flush=True,
-                )
-                record["runs"] = [r for r in record["runs"] if r not in done] + [result]
+                result = run(task_name, method, seed, steps, options.eval_every)
+                print(f"   {result['minutes']:.1f} min", flush=True)
+                same = (task_name, method, seed)
+                record["runs"] = [r for r in record["runs"] if (r["task"], r["method"], r["seed"]) != same] + [result]
                 record["date"] = datetime.date.today().isoformat()
                 os.makedirs(os.path.dirname(options.results), exist_ok=True)
                 with open(options.results, "w") as f:
                     json.dump(record, f, indent=1)
-    print(table(record["runs"]))
-    png = os.path.splitext(options.results)[0] + ".png"
-    plot(record["runs"], png)
-    print(f"Runs: {options.results}; curves: {png}")
+    report(record, options.results)
 
 
 if __name__ == "__main__":

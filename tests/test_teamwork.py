@@ -1,0 +1,142 @@
+"""The teamwork tasks (`distinct_items`, `pick_new`): answers read leniently about form and strictly about content,
+team rewards against hand-computed values, the per-role reward that misleads, held-out problems never trained on, and
+`Team.play` over episodes that end at different turns."""
+
+import pytest
+
+from trl_marl import ATGRPOConfig, ATGRPOTrainer, load_team
+from trl_marl.episode import NextTurn
+from trl_marl.tasks import resolve_task, task_defaults
+from trl_marl.tasks.categories import CATEGORIES, listed_items, mentioned
+from trl_marl.tasks.teamwork import (
+    EVAL_PROBLEMS,
+    PickNew,
+    distinct_items_reward,
+    new_options_reward,
+    one_option,
+    own_items_reward,
+    picked,
+)
+
+ROW = {"category": ["colours"], "excluded": [["black", "white"]], "count": [3]}
+
+
+def test_a_listed_answer_is_read_through_numbering_markdown_articles_plurals_and_descriptions():
+    text = "1. **Lions** (big cats)\n2. The Tigers - striped\n3. `mice` and a Zebra: stripes too\n4. Toyota"
+    assert listed_items(text, "animals") == ["lion", "tiger", "mouse", "zebra", "toyota"]
+    assert listed_items("Bell peppers, cherries; sweet potatoes", "vegetables") == [
+        "bell pepper",
+        "cherries",  # not a vegetable: kept as written, in its place
+        "sweet potato",
+    ]
+    assert listed_items("Cherries, peaches", "fruits") == ["cherry", "peach"]
+    assert listed_items("Red | Gray | Blue", "colours") == ["red", "grey", "blue"]
+
+
+def test_team_reward_counts_distinct_valid_members_of_both_lists_over_count_times_agents():
+    same = {"first": "Red, Blue, Green", "second": "red, blue, green"}
+    split = {"first": "Red, Blue, Green", "second": "Yellow, Pink, Orange"}
+    # excluded members, non-members and items past the third do not count; a repeat within one list counts once
+    messy = {"first": "Black, Red, Red, Blue", "second": "White, Toyota, Purple, Pink"}
+    rewards = distinct_items_reward(None, [same, split, messy], **{k: v * 3 for k, v in ROW.items()})
+    assert rewards == [3 / 6, 6 / 6, 2 / 6]
+
+
+def test_the_per_role_reward_is_full_when_both_name_the_same_members_the_team_reward_is_half():
+    first, second = "Red, Blue, Green", "Red, Blue, Green"
+    assert own_items_reward(None, [first, second], **{k: v * 2 for k, v in ROW.items()}) == [1.0, 1.0]
+    assert distinct_items_reward(None, [{"first": first, "second": second}], **ROW) == [0.5]
+
+
+def test_distinct_items_holds_out_64_problems_never_trained_on():
+    task = resolve_task("distinct_items")
+    train, held_out = task.dataset("train"), task.dataset("eval")
+    assert len(held_out) == EVAL_PROBLEMS and len(train) > 2 * EVAL_PROBLEMS
+    key = lambda row: (row["category"], tuple(row["excluded"]))  # noqa: E731
+    assert not {key(row) for row in train} & {key(row) for row in held_out}
+    row = held_out[0]
+    assert row["excluded"][0] in CATEGORIES[row["category"]] and row["count"] == 3
+    assert f"but not {row['excluded'][0]} or {row['excluded'][1]}" in row["prompt"][0]["content"]
+
+
+def test_an_answer_picks_an_option_only_when_it_names_exactly_one():
+    options = ["red", "blue", "green", "cherry"]
+    assert picked("Blue.", options) == "blue"
+    assert picked("I pick cherries", options) == "cherry"
+    assert picked("red or blue", options) is None
+    assert picked("Options: red, blue, green, cherry.", options) is None  # repeating the prompt names them all
+    assert picked("purple", options) is None
+    assert mentioned("Greens and REDS", options) == ["red", "green"]
+    assert one_option(None, ["Blue", "I pick blue", "red, blue", "nothing"], [options] * 4) == [1.0, 0.5, 0.0, 0.0]
+
+
+def play(task, row, answers):
+    """Step `answers` (agent, text) through the task's environment; the team reward after each, and the transition."""
+    state, rewards = task.reset(row), []
+    for turn, (agent, text) in enumerate(answers):
+        state = task.step(state, agent, text, turn)
+        rewards.append(new_options_reward(None, [None], state=[state], goal=[row["goal"]])[0])
+    return state, rewards
+
+
+def test_pick_new_rewards_new_options_only_and_stops_once_the_team_has_two():
+    task = PickNew()
+    row = {"options": ["red", "blue", "green", "pink", "grey", "black"], "named": ["blue", "grey"], "goal": 2}
+    state, rewards = play(task, row, [("first", "blue"), ("second", "Red."), ("first", "red"), ("second", "pink")])
+    assert rewards == [0.0, 0.5, 0.5, 1.0]  # a named option and a repeat add nothing
+    assert state["named"] == ["blue", "grey", "red", "pink"]
+    assert [new for _, _, new in state["picks"]] == [False, True, False, True]
+    assert task.success(row, state, {}) is True
+    assert task.transition(state=state, **row) == NextTurn(done=True)
+    unsolved, _ = play(task, row, [("first", "red")])
+    prompts = task.transition(state=unsolved, **row)
+    assert len(prompts) == 2 and "Already named: blue, grey, red." in prompts[0][0]["content"]
+
+
+def test_pick_new_holds_out_64_problems_never_trained_on():
+    task = PickNew()
+    train, held_out = task.dataset("train"), task.dataset("eval")
+    assert len(held_out) == EVAL_PROBLEMS and len(train) == task.train_problems
+    key = lambda row: (row["category"], frozenset(row["options"]), frozenset(row["named"]))  # noqa: E731
+    assert not {key(row) for row in train} & {key(row) for row in held_out}
+    assert all(set(row["named"]) < set(row["options"]) for row in held_out)
+
+
+@pytest.fixture
+def pick_new_team(tiny_model_dir, tmp_path):
+    task = PickNew()
+    args = ATGRPOConfig(
+        output_dir=str(tmp_path / "out"), **task_defaults(task), per_device_train_batch_size=2, num_generations=2,
+        max_completion_length=4, max_steps=1, lora_r=4, lora_alpha=8, report_to="none", save_strategy="no",
+        use_cpu=True,
+    )  # fmt: skip
+    trainer = ATGRPOTrainer(tiny_model_dir, args=args, task=task)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "team"))
+    return load_team(tmp_path / "team")
+
+
+def test_team_play_plays_each_row_to_its_own_end_and_returns_its_state(pick_new_team, monkeypatch):
+    rows = PickNew().dataset("eval").select(range(3)).to_list()
+
+    def answers(model_inputs, agent_index, max_new_tokens, do_sample):
+        # row 0 names its free options in order (done after 2 turns); row 1 repeats a named one; row 2 says nothing
+        texts = []
+        for messages in model_inputs:
+            prompt = messages[-1]["content"]
+            options = prompt.split("Options: ")[1].split(".")[0].split(", ")
+            named = prompt.split("Already named: ")[1].split(".")[0].split(", ")
+            row = next(i for i, r in enumerate(rows) if r["options"] == options)
+            free = [o for o in options if o not in named]
+            texts.append([free[0], named[0], "hmm"][row])
+        return [[1]] * len(texts), [[2]] * len(texts), texts
+
+    monkeypatch.setattr(pick_new_team, "_generate", answers)
+    runs = pick_new_team.play(rows)
+    assert [len(run.turns) for run in runs] == [2, 3, 3]
+    assert [run.state["new"] for run in runs] == [2, 0, 0]
+    assert runs[0].turns[1] == {"second": runs[0].state["named"][-1]}
+    assert set(runs[0].latest) == {"first", "second"} and runs[2].latest["first"] == "hmm"
+    single = pick_new_team.run(rows[1]["prompt"], **{k: v for k, v in rows[1].items() if k != "prompt"})
+    assert single.turns == runs[1].turns and single.state == runs[1].state
+    assert "Already named" in runs[0].observations[1]["second"][-1]["content"]
