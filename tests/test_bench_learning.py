@@ -67,3 +67,28 @@ def test_first_choice_says_what_the_first_answer_did(bench):
     assert bench.first_choice({"picks": [("first", None, False)]}) == "invalid"
     assert bench.first_choice({"picks": [("first", "red", False), ("second", "blue", True)]}) == "repeated"
     assert bench.first_choice({"picks": [("first", "red", True)]}) == "new"
+
+
+def test_the_report_rewrites_only_what_lies_between_its_markers(bench, tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n<!-- t:start -->\nold table\n<!-- t:end -->\nafter\n")
+    assert bench.replace_between(str(page), "t", "| new |")
+    assert page.read_text() == "# Title\n<!-- t:start -->\n| new |\n<!-- t:end -->\nafter\n"
+    assert not bench.replace_between(str(page), "other", "| x |")
+
+
+def test_diagnostics_name_each_group_and_what_the_second_teammate_did_after_the_first(bench):
+    assert bench.group_label("turns/1/agents/second/frac_reward_zero_std") == "turn 1 second"
+    assert bench.group_label("turns/0/frac_reward_zero_std") == "turn 0"
+    runs = [run("at_grpo", 0, [1.0, 0.0], success=0.5)]
+    runs[0]["evaluations"][-1].update(second_by_first={"new": [0.5, 4], "repeated": [0.0, 2]}, turns=2.5)
+    runs[0]["evaluations"][0].update(second_by_first={"invalid": [0.25, 8]}, turns=3.0)
+    runs[0]["training"] = {"turns/0/agents/first/frac_reward_zero_std": [0.5, 0.0]}
+    lines = bench.diagnostics_table(runs).splitlines()
+    assert (
+        "| pick_new | untrained | second names a new option after the first's invalid: 0.25; turns 3.00 | - |" in lines
+    )
+    expected = (
+        "| pick_new | at_grpo | second names a new option after the first's new: 0.50, repeated: 0.00; turns 2.50 | "
+    )
+    assert expected + "turn 0 first 0.25 |" in lines

@@ -49,9 +49,11 @@ import trl_marl
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, default_model_path, load_team
 from trl_marl.advantages import group_advantages
 from trl_marl.tasks import task_defaults
-from trl_marl.tasks.teamwork import DistinctItems, PickNew, distinct_items_reward, own_items_reward
+from trl_marl.tasks.teamwork import DistinctItems, PickNew, distinct_items_reward, named_members, own_items_reward
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+DEFAULT_RESULTS = os.path.join(RESULTS, "bench_learning.json")
+DOCS = os.path.join(os.path.dirname(os.path.dirname(RESULTS)), "..", "docs", "benchmarks.md")
 TASKS = {"distinct_items": DistinctItems, "pick_new": PickNew}
 # method -> (algorithm, config fields); the first trained method of a task is the one the others are compared with
 METHODS = {
@@ -136,10 +138,23 @@ def score_team(task_name: str, folder: str, rows: list[dict], max_new_tokens: in
         team.close()
     columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
     completions = [run.latest for run in runs]
+    examples = completions[:4]
     if task_name == "distinct_items":
         scores = distinct_items_reward(None, completions, **columns)
         own = [own_items_reward(None, [c[name] for c in completions], **columns) for name in completions[0]]
-        return {"scores": scores, "own": [statistics.mean(values) for values in own]}
+        # members both teammates named: the per-role reward leaves them there, the team reward counts them once
+        both = [
+            len(set.intersection(*(set(named_members(text, *problem)) for text in completion.values())))
+            for completion, problem in zip(
+                completions, zip(columns["category"], columns["excluded"], columns["count"])
+            )
+        ]
+        return {
+            "scores": scores,
+            "own": [statistics.mean(v) for v in own],
+            "overlap": statistics.mean(both),
+            "examples": examples,
+        }
     scores = [min(1.0, run.state["new"] / row["goal"]) for run, row in zip(runs, rows)]
     second = {}  # the second teammate's first answer, by what the first one's did: the share that named a new option
     for run in runs:
@@ -150,6 +165,7 @@ def score_team(task_name: str, folder: str, rows: list[dict], max_new_tokens: in
         "success": statistics.mean(score == 1.0 for score in scores),
         "second_by_first": {key: [statistics.mean(values), len(values)] for key, values in sorted(second.items())},
         "turns": statistics.mean(len(run.turns) for run in runs),
+        "examples": examples,
     }
 
 
@@ -246,6 +262,13 @@ def untrained_runs(runs: list[dict]) -> list[dict]:
     return [{**run, "method": "untrained", "evaluations": run["evaluations"][:1]} for run in runs]
 
 
+def with_untrained(runs: list[dict], task_name: str) -> list[tuple[str, list[dict]]]:
+    """(method, its runs) for the task's methods that have runs, after the untrained team of the first of them."""
+    done = [(m, [r for r in runs if r["task"] == task_name and r["method"] == m]) for m in METHODS[task_name]]
+    done = [(method, method_runs) for method, method_runs in done if method_runs]
+    return [("untrained", untrained_runs(done[0][1]))] + done if done else []
+
+
 def fmt(values: list[float]) -> str:
     if not values:
         return "-"
@@ -261,16 +284,11 @@ def table(runs: list[dict]) -> str:
     ]
     for task_name, methods in METHODS.items():
         reference = next(iter(methods))
-        of_task = {m: [r for r in runs if r["task"] == task_name and r["method"] == m] for m in methods}
-        first_method = next((m for m in methods if of_task[m]), None)
-        rows = [("untrained", untrained_runs(of_task[first_method]) if first_method else [])]
-        rows += list(of_task.items())
-        for method, done in rows:
-            if not done:
-                continue
+        of_task = dict(with_untrained(runs, task_name))
+        for method, done in of_task.items():
             finals = [statistics.mean(r["evaluations"][-1]["scores"]) for r in done]
             success = [r["evaluations"][-1]["success"] for r in done if "success" in r["evaluations"][-1]]
-            difference = "-" if method == reference else fmt(paired_difference(done, of_task[reference]))
+            difference = "-" if method == reference else fmt(paired_difference(done, of_task.get(reference, [])))
             minutes = "-" if method == "untrained" else f"{statistics.mean(r['minutes'] for r in done):.1f}"
             lines.append(
                 f"| {task_name} | {method} | {len(done)} | {fmt(finals)} | {fmt(success)} | {difference} | {minutes} |"
@@ -304,14 +322,76 @@ def plot(runs: list[dict], path: str) -> None:
     figure.savefig(path, dpi=100)
 
 
+def mean_of(values) -> str:
+    values = [v for v in values if v is not None]
+    return f"{statistics.mean(values):.2f}" if values else "-"
+
+
+def group_label(key: str) -> str:
+    """`turns/1/agents/second/frac_reward_zero_std` -> `turn 1 second`; the batch-wide key -> `all`."""
+    parts = key.split("/")
+    return "all" if len(parts) == 1 else f"turn {parts[1]}" + (f" {parts[3]}" if len(parts) > 3 else "")
+
+
+def diagnostics_table(runs: list[dict]) -> str:
+    """Per method, means over seeds: what the teammates did on the held-out problems at the end, and how often a
+    training group carried no signal (all its rewards tied)."""
+    lines = [
+        "| task | method | at the end, held out | share of groups with tied rewards in training |",
+        "|---|---|---|---|",
+    ]
+    for task_name in METHODS:
+        for method, done in with_untrained(runs, task_name):
+            finals = [r["evaluations"][-1] for r in done]
+            if task_name == "distinct_items":
+                own = [mean_of(f["own"][i] for f in finals) for i in range(2)]
+                overlap = mean_of(f.get("overlap") for f in finals)
+                held_out = f"own reward first {own[0]}, second {own[1]}; members both named {overlap}"
+            else:
+                kinds = sorted({kind for f in finals for kind in f["second_by_first"]})
+                after = [
+                    f"{kind}: {mean_of(f['second_by_first'].get(kind, [None])[0] for f in finals)}" for kind in kinds
+                ]
+                turns = mean_of(f["turns"] for f in finals)
+                held_out = f"second names a new option after the first's {', '.join(after)}; turns {turns}"
+            if method == "untrained":
+                lines.append(f"| {task_name} | {method} | {held_out} | - |")
+                continue
+            keys = sorted(
+                k for k in done[0]["training"] if "frac_reward_zero_std" in k and k != "frac_reward_zero_std"
+            )
+            keys = keys or ["frac_reward_zero_std"]
+            tied = [
+                f"{group_label(key)} {mean_of(v for r in done for v in r['training'].get(key, []))}" for key in keys
+            ]
+            lines.append(f"| {task_name} | {method} | {held_out} | {', '.join(tied)} |")
+    return "\n".join(lines)
+
+
+def replace_between(path: str, marker: str, text: str) -> bool:
+    """Put `text` between `<!-- marker:start -->` and `<!-- marker:end -->` in the file at `path`; False without
+    them."""
+    with open(path) as f:
+        document = f.read()
+    start, end = f"<!-- {marker}:start -->\n", f"<!-- {marker}:end -->"
+    if start not in document or end not in document:
+        return False
+    head, rest = document.split(start, 1)
+    with open(path, "w") as f:
+        f.write(head + start + text + "\n" + end + rest.split(end, 1)[1])
+    return True
+
+
 def report(record: dict, results: str) -> None:
-    text = table(record["runs"])
+    text = table(record["runs"]) + "\n\n" + diagnostics_table(record["runs"])
     print(text)
     stem = os.path.splitext(results)[0]
     with open(stem + ".md", "w") as f:
         f.write(text + "\n")
     plot(record["runs"], stem + ".png")
-    print(f"Runs: {results}; table: {stem}.md; curves: {stem}.png")
+    print(f"Runs: {results}; tables: {stem}.md; curves: {stem}.png")
+    if results == DEFAULT_RESULTS and replace_between(DOCS, "bench_learning", text):
+        print(f"Tables updated in {DOCS}")
 
 
 def main() -> None:
@@ -321,7 +401,7 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, help="Training steps (default: the task's, in SETTINGS).")
     parser.add_argument("--eval_every", type=int, default=4, help="Held-out evaluation every N steps.")
-    parser.add_argument("--results", default=os.path.join(RESULTS, "bench_learning.json"))
+    parser.add_argument("--results", default=DEFAULT_RESULTS)
     parser.add_argument("--fresh", action="store_true", help="Forget the runs already in the results file.")
     parser.add_argument("--report", action="store_true", help="Only regenerate the table and the PNG.")
     options = parser.parse_args()
