@@ -92,3 +92,17 @@ def test_diagnostics_name_each_group_and_what_the_second_teammate_did_after_the_
         "| pick_new | at_grpo | second names a new option after the first's new: 0.50, repeated: 0.00; turns 2.50 | "
     )
     assert expected + "turn 0 first 0.25 |" in lines
+
+
+def test_training_diagnostics_keep_the_team_reward_and_the_per_group_signals_step_by_step(bench):
+    history = [
+        {"reward": 0.5, "rewards/new_options_reward/mean": 0.25, "turns/0/agents/first/chosen_reward": 1.0, "loss": 0},
+        {"reward": 0.7, "rewards/new_options_reward/mean": 0.5, "turns/1/agents/second/frac_reward_zero_std": 0.5},
+        {"train_runtime": 10.0, "reward": 0.6},
+    ]
+    assert bench.training_diagnostics(history) == {
+        "rewards/new_options_reward/mean": [0.25, 0.5],
+        "turns/0/agents/first/chosen_reward": [1.0, None],
+        "turns/1/agents/second/frac_reward_zero_std": [None, 0.5],
+    }
+    assert bench.curve_mean([[1.0, None], [0.0, 0.5]]) == [0.5, 0.5]

@@ -180,18 +180,30 @@ class SaveEvery(TrainerCallback):
             self.trainer.save_model(os.path.join(self.folder, f"step-{state.global_step}"))
 
 
-def training_diagnostics(log_history: list[dict], agent_names: list[str], num_turns: int) -> dict:
-    """Per step: the training team reward, and per (turn, agent) the share of groups whose rewards all tie and the
-    chosen candidate's reward (AT-GRPO; MAGRPO groups are joint actions, so per turn)."""
-    keys = {"reward": "reward", "frac_reward_zero_std": "frac_reward_zero_std"}
-    for turn in range(num_turns):
-        keys[f"turns/{turn}/frac_reward_zero_std"] = f"turns/{turn}/frac_reward_zero_std"
-        for name in agent_names:
-            for what in ("frac_reward_zero_std", "chosen_reward"):
-                keys[f"turns/{turn}/agents/{name}/{what}"] = f"turns/{turn}/agents/{name}/{what}"
+def training_diagnostics(log_history: list[dict]) -> dict:
+    """Per training step: the team reward (`rewards/<team reward>/mean`, whatever the method trains on), and the
+    share of groups whose rewards all tie and the chosen candidate's reward, per turn and per (turn, agent) (AT-GRPO;
+    MAGRPO's groups are joint actions, so per turn)."""
     steps = [entry for entry in log_history if "train_runtime" not in entry and "reward" in entry]
-    curves = {key: [entry.get(key) for entry in steps] for key in keys}
-    return {key: values for key, values in curves.items() if any(v is not None for v in values)}
+    wanted = ("frac_reward_zero_std", "chosen_reward")
+    keys = sorted(
+        {
+            key
+            for entry in steps
+            for key in entry
+            if key.endswith(wanted) or (key.startswith("rewards/") and key.endswith("/mean"))
+        }
+    )
+    return {key: [entry.get(key) for entry in steps] for key in keys}
+
+
+def curve_mean(curves: list[list]) -> list[float]:
+    """The mean over runs of same-length curves, step by step (steps where a run logged nothing left out)."""
+    means = []
+    for values in zip(*curves):
+        present = [v for v in values if v is not None]
+        means.append(statistics.mean(present) if present else math.nan)
+    return means
 
 
 def run(task_name: str, method: str, seed: int, steps: int, eval_every: int) -> dict:
@@ -212,7 +224,7 @@ def run(task_name: str, method: str, seed: int, steps: int, eval_every: int) -> 
         trainer.save_model(os.path.join(saves, "step-0"))
         trainer.add_callback(SaveEvery(trainer, eval_every, saves))
         trainer.train()
-        diagnostics = training_diagnostics(trainer.state.log_history, trainer.agent_names, args.num_turns)
+        diagnostics = training_diagnostics(trainer.state.log_history)
         del trainer
         gc.collect()
         train_minutes = (time.perf_counter() - started) / 60
@@ -297,27 +309,43 @@ def table(runs: list[dict]) -> str:
 
 
 def plot(runs: list[dict], path: str) -> None:
+    """Top: the held-out team reward at each evaluation, per method. Bottom: the training team reward per method
+    (`distinct_items`), and AT-GRPO's chosen candidate's reward per (turn, agent), fine groups solid and coarse dashed
+    (`pick_new`). Means over seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, len(METHODS), figsize=(6 * len(METHODS), 4))
-    for axis, (task_name, methods) in zip(axes, METHODS.items()):
+    figure, axes = plt.subplots(2, len(METHODS), figsize=(6 * len(METHODS), 8), squeeze=False)
+    for column, (task_name, methods) in enumerate(METHODS.items()):
+        held_out, training = axes[0][column], axes[1][column]
         for method in methods:
             done = [r for r in runs if r["task"] == task_name and r["method"] == method]
             if not done:
                 continue
             steps = [e["step"] for e in done[0]["evaluations"]]
-            means = [
-                statistics.mean(statistics.mean(r["evaluations"][i]["scores"]) for r in done)
-                for i in range(len(steps))
-            ]
-            axis.plot(steps, means, marker="o", label=f"{method} ({len(done)} seeds)")
-        axis.set_title(f"{task_name}: held-out team reward (greedy, mean over seeds)")
-        axis.set_xlabel("training step")
-        axis.set_ylabel("team reward")
-        axis.legend()
+            scores = [[statistics.mean(e["scores"]) for e in r["evaluations"]] for r in done]
+            held_out.plot(steps, curve_mean(scores), marker="o", label=f"{method} ({len(done)} seeds)")
+            team_key = next((k for k in done[0]["training"] if k.startswith("rewards/")), "reward")
+            if task_name == "distinct_items":
+                values = curve_mean([r["training"][team_key] for r in done])
+                training.plot(range(1, len(values) + 1), values, label=method)
+            elif method in ("at_grpo", "coarse"):
+                for key in sorted(k for k in done[0]["training"] if k.endswith("chosen_reward")):
+                    values = curve_mean([r["training"][key] for r in done])
+                    label = f"{method}: {group_label(key)}"
+                    training.plot(range(1, len(values) + 1), values, "-" if method == "at_grpo" else "--", label=label)
+        held_out.set_title(f"{task_name}: held-out team reward (greedy)")
+        held_out.set_xlabel("training step")
+        training.set_title(
+            f"{task_name}: "
+            + ("training team reward" if task_name == "distinct_items" else "chosen candidate's reward")
+        )
+        training.set_xlabel("training step")
+        for axis in (held_out, training):
+            if axis.get_legend_handles_labels()[0]:
+                axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
 
