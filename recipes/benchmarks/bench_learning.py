@@ -327,13 +327,13 @@ def plot(runs: list[dict], path: str) -> None:
             steps = [e["step"] for e in done[0]["evaluations"]]
             scores = [[statistics.mean(e["scores"]) for e in r["evaluations"]] for r in done]
             held_out.plot(steps, curve_mean(scores), marker="o", label=f"{method} ({len(done)} seeds)")
-            team_key = next((k for k in done[0]["training"] if k.startswith("rewards/")), "reward")
+            team_key = f"rewards/{TASKS[task_name].reward_funcs[0].__name__}/mean"
             if task_name == "distinct_items":
-                values = curve_mean([r["training"][team_key] for r in done])
+                values = curve_mean([r["training"][team_key] for r in done if team_key in r["training"]])
                 training.plot(range(1, len(values) + 1), values, label=method)
             elif method in ("at_grpo", "coarse"):
                 for key in sorted(k for k in done[0]["training"] if k.endswith("chosen_reward")):
-                    values = curve_mean([r["training"][key] for r in done])
+                    values = curve_mean([r["training"][key] for r in done if key in r["training"]])
                     label = f"{method}: {group_label(key)}"
                     training.plot(range(1, len(values) + 1), values, "-" if method == "at_grpo" else "--", label=label)
         held_out.set_title(f"{task_name}: held-out team reward (greedy)")
