@@ -431,6 +431,7 @@ def main() -> None:
     parser.add_argument("--eval_every", type=int, default=4, help="Held-out evaluation every N steps.")
     parser.add_argument("--results", default=DEFAULT_RESULTS)
     parser.add_argument("--fresh", action="store_true", help="Forget the runs already in the results file.")
+    parser.add_argument("--rerun", action="store_true", help="Run the chosen runs again, replacing saved ones.")
     parser.add_argument("--report", action="store_true", help="Only regenerate the table and the PNG.")
     options = parser.parse_args()
 
@@ -452,9 +453,8 @@ def main() -> None:
             steps = options.steps or SETTINGS[task_name]["max_steps"]
             for seed in options.seeds:
                 key = (task_name, method, seed, steps, options.eval_every)
-                if any(
-                    (r["task"], r["method"], r["seed"], r["steps"], r["eval_every"]) == key for r in record["runs"]
-                ):
+                saved = [(r["task"], r["method"], r["seed"], r["steps"], r["eval_every"]) for r in record["runs"]]
+                if key in saved and not options.rerun:
                     continue
                 print(f"== {task_name} / {method} / seed {seed}", flush=True)
                 result = run(task_name, method, seed, steps, options.eval_every)
