@@ -65,7 +65,8 @@ METHODS = {
     "pick_new": {
         "at_grpo": ("at_grpo", {}),
         "single": ("at_grpo", {"adapter_mode": "shared"}),
-        "magrpo": ("magrpo", {}),
+        # its tree with G = 2 over 3 turns is 14 completions per problem (AT-GRPO's: 12), 2 problems a step as AT-GRPO
+        "magrpo": ("magrpo", {"num_generations": 2, "per_device_train_batch_size": 4}),
         "alpha0": ("at_grpo", {"team_reward_weight": 0.0}),
         "coarse": ("at_grpo", {}),
     },
@@ -218,7 +219,8 @@ def run(task_name: str, method: str, seed: int, steps: int, eval_every: int) -> 
     torch.manual_seed(seed)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as output_dir:
-        args = config_class(output_dir=output_dir, **task_defaults(task), **COMMON, **settings, **fields, seed=seed)
+        fields = {**task_defaults(task), **COMMON, **settings, **fields, "seed": seed}
+        args = config_class(output_dir=output_dir, **fields)
         trainer = trainer_class(default_model_path(), args=args, task=task)
         saves = os.path.join(output_dir, "saves")
         trainer.save_model(os.path.join(saves, "step-0"))
