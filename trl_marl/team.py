@@ -141,6 +141,8 @@ class Team:
     ) -> list[TeamRun]:
         """Play one episode per dataset row (its `prompt` and the columns the task reads), all rows' agents of a turn
         in one generation call; an episode ends early when the transition says it is done."""
+        if not rows:
+            return []
         max_new_tokens = max_new_tokens or self.spec["max_completion_length"]
         settings = RolloutSettings(
             agent_names=self.agent_names,

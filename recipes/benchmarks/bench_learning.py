@@ -49,7 +49,14 @@ import trl_marl
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, default_model_path, load_team
 from trl_marl.advantages import group_advantages
 from trl_marl.tasks import task_defaults
-from trl_marl.tasks.teamwork import DistinctItems, PickNew, distinct_items_reward, named_members, own_items_reward
+from trl_marl.tasks.teamwork import (
+    DistinctItems,
+    PickNew,
+    distinct_items_reward,
+    named_members,
+    new_option_gain,
+    own_items_reward,
+)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEFAULT_RESULTS = os.path.join(RESULTS, "bench_learning.json")
@@ -71,6 +78,8 @@ METHODS = {
         "coarse": ("at_grpo", {}),
     },
 }
+# MAGRPO sums a turn's rewards into returns: on pick_new it trains on each answer's gain, whose sum is the team reward
+REWARDS = {("pick_new", "magrpo"): [new_option_gain]}
 SETTINGS = {  # per task: training steps, tokens per answer, sampling temperature
     "distinct_items": {"max_steps": 16, "max_completion_length": 16, "temperature": 0.7},
     "pick_new": {"max_steps": 16, "max_completion_length": 6, "temperature": 0.7},
@@ -89,15 +98,18 @@ COMMON = dict(
     use_cpu=not torch.cuda.is_available(),
     bf16=torch.cuda.is_available(),
 )
-T_95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+T_95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131]
+T_95 += [2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+T_95 = dict(enumerate(T_95, 1))  # two-sided 95 % quantiles of Student's t, by degrees of freedom
 
 
 # --- the coarse-key ablation ---
 
 
-def coarsen_groups(rollout, baseline: str, scale_rewards: str) -> None:
+def coarsen_groups(rollout, baseline: str, scale_rewards: str, agent_names: list[str] | None = None) -> None:
     """Recompute an AT-GRPO rollout's advantages with groups keyed by (turn, agent) instead of (problem, turn, agent):
-    every problem's candidates of one turn and agent are compared with each other (single process)."""
+    every problem's candidates of one turn and agent are compared with each other (single process). With
+    `agent_names`, the rollout's tied-group shares are those of the coarse groups."""
     groups: dict[tuple[int, int], list] = {}
     for sample, joint_action in zip(rollout.samples, rollout.joint_actions):
         groups.setdefault((sample.turn, sample.agent), []).append((sample, joint_action))
@@ -105,7 +117,10 @@ def coarsen_groups(rollout, baseline: str, scale_rewards: str) -> None:
     rewards = torch.full((len(groups), width), math.nan)
     for i, members in enumerate(groups.values()):
         rewards[i, : len(members)] = torch.tensor([joint_action.reward for _, joint_action in members])
-    advantages, _ = group_advantages(rewards, baseline, scale_rewards)
+    advantages, group_std = group_advantages(rewards, baseline, scale_rewards)
+    for (turn, agent), std in zip(groups, group_std[:, 0].tolist()):  # the tied share of the groups it trains on
+        if agent_names is not None:
+            rollout.metrics[f"turns/{turn}/agents/{agent_names[agent]}/frac_reward_zero_std"] = float(abs(std) < 1e-8)
     for i, members in enumerate(groups.values()):
         for k, (sample, joint_action) in enumerate(members):
             sample.group = i
@@ -117,7 +132,7 @@ class CoarseGroupsTrainer(ATGRPOTrainer):
 
     def _rollout(self, inputs, num_generations):
         rollout = super()._rollout(inputs, num_generations)
-        coarsen_groups(rollout, self.args.baseline, self.args.scale_rewards)
+        coarsen_groups(rollout, self.args.baseline, self.args.scale_rewards, self.agent_names)
         return rollout
 
 
@@ -171,22 +186,23 @@ def score_team(task_name: str, folder: str, rows: list[dict], max_new_tokens: in
 
 
 class SaveEvery(TrainerCallback):
-    """Saves the team every `every` steps (and at step 0), for the held-out curve."""
+    """Saves the team after each of `steps`, for the held-out curve."""
 
-    def __init__(self, trainer, every: int, folder: str):
-        self.trainer, self.every, self.folder = trainer, every, folder
+    def __init__(self, trainer, steps: list[int], folder: str):
+        self.trainer, self.steps, self.folder = trainer, set(steps), folder
 
     def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step % self.every == 0:
+        if state.global_step in self.steps:
             self.trainer.save_model(os.path.join(self.folder, f"step-{state.global_step}"))
 
 
 def training_diagnostics(log_history: list[dict]) -> dict:
-    """Per training step: the team reward (`rewards/<team reward>/mean`, whatever the method trains on), and the
-    share of groups whose rewards all tie and the chosen candidate's reward, per turn and per (turn, agent) (AT-GRPO;
-    MAGRPO's groups are joint actions, so per turn)."""
+    """Per training step: the team reward (`rewards/<team reward>/mean`, whatever the method trains on; AT-GRPO's
+    `episodes/team_reward`, the team reward each episode ended on), and the share of groups whose rewards all tie
+    and the chosen candidate's reward, per turn and per (turn, agent) (AT-GRPO; MAGRPO's groups are joint actions,
+    so per turn)."""
     steps = [entry for entry in log_history if "train_runtime" not in entry and "reward" in entry]
-    wanted = ("frac_reward_zero_std", "chosen_reward")
+    wanted = ("frac_reward_zero_std", "chosen_reward", "episodes/team_reward")
     keys = sorted(
         {
             key
@@ -207,6 +223,18 @@ def curve_mean(curves: list[list]) -> list[float]:
     return means
 
 
+def run_settings(task_name: str, method: str, steps: int, eval_every: int) -> dict:
+    """What makes two runs of a method comparable: the config fields it sets, its reward, its evaluation steps."""
+    fields = {**SETTINGS[task_name], **METHODS[task_name][method][1], "max_steps": steps}
+    rewards = [func.__name__ for func in REWARDS.get((task_name, method), TASKS[task_name].reward_funcs)]
+    return {**fields, "reward_funcs": rewards, "eval_every": eval_every}
+
+
+def evaluation_steps(steps: int, eval_every: int) -> list[int]:
+    """Step 0, every `eval_every` steps, and the last step."""
+    return sorted({*range(0, steps + 1, eval_every), steps})
+
+
 def run(task_name: str, method: str, seed: int, steps: int, eval_every: int) -> dict:
     task = TASKS[task_name]()
     algorithm, fields = METHODS[task_name][method]
@@ -221,17 +249,17 @@ def run(task_name: str, method: str, seed: int, steps: int, eval_every: int) -> 
     with tempfile.TemporaryDirectory() as output_dir:
         fields = {**task_defaults(task), **COMMON, **settings, **fields, "seed": seed}
         args = config_class(output_dir=output_dir, **fields)
-        trainer = trainer_class(default_model_path(), args=args, task=task)
+        trainer = trainer_class(default_model_path(), REWARDS.get((task_name, method)), args=args, task=task)
         saves = os.path.join(output_dir, "saves")
         trainer.save_model(os.path.join(saves, "step-0"))
-        trainer.add_callback(SaveEvery(trainer, eval_every, saves))
+        trainer.add_callback(SaveEvery(trainer, evaluation_steps(steps, eval_every), saves))
         trainer.train()
         diagnostics = training_diagnostics(trainer.state.log_history)
         del trainer
         gc.collect()
         train_minutes = (time.perf_counter() - started) / 60
         evaluations = []
-        for step in range(0, steps + 1, eval_every):
+        for step in evaluation_steps(steps, eval_every):
             result = score_team(
                 task_name, os.path.join(saves, f"step-{step}"), rows, settings["max_completion_length"]
             )
@@ -243,6 +271,7 @@ def run(task_name: str, method: str, seed: int, steps: int, eval_every: int) -> 
         "seed": seed,
         "steps": steps,
         "eval_every": eval_every,
+        "settings": run_settings(task_name, method, steps, eval_every),
         "evaluations": evaluations,
         "training": diagnostics,
         "train_minutes": train_minutes,
@@ -258,14 +287,14 @@ def interval(values: list[float]) -> tuple[float, float]:
     mean = statistics.mean(values)
     if len(values) < 2:
         return mean, 0.0
-    return mean, T_95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, T_95.get(len(values) - 1, 2.0) * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def paired_difference(runs_a: list[dict], runs_b: list[dict]) -> list[float]:
     """Per seed present in both: the mean over held-out problems of (score under A − score under B), at the end."""
     by_seed = {run["seed"]: run["evaluations"][-1]["scores"] for run in runs_b}
     return [
-        statistics.mean(a - b for a, b in zip(run["evaluations"][-1]["scores"], by_seed[run["seed"]]))
+        statistics.mean(a - b for a, b in zip(run["evaluations"][-1]["scores"], by_seed[run["seed"]], strict=True))
         for run in runs_a
         if run["seed"] in by_seed
     ]
@@ -292,7 +321,8 @@ def fmt(values: list[float]) -> str:
 
 def table(runs: list[dict]) -> str:
     lines = [
-        "| task | method | seeds | held-out team reward | success rate | paired difference: method − reference | "
+        "| task | method | seeds | held-out team reward | success rate | paired difference: method − reference (seeds "
+        "of both) | "
         "minutes per run |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -331,7 +361,9 @@ def plot(runs: list[dict], path: str) -> None:
             held_out.plot(steps, curve_mean(scores), marker="o", label=f"{method} ({len(done)} seeds)")
             team_key = f"rewards/{TASKS[task_name].reward_funcs[0].__name__}/mean"
             if task_name == "distinct_items":
-                values = curve_mean([r["training"][team_key] for r in done if team_key in r["training"]])
+                # AT-GRPO's per-candidate mean scores the first agent's candidates before its teammate answers
+                key = "episodes/team_reward" if "episodes/team_reward" in done[0]["training"] else team_key
+                values = curve_mean([r["training"][key] for r in done if key in r["training"]])
                 training.plot(range(1, len(values) + 1), values, label=method)
             elif method in ("at_grpo", "coarse"):
                 for key in sorted(k for k in done[0]["training"] if k.endswith("chosen_reward")):
@@ -412,15 +444,31 @@ def replace_between(path: str, marker: str, text: str) -> bool:
     return True
 
 
-def report(record: dict, results: str) -> None:
-    text = table(record["runs"]) + "\n\n" + diagnostics_table(record["runs"])
+def identity(run: dict) -> tuple[str, str, int]:
+    return run["task"], run["method"], run["seed"]
+
+
+def current(runs: list[dict], steps: int | None, eval_every: int) -> list[dict]:
+    """The runs made with the settings a run of the same method would have now (another `--steps`, `--eval_every`,
+    or older settings, kept in the file, are left out)."""
+    return [
+        r
+        for r in runs
+        if r.get("settings")
+        == run_settings(r["task"], r["method"], steps or SETTINGS[r["task"]]["max_steps"], eval_every)
+    ]
+
+
+def report(record: dict, results: str, steps: int | None, eval_every: int) -> None:
+    runs = current(record["runs"], steps, eval_every)
+    text = table(runs) + "\n\n" + diagnostics_table(runs)
     print(text)
     stem = os.path.splitext(results)[0]
     with open(stem + ".md", "w") as f:
         f.write(text + "\n")
-    plot(record["runs"], stem + ".png")
-    print(f"Runs: {results}; tables: {stem}.md; curves: {stem}.png")
-    if results == DEFAULT_RESULTS and replace_between(DOCS, "bench_learning", text):
+    plot(runs, stem + ".png")
+    print(f"{len(runs)} of the {len(record['runs'])} runs in {results}; tables: {stem}.md; curves: {stem}.png")
+    if results == DEFAULT_RESULTS and steps is None and replace_between(DOCS, "bench_learning", text):
         print(f"Tables updated in {DOCS}")
 
 
@@ -442,7 +490,7 @@ def main() -> None:
         with open(options.results) as f:
             record = json.load(f)
     if options.report:
-        return report(record, options.results)
+        return report(record, options.results, options.steps, options.eval_every)
     record.update(
         machine=f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
         + (torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"),
@@ -453,21 +501,22 @@ def main() -> None:
             if method not in METHODS[task_name]:
                 raise SystemExit(f"--methods: {method!r} is not a method of {task_name} ({list(METHODS[task_name])}).")
             steps = options.steps or SETTINGS[task_name]["max_steps"]
+            settings = run_settings(task_name, method, steps, options.eval_every)
             for seed in options.seeds:
-                key = (task_name, method, seed, steps, options.eval_every)
-                saved = [(r["task"], r["method"], r["seed"], r["steps"], r["eval_every"]) for r in record["runs"]]
-                if key in saved and not options.rerun:
+                same = [
+                    r for r in record["runs"] if identity(r) == (task_name, method, seed) and r["settings"] == settings
+                ]
+                if same and not options.rerun:
                     continue
                 print(f"== {task_name} / {method} / seed {seed}", flush=True)
                 result = run(task_name, method, seed, steps, options.eval_every)
                 print(f"   {result['minutes']:.1f} min", flush=True)
-                same = (task_name, method, seed)
-                record["runs"] = [r for r in record["runs"] if (r["task"], r["method"], r["seed"]) != same] + [result]
+                record["runs"] = [r for r in record["runs"] if r not in same] + [result]
                 record["date"] = datetime.date.today().isoformat()
                 os.makedirs(os.path.dirname(options.results), exist_ok=True)
                 with open(options.results, "w") as f:
                     json.dump(record, f, indent=1)
-    report(record, options.results)
+    report(record, options.results, options.steps, options.eval_every)
 
 
 if __name__ == "__main__":

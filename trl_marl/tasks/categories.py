@@ -43,55 +43,71 @@ CATEGORIES: dict[str, list[str]] = {
 }
 CATEGORIES = {name: members.split() for name, members in CATEGORIES.items()}
 # Members of two words, and irregular plurals, as a model writes them.
-CATEGORIES["vegetables"] += ["bell pepper", "green bean", "sweet potato", "brussels sprout"]
-CATEGORIES["musical instruments"] += ["double bass", "french horn", "electric guitar", "bass guitar"]
-CATEGORIES["countries"] += ["united states", "united kingdom", "south africa", "new zealand", "south korea"]
+# Members of two words, and other names a model uses for members, plural forms included.
+CATEGORIES["vegetables"] += ["sweet potato", "brussels sprout"]
+CATEGORIES["musical instruments"] += ["double bass"]
+CATEGORIES["countries"] += ["united states", "united kingdom", "south africa", "new zealand"]
 ALIASES = {
     "gray": "grey", "teeth": "tooth", "feet": "foot", "mice": "mouse", "hippopotamus": "hippo",
     "rhinoceros": "rhino", "drums": "drum", "bagpipes": "bagpipe", "usa": "united states", "america": "united states",
-    "uk": "united kingdom", "britain": "united kingdom", "holland": "netherlands", "beetroot": "beet",
+    "united states of america": "united states", "uk": "united kingdom",
+    "britain": "united kingdom", "great britain": "united kingdom", "holland": "netherlands", "beetroot": "beet",
     "aubergine": "eggplant", "courgette": "zucchini", "maize": "corn", "chimp": "chimpanzee", "bunny": "rabbit",
+    "bell pepper": "pepper", "green bean": "bean", "french horn": "horn", "electric guitar": "guitar",
+    "bass guitar": "guitar", "acoustic guitar": "guitar", "south korea": "korea", "wolves": "wolf",
 }  # fmt: skip
 
-SEPARATORS = re.compile(r",|;|\n|\||/|\band\b|\bor\b")
-NUMBERING = re.compile(r"^\s*(?:\d+\s*[.):]|[-•*+])\s*")
-DESCRIPTION = re.compile(r"\s(?:-|–|—)\s.*|[:(].*")
+LINES = re.compile(r"\n|\|")
+ITEMS = re.compile(r",|;|/|\band\b|\bor\b")
+NUMBERING = re.compile(r"^\s*(?:\(?\d+\s*[.):\-–]+|[-•*+]|#+)\s*")
+ASIDE = re.compile(r"\([^)]*\)?|\s[-–—]\s.*")
 ARTICLE = re.compile(r"^(?:the|a|an)\s+")
 
 
-def singular(word: str, members: set[str]) -> str:
-    """`word` as a member of `members` when it is a plural of one (`cherries` → `cherry`), else unchanged."""
-    for suffix, replacement in (("ies", "y"), ("es", ""), ("s", "")):
-        if word.endswith(suffix) and word[: -len(suffix)] + replacement in members:
+def singular(word: str, names: set[str]) -> str:
+    """`word` as one of `names` when it is a plural of one (`cherries` → `cherry`, `wolves` → `wolf`), else
+    unchanged."""
+    for suffix, replacement in (("ies", "y"), ("ves", "f"), ("es", ""), ("s", "")):
+        if word not in names and word.endswith(suffix) and word[: -len(suffix)] + replacement in names:
             return word[: -len(suffix)] + replacement
     return word
 
 
 def normalise(piece: str, members: set[str]) -> str:
-    """One listed item as a member would be written: lower case, without numbering, markdown, article, trailing
-    description or plural."""
-    piece = NUMBERING.sub("", piece.lower().replace("*", "").replace("`", "").replace("_", " "))
-    piece = DESCRIPTION.sub("", piece)
-    piece = re.sub(r"[^a-z ]", " ", piece)
-    piece = ARTICLE.sub("", " ".join(piece.split()))
-    words = piece.split()
-    if not words:
-        return ""
-    words[-1] = ALIASES.get(words[-1], words[-1])
-    return singular(" ".join(words).strip(), members)
+    """One listed item as a member is written: lower case, letters only, no article, singular, aliases resolved."""
+    piece = ARTICLE.sub("", " ".join(re.sub(r"[^a-z ]", " ", piece.lower()).split()))
+    piece = singular(piece, members | set(ALIASES))
+    return ALIASES.get(piece, piece)
+
+
+def line_items(line: str, members: set[str]) -> list[str]:
+    """The items of one line of an answer: numbering, markdown and asides (in brackets, after a dash) dropped; of a
+    line with a colon, the part before it when it names a member ("apple: a red fruit"), else the part after it
+    ("Here are three fruits: ..."); a line ending in ":" (a preamble) has none."""
+    line = ASIDE.sub("", NUMBERING.sub("", line.lower().replace("*", "").replace("`", "").replace("_", " "))).strip()
+    if line.endswith(":"):
+        return []
+    items = [
+        [item for item in (normalise(piece, members) for piece in ITEMS.split(part)) if item]
+        for part in line.split(":", 1)
+    ]
+    if len(items) == 2 and not any(item in members for item in items[0]):
+        return items[1]  # "Here are three fruits: ...", "Fruit 1: apple"
+    return items[0]
 
 
 def listed_items(text: str, category: str) -> list[str]:
-    """The pieces of a listed answer in order (split at commas, new lines, "and", "or"), each normalised; a piece that
-    is not a member of `category` is kept as written so that it still takes its place in the list."""
+    """The items of a listed answer in order, line by line (see `line_items`), each normalised; an item that is not a
+    member of `category` is kept as written so that it still takes its place in the list."""
     members = set(CATEGORIES[category])
-    pieces = [normalise(piece, members) for piece in SEPARATORS.split(text)]
-    return [piece for piece in pieces if piece]
+    return [item for line in LINES.split(text) for item in line_items(line, members)]
 
 
 def mentioned(text: str, options: list[str]) -> list[str]:
-    """The `options` that `text` names (whole words, any case, singular or plural), in the order of `options`."""
-    text = " " + re.sub(r"[^a-z]+", " ", text.lower()) + " "
+    """The `options` that `text` names (whole words, any case, singular or plural, or by an alias: "gray" names
+    `grey`), in the order of `options`."""
+    words = re.sub(r"[^a-z]+", " ", text.lower()).split()
+    text = " " + " ".join(ALIASES.get(word, word) for word in words) + " "
     return [
         option
         for option in options

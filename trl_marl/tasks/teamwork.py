@@ -8,7 +8,9 @@
   `first` again, if the team is not done) each name one option. The team must add `goal` new options: the second
   teammate's best answer depends on the one its teammate chose. The environment state (what has been named) is in
   every prompt, a solved episode stops, and an answer counts only when it names exactly one option, so repeating the
-  prompt scores nothing.
+  prompt scores nothing. Its team reward is the running total (`new_options_reward`, what AT-GRPO scores each
+  candidate's state with); MAGRPO, which sums a turn's rewards into returns, trains on each answer's gain
+  (`new_option_gain`).
 
 Offline data: the categories of `categories.py`; held-out problems are never trained on.
 """
@@ -116,6 +118,13 @@ def picked(text: str, options: list[str]) -> str | None:
 def new_options_reward(prompts, completions, state, goal, **kwargs) -> list[float]:
     """Team reward in [0, 1]: the new options the team has named so far, over `goal`; 1 once the team is done."""
     return [min(1.0, s["new"] / g) for s, g in zip(state, goal)]
+
+
+def new_option_gain(prompts, completions, state, goal, **kwargs) -> list[float]:
+    """What the latest answer added to `new_options_reward`: 1 / `goal` when it named a new option, else 0. Summed over
+    an episode's turns it is the episode's `new_options_reward`, so it suits algorithms that sum a turn's rewards into
+    returns (MAGRPO), where the running total would pay an episode more for solving later."""
+    return [1.0 / g if s["picks"] and s["picks"][-1][2] else 0.0 for s, g in zip(state, goal)]
 
 
 def one_option(prompts, completions, options, **kwargs) -> list[float]:
