@@ -30,6 +30,32 @@ def test_coarse_groups_compare_every_problems_candidates_of_one_turn_and_agent(b
     assert [s.advantage for s in samples] == pytest.approx(expected, abs=1e-5)
     assert [ja.advantage for ja in joint_actions] == pytest.approx(expected, abs=1e-5)
     assert [s.group for s in samples] == [0, 0, 0, 0, 1, 1]
+    # with the agents' names, the tied-group shares logged are the coarse groups' (turn 1's group ties)
+    rollout = SimpleNamespace(samples=samples, joint_actions=joint_actions, metrics={})
+    bench.coarsen_groups(rollout, "mean", "group", ["first", "second"])
+    assert rollout.metrics == {
+        "turns/0/agents/first/frac_reward_zero_std": 0.0,
+        "turns/1/agents/second/frac_reward_zero_std": 1.0,
+    }
+
+
+def test_every_run_is_scored_at_step_0_every_n_steps_and_its_last_step(bench):
+    assert bench.evaluation_steps(16, 4) == [0, 4, 8, 12, 16]
+    assert bench.evaluation_steps(10, 4) == [0, 4, 8, 10]
+
+
+def test_the_report_keeps_only_runs_made_with_the_current_settings(bench):
+    now = {
+        "task": "pick_new",
+        "method": "at_grpo",
+        "seed": 0,
+        "settings": bench.run_settings("pick_new", "at_grpo", 16, 4),
+    }
+    shorter = {**now, "settings": bench.run_settings("pick_new", "at_grpo", 4, 4)}
+    older = {**now, "settings": None}
+    assert bench.current([now, shorter, older], None, 4) == [now]
+    assert bench.current([now, shorter, older], 4, 4) == [shorter]
+    assert bench.run_settings("pick_new", "magrpo", 16, 4)["reward_funcs"] == ["new_option_gain"]
 
 
 def test_interval_is_the_mean_and_the_95_percent_t_half_width(bench):

@@ -12,6 +12,7 @@ from trl_marl.tasks.teamwork import (
     EVAL_PROBLEMS,
     PickNew,
     distinct_items_reward,
+    new_option_gain,
     new_options_reward,
     one_option,
     own_items_reward,
@@ -24,13 +25,35 @@ ROW = {"category": ["colours"], "excluded": [["black", "white"]], "count": [3]}
 def test_a_listed_answer_is_read_through_numbering_markdown_articles_plurals_and_descriptions():
     text = "1. **Lions** (big cats)\n2. The Tigers - striped\n3. `mice` and a Zebra: stripes too\n4. Toyota"
     assert listed_items(text, "animals") == ["lion", "tiger", "mouse", "zebra", "toyota"]
+    assert listed_items("Cherries, peaches", "fruits") == ["cherry", "peach"]
+    # not a vegetable: kept as written, in its place; an alias ("bell pepper") counts as its member
     assert listed_items("Bell peppers, cherries; sweet potatoes", "vegetables") == [
-        "bell pepper",
-        "cherries",  # not a vegetable: kept as written, in its place
+        "pepper",
+        "cherries",
         "sweet potato",
     ]
-    assert listed_items("Cherries, peaches", "fruits") == ["cherry", "peach"]
-    assert listed_items("Red | Gray | Blue", "colours") == ["red", "grey", "blue"]
+    assert listed_items("Red | Grays | Blue", "colours") == ["red", "grey", "blue"]
+    assert listed_items("Chimps, Bunnies, Wolves, Hippopotamuses", "animals") == [
+        "chimpanzee",
+        "rabbit",
+        "wolf",
+        "hippo",
+    ]
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "Here are three fruits:\n1. Apple\n2. Banana\n3. Cherry",  # a preamble takes no place
+        "Sure! Here are 3 fruits: apple, banana, cherry.",  # label: items
+        "Fruit 1: Apple\nFruit 2: Banana\nFruit 3: Cherry",
+        "1 - Apple\n2 - Banana\n(3) Cherry",
+        "1. Apple (red or green)\n2. Banana: yellow, long\n3. Cherry",  # asides and descriptions add no item
+        "Apple, Banana, And Cherry",
+    ],
+)
+def test_the_forms_small_models_list_in_all_read_as_the_same_three_members(answer):
+    assert listed_items(answer, "fruits") == ["apple", "banana", "cherry"]
 
 
 def test_team_reward_counts_distinct_valid_members_of_both_lists_over_count_times_agents():
@@ -67,6 +90,7 @@ def test_an_answer_picks_an_option_only_when_it_names_exactly_one():
     assert picked("Options: red, blue, green, cherry.", options) is None  # repeating the prompt names them all
     assert picked("purple", options) is None
     assert mentioned("Greens and REDS", options) == ["red", "green"]
+    assert picked("Gray", ["grey", "red"]) == "grey" and picked("Feet.", ["foot", "hand"]) == "foot"  # aliases
     assert one_option(None, ["Blue", "I pick blue", "red, blue", "nothing"], [options] * 4) == [1.0, 0.5, 0.0, 0.0]
 
 
@@ -82,8 +106,15 @@ def play(task, row, answers):
 def test_pick_new_rewards_new_options_only_and_stops_once_the_team_has_two():
     task = PickNew()
     row = {"options": ["red", "blue", "green", "pink", "grey", "black"], "named": ["blue", "grey"], "goal": 2}
-    state, rewards = play(task, row, [("first", "blue"), ("second", "Red."), ("first", "red"), ("second", "pink")])
+    answers = [("first", "blue"), ("second", "Red."), ("first", "red"), ("second", "pink")]
+    state, rewards = play(task, row, answers)
     assert rewards == [0.0, 0.5, 0.5, 1.0]  # a named option and a repeat add nothing
+    # each answer's gain (MAGRPO's turn rewards) sums to the running total at every turn
+    gains, replay = [], task.reset(row)
+    for turn, (agent, text) in enumerate(answers):
+        replay = task.step(replay, agent, text, turn)
+        gains += new_option_gain(None, [None], state=[replay], goal=[2])
+    assert gains == [0.0, 0.5, 0.0, 0.5]
     assert state["named"] == ["blue", "grey", "red", "pink"]
     assert [new for _, _, new in state["picks"]] == [False, True, False, True]
     assert task.success(row, state, {}) is True
