@@ -8,7 +8,7 @@ trl_marl's own entry points in `pyproject.toml` like anyone's:
 - `math_tool`: the AT-GRPO paper's tool agent + reasoner;
 - `puzzles`: the AT-GRPO paper's `plan_path`, `sokoban` and `sudoku`;
 - `teamwork`: `distinct_items` (MAGRPO) and `pick_new` (AT-GRPO), built so that only the team reward says what the
-  team must do, with the `distinct_items_reward` and `new_options_reward` rewards.
+  team must do, with the `distinct_items_reward`, `new_options_reward` and `new_option_gain` rewards.
 
 Importing this package imports none of the built-in tasks: the registry loads each one when it is asked for by name.
 """

@@ -193,7 +193,9 @@ def reach_target_dataset(size: int, seed: int) -> Dataset:
 class ReachTarget(Task):
     """A generated puzzle with an environment state: a counter starts at `start`; the agents take turns adding whole
     numbers to it (`mover`, then `finisher`, who sees the move) and succeed when it reads `target`. Team reward: the
-    share of the distance covered; each agent's local reward: answering with a number. Two turns."""
+    share of the distance covered; each agent's local reward: answering with a number. Two turns. A small example of
+    an environment state; the default model rarely answers with a number, so the AT-GRPO benchmark uses `pick_new`
+    (`teamwork.py`) instead."""
 
     name = "reach_target"
     agents = REACH_AGENTS
