@@ -60,7 +60,7 @@ from trl_marl.tasks.teamwork import (
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEFAULT_RESULTS = os.path.join(RESULTS, "bench_learning.json")
-DOCS = os.path.join(os.path.dirname(os.path.dirname(RESULTS)), "..", "docs", "benchmarks.md")
+DOCS = os.path.normpath(os.path.join(RESULTS, "..", "..", "..", "docs", "benchmarks.md"))
 TASKS = {"distinct_items": DistinctItems, "pick_new": PickNew}
 # method -> (algorithm, config fields); the first trained method of a task is the one the others are compared with
 METHODS = {
@@ -428,8 +428,9 @@ def diagnostics_table(runs: list[dict]) -> str:
             if method == "untrained":
                 lines.append(f"| {task_name} | {method} | {held_out} | - |")
                 continue
-            keys = sorted(
-                k for k in done[0]["training"] if "frac_reward_zero_std" in k and k != "frac_reward_zero_std"
+            tied_keys = [k for k in done[0]["training"] if k.endswith("frac_reward_zero_std")]
+            keys = sorted(k for k in tied_keys if "/agents/" in k) or sorted(
+                k for k in tied_keys if k.startswith("turns/")
             )
             keys = keys or ["frac_reward_zero_std"]
             tied = [
