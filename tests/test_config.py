@@ -166,6 +166,18 @@ def test_an_agent_name_inside_the_lora_prefix_is_rejected(make_config):
     assert "`agents[0]` has name 'a'" in message and "'lora_'" in message
 
 
+def test_the_lora_prefix_message_lists_exactly_the_names_it_refuses(make_config):
+    pieces = ["a", "a_", "l", "lo", "lor", "lora", "lora_", "o", "or", "ora", "ora_", "r", "ra", "ra_"]
+    message = error_message(make_config, agents=["lo", "critic"])
+    assert f"Names that are a piece of 'lora_' are refused: {', '.join(pieces)}." in message
+    for name in pieces:
+        assert f"has name {name!r}, which is a piece of 'lora_'" in error_message(make_config, agents=[name, "b1"])
+    # a name that only starts with, or contains, a piece of the prefix is a name like any other
+    assert [a["name"] for a in make_config(agents=["lo1", "lora_writer", "alice"]).agents] == [
+        "lo1", "lora_writer", "alice"
+    ]  # fmt: skip
+
+
 def test_the_bound_counts_every_turn_of_the_tree(make_config):
     config = make_config(num_generations=4, num_turns=3)
     # aligned: 4 + 16 + 64 joint actions, 64 leaves

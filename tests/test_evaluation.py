@@ -22,6 +22,18 @@ def test_baselines_score_the_tasks_metrics(tiny_model_dir, baseline, rows):
         assert "turns/1/reward" in metrics
 
 
+def test_the_metrics_leave_out_what_only_training_has(tiny_model_dir):
+    metrics = evaluate_task("reach_target", "parallel", model=tiny_model_dir, limit=2, **SMALL)
+    # trainer.evaluate() logs these too: the loss, PPO clipping, the advantages, the epoch, training tokens seen.
+    assert not [key for key in metrics if key in ("loss", "epoch", "num_tokens") or key.startswith("clip_ratio/")]
+    assert not [key for key in metrics if "advantage" in key]
+    kept = (
+        "reward reward_std rewards/reach_target_reward/mean completions/mean_length num_samples entropy runtime "
+        "agents/mover/completion_length agents/mover/local_reward turns/1/reward"
+    ).split()
+    assert [key for key in kept if key not in metrics] == []
+
+
 def test_a_saved_team_is_evaluated_as_trained(tiny_model_dir, tmp_path):
     args = MAGRPOConfig.for_task(
         "reach_target", output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, max_steps=1,

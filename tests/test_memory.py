@@ -203,14 +203,27 @@ def test_table_says_whether_each_card_fits(default_model_dir, tmp_path):
     assert "KV cache" in str(estimate)
 
 
+def test_the_table_says_which_memory_it_predicts(default_model_dir, tmp_path):
+    model_config = AutoConfig.from_pretrained(default_model_dir)
+    gpu = estimate_memory(team_config(tmp_path), model_config).table([24])
+    cpu = estimate_memory(team_config(tmp_path), model_config, device="cpu").table([24])
+    assert gpu.startswith("Predicted peak memory on one GPU (") and "24 GB card: fits" in gpu
+    assert cpu.startswith("Predicted peak memory in RAM, for training on the CPU (use_cpu: true)")
+    assert "24 GiB of RAM: fits" in cpu and "card" not in cpu and "cuda" not in cpu
+
+
 def test_cli_estimate_prints_the_breakdown(tmp_path, capsys):
     from trl_marl.cli import main
 
     path = tmp_path / "team.yaml"
     path.write_text(f"agents: [writer, critic]\noutput_dir: {tmp_path}\nnum_generations: 4\nuse_cpu: true\n")
     assert main(["estimate", str(path), "--prompt_length", "64", "--gpu_memory_gb", "16"]) == 0
+    printed = capsys.readouterr().out  # use_cpu: true trains on the CPU, so the prediction is of its RAM
+    assert "PEAK" in printed and "in RAM, for training on the CPU" in printed and "16 GiB of RAM: fits" in printed
+    assert "cuda" not in printed and "card" not in printed
+    assert main(["estimate", str(path), "--prompt_length", "64", "--gpu_memory_gb", "16", "--use_cpu", "false"]) == 0
     printed = capsys.readouterr().out
-    assert "PEAK" in printed and "16 GB card: fits" in printed
+    assert "on one GPU" in printed and "16 GB card: fits" in printed
 
 
 def test_cli_estimate_keeps_bf16_on_without_a_gpu(tmp_path, capsys):

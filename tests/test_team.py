@@ -11,13 +11,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, load_team
 from trl_marl.agents import agent_prompt
+from trl_marl.importable import import_by_name
 from trl_marl.rollout import default_transition
 from trl_marl.scheduling import parallel
 from trl_marl.tasks.coding.code_tester import code_tester_feedback
 from trl_marl.tasks.coding.coop_coding import coding_feedback
 from trl_marl.tasks.math_tool import math_feedback
 from trl_marl.tasks.toy import word_count_feedback
-from trl_marl.importable import import_by_name
 
 AGENTS = [{"name": "planner", "system_prompt": "Plan briefly."}, {"name": "checker", "system_prompt": "Check."}]
 NEW_PROMPT = [{"role": "user", "content": "Suggest a name for a cat."}]

@@ -1,5 +1,8 @@
 """MAGRPOTrainer on a tiny random model: adapters, routing, batched generation, metrics, eval, saving, bad input."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from datasets import Dataset
@@ -158,6 +161,28 @@ def test_gradient_checkpointing_replays_each_row_with_its_adapter(tiny_model_dir
     assert any(".concise." in n for n in plain) and any(".detailed." in n for n in plain)
     for name, grad in plain.items():
         torch.testing.assert_close(checkpointed[name], grad, rtol=1e-4, atol=1e-6)
+
+
+ONE_STEP = """
+import sys
+from trl_marl import MAGRPOConfig, MAGRPOTrainer
+args = MAGRPOConfig.for_task(
+    "explain", output_dir=sys.argv[2], max_steps=1, num_generations=2, per_device_train_batch_size=2,
+    max_completion_length=4, report_to="none", save_strategy="no", use_cpu=True,
+)
+MAGRPOTrainer(sys.argv[1], args=args, task="explain").train()
+"""
+
+
+def test_a_training_run_prints_no_gradient_checkpointing_deprecation(tiny_model_dir, tmp_path):
+    """transformers 5 deprecates the `gradient_checkpointing` names, which TRL 1.16 and PEFT still use on the user's
+    behalf (checkpointing is on: TRL's default). pytest filters those warnings, so the run is a subprocess with
+    Python's default warning filters (`-W default`), where each would be printed once."""
+    command = [sys.executable, "-W", "default", "-c", ONE_STEP, tiny_model_dir, str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "train_runtime" in result.stdout
+    assert [line for line in result.stderr.splitlines() if "checkpointing" in line] == []
 
 
 def test_one_generate_call_gives_each_row_its_agents_greedy_output(tiny_model_dir, tmp_path):

@@ -1,5 +1,7 @@
 """trl_marl: cooperative multi-agent reinforcement learning for teams of LLM agents, on top of TRL."""
 
+import warnings
+
 from .advantages import aligned_credit, baseline_values, cross_credit, group_advantages, team_rewards
 from .atgrpo_trainer import ATGRPOTrainer
 from .config import ATGRPOConfig, MAGRPOConfig, TeamConfig
@@ -14,6 +16,20 @@ from .team import Team, TeamRun, load_team
 from .team_trainer import TeamTrainer
 
 __version__ = "0.1.0.dev0"
+
+# transformers 5 renamed gradient checkpointing to activation checkpointing and warns on every use of the old names,
+# but TRL 1.16 still uses them on the user's behalf: its configs default `gradient_checkpointing=True` (warned by
+# `TrainingArguments.__post_init__`), its generation context calls `is_gradient_checkpointing`,
+# `gradient_checkpointing_disable` and `gradient_checkpointing_enable`, and PEFT's `get_peft_model` reads
+# `is_gradient_checkpointing`: four FutureWarnings in every run that a user cannot act on. Only these messages, only
+# as transformers raises them, are silenced. Remove this once trl_marl requires a TRL and a PEFT that use the new
+# names (TRL 1.16 and PEFT 0.21 do not).
+warnings.filterwarnings(
+    "ignore",
+    message=r"`(is_)?gradient_checkpointing(_kwargs|_enable|_disable)?` is deprecated and will be removed in v6\.",
+    category=FutureWarning,
+    module=r"transformers\.(training_args|modeling_utils)$",
+)
 
 __all__ = [
     "ATGRPOConfig",

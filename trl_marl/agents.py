@@ -15,6 +15,18 @@ SHARED_ADAPTER_NAME = "team"
 # "ref" would be taken by TRL for its reference adapter, "__base__" means "no adapter" to PEFT.
 RESERVED_AGENT_NAMES = ("ref", "__base__", "default")
 _AGENT_NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
+# PEFT matches adapter names inside parameter names (`...q_proj.lora_A.<name>.weight`) and warns that an adapter
+# whose name is contained in the prefix `lora_` may be re-initialised when it is loaded. Refused: every piece of
+# `lora_` that is a valid name (a, a_, l, lo, lor, lora, lora_, o, or, ora, ora_, r, ra, ra_).
+LORA_PREFIX = "lora_"
+LORA_PREFIX_PIECES = sorted(
+    {
+        LORA_PREFIX[i:j]
+        for i in range(len(LORA_PREFIX))
+        for j in range(i + 1, len(LORA_PREFIX) + 1)
+        if _AGENT_NAME_PATTERN.match(LORA_PREFIX[i:j])
+    }
+)
 
 
 def normalize_agents(agents: Any) -> list[dict[str, str]]:
@@ -51,10 +63,12 @@ def normalize_agents(agents: Any) -> list[dict[str, str]]:
                 f"it must start with a letter and contain only letters, digits, '_' and '-', and must not be one of "
                 f"{list(RESERVED_AGENT_NAMES)}."
             )
-        if name in "lora_":
+        if name in LORA_PREFIX:
             raise ValueError(
-                f"`agents[{index}]` has name {name!r}, which is part of PEFT's parameter prefix 'lora_': PEFT may "
-                "re-initialise such an adapter when loading it. Choose a longer name."
+                f"`agents[{index}]` has name {name!r}, which is a piece of 'lora_', the prefix of PEFT's LoRA "
+                "parameter names: PEFT would find the name in every LoRA parameter and may re-initialise the adapter "
+                f"when loading it. Names that are a piece of 'lora_' are refused: {', '.join(LORA_PREFIX_PIECES)}. "
+                f"Choose another name (e.g. '{name}1')."
             )
         system_prompt = agent.get("system_prompt", agent.get("role")) or ""
         if not isinstance(system_prompt, str):

@@ -2,6 +2,8 @@
 (`atgrpo.ATGRPORollout`) and the task's local rewards that are part of its reward.
 """
 
+import textwrap
+
 from .atgrpo import ATGRPORollout
 from .config import ATGRPOConfig
 from .episode import JointAction, Rollout
@@ -23,6 +25,18 @@ class ATGRPOTrainer(TeamTrainer):
 
     _tag_names = ["trl", "trl-marl", "at-grpo"]
     _name = "AT-GRPO"
+    _paper = {
+        "title": "Stronger Together: On-Policy Reinforcement Learning for Collaborative LLMs",
+        "id": "2510.11062",
+        # docstyle-ignore
+        "citation": textwrap.dedent("""\
+            @article{zhao2025stronger,
+                title        = {{Stronger Together: On-Policy Reinforcement Learning for Collaborative LLMs}},
+                author       = {Yujie Zhao and Lanxiang Hu and Yang Wang and Minmin Hou and Hao Zhang and Ke Ding and Jishen Zhao},
+                year         = 2025,
+                eprint       = {arXiv:2510.11062},
+            }"""),  # noqa: E501
+    }
     _config_class = ATGRPOConfig
 
     def _rollout(self, inputs: list[dict], num_generations: int) -> Rollout:

@@ -9,6 +9,7 @@ from trl import GRPOConfig
 
 from .agents import normalize_agents
 from .models import default_mixed_precision
+from .registry import PluginError, get_plugin
 from .vllm_generation import SERVER_MODE_REASON
 
 logger = logging.getLogger("trl_marl")
@@ -175,6 +176,11 @@ class TeamConfig(GRPOConfig, metaclass=_TeamConfigType):
             raise _choice_error("baseline", self.baseline, BASELINES)
         if self.adapter_mode not in ADAPTER_MODES:
             raise _choice_error("adapter_mode", self.adapter_mode, ADAPTER_MODES)
+        if isinstance(self.scheduler, str):  # found now, not when the trainer starts (metadata only: nothing imports)
+            try:
+                get_plugin("schedulers", self.scheduler)
+            except PluginError as error:
+                raise ValueError(f"`scheduler`: {error}") from None
         if not isinstance(self.max_joint_actions, int) or self.max_joint_actions < 1:
             raise ValueError(f"`max_joint_actions` must be a positive integer, got {self.max_joint_actions!r}.")
         if not isinstance(self.num_turns, int) or isinstance(self.num_turns, bool) or self.num_turns < 1:

@@ -3,6 +3,8 @@ owns its rollout, the MAGRPO tree of each prompt (`rollout.TreeRollout`; one tur
 answers at every node, joint actions get one team reward, returns and advantages follow MAGRPO (docs/design.md, §5).
 """
 
+import textwrap
+
 from .config import MAGRPOConfig
 from .episode import Rollout
 from .rollout import TreeRollout
@@ -18,6 +20,18 @@ class MAGRPOTrainer(TeamTrainer):
 
     _tag_names = ["trl", "trl-marl", "magrpo"]
     _name = "MAGRPO"
+    _paper = {
+        "title": "LLM Collaboration With Multi-Agent Reinforcement Learning",
+        "id": "2508.04652",
+        # docstyle-ignore
+        "citation": textwrap.dedent("""\
+            @article{liu2025llmcollaboration,
+                title        = {{LLM Collaboration With Multi-Agent Reinforcement Learning}},
+                author       = {Shuo Liu and Tianle Chen and Zeyu Liang and Xueguang Lyu and Christopher Amato},
+                year         = 2025,
+                eprint       = {arXiv:2508.04652},
+            }"""),
+    }
     _config_class = MAGRPOConfig
 
     def _rollout(self, inputs: list[dict], num_generations: int) -> Rollout:

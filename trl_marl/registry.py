@@ -14,6 +14,7 @@ one name are an error naming both sources. trl_marl's own plugins are registered
 same way; `register_reward` / `register_task` / `register_scheduler` add in-process plugins (notebooks, tests).
 """
 
+import difflib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -95,9 +96,11 @@ def get_plugin(kind: str, name: str) -> Plugin:
     matches = [plugin for plugin in discover(kind) if plugin.name == name]
     if not matches:
         names = sorted({plugin.name for plugin in discover(kind)})
+        close = difflib.get_close_matches(name, names, 1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise PluginError(
-            f"No {kind[:-1]} plugin named '{name}'. Installed: {names}. Add one with an entry point in the group "
-            f"'{GROUPS[kind]}' of your package, or with trl_marl.register_{kind[:-1]}."
+            f"No {kind[:-1]} plugin named '{name}'{hint}. Installed: {names}. Add one with an entry point in the "
+            f"group '{GROUPS[kind]}' of your package, or with trl_marl.register_{kind[:-1]}."
         )
     if len(matches) > 1:
         sources = " and ".join(f"'{p.target}' from {p.source}" for p in matches)

@@ -173,11 +173,18 @@ def required_columns(func: Callable, provided: Iterable[str]) -> list[str]:
 
 
 def check_dataset_columns(dataset: Any, consumers: list[tuple[str, Callable, frozenset]], dataset_name: str) -> None:
-    """Raise a `ValueError` naming the function and the column when `dataset` lacks a column that one of `consumers`
-    (`(kind, function, arguments the trainer provides)`) needs. Datasets without known columns are not checked."""
+    """Raise a `ValueError` naming the column when `dataset` lacks `prompt`, or a column that one of `consumers`
+    (`(kind, function, arguments the trainer provides)`) needs, naming the function. Datasets without known columns
+    are not checked."""
     columns = getattr(dataset, "column_names", None)
     if not columns:
         return
+    if "prompt" not in columns:
+        raise ValueError(
+            f"The {dataset_name} has no `prompt` column (its columns: {sorted(columns)}): every row needs its prompt, "
+            "a string or a list of chat messages, in a column named `prompt` (e.g. "
+            "`dataset.rename_column('question', 'prompt')`)."
+        )
     for kind, func, provided in consumers:
         missing = [name for name in required_columns(func, provided) if name not in columns]
         if missing:

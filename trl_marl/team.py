@@ -9,8 +9,9 @@ per agent, or `out/team/` when the agents share an adapter), the tokenizer, and 
  "num_turns": 2, "transition": "trl_marl.rollout:default_transition", "max_completion_length": 64, ...}
 ```
 
-`load_team(out)` rebuilds the team on one base model (optionally 4-bit) and `Team.run(prompt)` plays an episode with
-the prompt building of training: each agent gets its role and what the transition shows it, nothing else.
+`load_team(out)` (the folder, or the Hub id of a pushed team) rebuilds the team on one base model (optionally 4-bit)
+and `Team.run(prompt)` plays an episode with the prompt building of training: each agent gets its role and what the
+transition shows it, nothing else.
 """
 
 import json
@@ -29,6 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 from .agents import agent_prompt, keep_4bit_weights_trainable
 from .config import ATGRPOConfig
 from .episode import RolloutSettings
+from .hub import TEAM_FILE, resolve_team_folder
 from .importable import import_by_name, importable_name
 from .models import DEFAULT_MODEL_ID, default_model_path, four_bit_config, is_default_model
 from .registry import PluginError
@@ -37,7 +39,6 @@ from .routing import AdapterRouter
 from .scheduling import Prompt, resolve_scheduler
 from .tasks import resolve_task
 
-TEAM_FILE = "team.json"
 TEAM_FORMAT = "trl_marl.team/1"
 
 
@@ -284,7 +285,8 @@ def load_team(
     """Rebuild a team saved by a trainer's `save_model` on one base model.
 
     Args:
-        path: the saved folder (`output_dir` or a `checkpoint-N` folder).
+        path: the saved folder (`output_dir` or a `checkpoint-N` folder), or the Hub repo id of a pushed team
+            (fetched with `snapshot_download`; from the Hub cache under `HF_HUB_OFFLINE`).
         load_in_4bit: load the base in 4-bit NF4 (bitsandbytes); or pass `quantization_config`.
         base_model: a Hub id or path overriding the recorded base model.
         transition: overrides the recorded transition; needed when the training transition was not importable
@@ -296,7 +298,7 @@ def load_team(
             frees it. `vllm_gpu_memory_utilization` (vLLM's default when None) and `vllm_max_model_length` (the
             model's when None) are passed to it as in training.
     """
-    path = Path(path)
+    path = resolve_team_folder(path)
     spec = read_team_file(path)
     task = None
     if spec.get("task"):

@@ -26,15 +26,18 @@ from .tasks import resolve_task
 
 
 def resolve_team_inputs(args, task, reward_funcs, train_dataset, eval_dataset, transition) -> tuple:
-    """`(task, reward_funcs, train_dataset, transition)` of a trainer: the task (an object or plugin name) supplies
-    what was not given; a reward given by name is a plugin. Fails before any model loads when there is no reward, the
-    transition is not callable, or a dataset lacks a column that a reward, local reward or transition reads.
+    """`(task, reward_funcs, train_dataset, eval_dataset, transition)` of a trainer: the task (an object or plugin
+    name) supplies what was not given (its eval split when evaluation is on); a reward given by name is a plugin.
+    Fails before any model loads when there is no reward, the transition is not callable, or a dataset lacks the
+    `prompt` column or a column that a reward, local reward or transition reads.
     """
-    # A task supplies what was not given: team rewards, training data, transition.
+    # A task supplies what was not given: team rewards, training data, evaluation data, transition.
     task = resolve_task(task) if task is not None else None
     if task is not None:
         reward_funcs = reward_funcs if reward_funcs is not None else list(task.reward_funcs)
         train_dataset = train_dataset if train_dataset is not None else task.dataset("train")
+        if eval_dataset is None and args.eval_strategy != "no":
+            eval_dataset = task.dataset("eval")
         transition = transition or task.transition
     reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
     if not reward_funcs or reward_funcs == [None]:
@@ -54,7 +57,7 @@ def resolve_team_inputs(args, task, reward_funcs, train_dataset, eval_dataset, t
     eval_datasets = eval_dataset if isinstance(eval_dataset, dict) else {"": eval_dataset}
     for name, dataset in eval_datasets.items():
         check_dataset_columns(dataset, consumers, f"eval dataset {name}".strip())
-    return task, reward_funcs, train_dataset, transition
+    return task, reward_funcs, train_dataset, eval_dataset, transition
 
 
 class TeamActionsMixin:

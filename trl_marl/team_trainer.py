@@ -8,7 +8,8 @@ What is multi-agent, and therefore overridden (docs/design.md, §2):
   `turn_index`, `group_index`, padded with loss-free rows to what TRL's split needs (`rows.pad_rows`).
 - `_get_per_token_logps_and_entropies` / `_compute_loss`: each row's log-probs come from its agent's adapter; the KL
   reference routes every row to the base.
-- `save_model`: also writes `team.json`, which `trl_marl.load_team` reads.
+- `save_model`: also writes `team.json`, which `trl_marl.load_team` reads, and the team's model card; `push_to_hub`
+  publishes the whole team (`sharing.TeamSharingMixin`).
 - checkpoints (`checkpoints.CheckpointMixin`): complete or ignored, never half-written; resume is exact.
 Everything else (loss types, clipping, KL to the base, gradient accumulation, logging, checkpoints) is TRL's.
 """
@@ -45,14 +46,14 @@ from .rollout import default_transition
 from .routing import BASE, AdapterRouter
 from .rows import PER_ROW_LOSS_TYPES, pad_rows, pad_samples, padding_loss_scale
 from .scheduling import resolve_scheduler
-from .team import base_model_name, team_spec, write_team_file
+from .sharing import TeamSharingMixin
 from .team_actions import TeamActionsMixin, resolve_team_inputs
 from .vllm_generation import TeamVLLMMixin
 
 BASE_ROW = -1  # the agent index of a row routed to the base model alone (the KL reference)
 
 
-class TeamTrainer(CheckpointMixin, TeamMetricsMixin, TeamActionsMixin, TeamVLLMMixin, GRPOTrainer):
+class TeamTrainer(TeamSharingMixin, CheckpointMixin, TeamMetricsMixin, TeamActionsMixin, TeamVLLMMixin, GRPOTrainer):
     """What [`MAGRPOTrainer`] and [`ATGRPOTrainer`] share: TRL's [`~trl.GRPOTrainer`] with a team of LoRA agents on
     one base model. A subclass supplies `_rollout` (its algorithm's episodes) and its config class.
 
@@ -108,7 +109,7 @@ class TeamTrainer(CheckpointMixin, TeamMetricsMixin, TeamActionsMixin, TeamVLLMM
                 f"`args` must be a {config_class.__name__} naming the agents, got {type(args).__name__}{other}, e.g. "
                 f"{config_class.__name__}(output_dir='out', agents=['concise', 'detailed'])."
             )
-        task, reward_funcs, train_dataset, transition = resolve_team_inputs(
+        task, reward_funcs, train_dataset, eval_dataset, transition = resolve_team_inputs(
             args, task, reward_funcs, train_dataset, eval_dataset, transition
         )
         self.task = task
@@ -292,16 +293,12 @@ class TeamTrainer(CheckpointMixin, TeamMetricsMixin, TeamActionsMixin, TeamVLLMM
             self._clear_routing()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Each agent's adapter in PEFT format under `output_dir/<adapter>/`, the tokenizer, and `team.json` (agents,
-        roles, turn settings, base model), which `trl_marl.load_team` reads. Checkpoints get the same."""
+        """Each agent's adapter in PEFT format under `output_dir/<adapter>/`, the tokenizer, `team.json` (agents,
+        roles, turn settings, base model), which `trl_marl.load_team` reads, and the team's model card (`sharing.py`).
+        Checkpoints get the same."""
         super().save_model(output_dir, _internal_call=_internal_call)
         if self.args.should_save:
-            base = self.accelerator.unwrap_model(self.model).get_base_model()
-            used = self.rollout_settings  # the transition and scheduler the rollouts used (fixed at __init__)
-            spec = team_spec(
-                self.args, self.agent_adapters, base_model_name(base), used.transition, used.scheduler, self.task
-            )
-            write_team_file(output_dir or self.args.output_dir, spec)
+            self._save_team(output_dir or self.args.output_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model=model)

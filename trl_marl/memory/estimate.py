@@ -153,18 +153,27 @@ class MemoryEstimate:
         width = max(len(name) for name, _ in rows)
         lines = [f"{name:<{width}}  {value / MIB:>10,.0f} MiB" for name, value in rows]
         info = ", ".join(f"{key}={value}" for key, value in self.details.items())
-        lines.insert(0, f"Predicted memory on {self.device} ({info})")
+        lines.insert(0, f"Predicted peak memory {self.where} ({info})")
         if self.vllm is not None:
             lines.append(self.vllm.describe())
         for size in gpu_memory_gb:
             lines += self._card_lines(size)
         return "\n".join(lines)
 
+    @property
+    def where(self) -> str:
+        """Where the prediction is for, in words: one GPU, or the machine's RAM for a run on the CPU (`use_cpu`)."""
+        if self.device == "cpu":
+            return "in RAM, for training on the CPU (use_cpu: true), over what the process holds before loading"
+        return "on one GPU"
+
     def _card_lines(self, size: float) -> list[str]:
-        """The verdict for a card of `size` GiB: one line, and with vLLM the pool, the reasons and the warnings."""
+        """The verdict for a card of `size` GiB (on the CPU: `size` GiB of RAM): one line, and with vLLM the pool, the
+        reasons and the warnings."""
         if self.vllm is None:
             verdict = "fits" if self.fits(size) else "does NOT fit"
-            return [f"{size:g} GB card: {verdict} ({self.peak / GIB:.1f} of {size:g} GiB)"]
+            memory = f"{size:g} GiB of RAM" if self.device == "cpu" else f"{size:g} GB card"
+            return [f"{memory}: {verdict} ({self.peak / GIB:.1f} of {size:g} GiB)"]
         if self.device != "cuda":
             return [f"{size:g} GB card: not predicted on the CPU (vLLM's pool there is a share of the machine's RAM)"]
         failures, warnings = self.card_check(size)
@@ -233,7 +242,8 @@ def estimate_memory(
     # Training phase: one micro-batch of `rows` sequences of `seq_len` tokens.
     calls, rows, seq_len = rollout_geometry(config, prompt_length)
     layer = training_layer_bytes(shape, targets, rank, dtypes, rows, seq_len, adapters, load_in_4bit)
-    checkpointing = bool(getattr(config, "gradient_checkpointing", False))
+    # newer transformers 5 releases name it `activation_checkpointing` (TRL 1.16's `gradient_checkpointing` mirrors it)
+    checkpointing = bool(getattr(config, "activation_checkpointing", getattr(config, "gradient_checkpointing", False)))
 
     # Generation phase: the largest `generate` call.
     sorted_sampling = config.top_p < 1.0 or (config.top_k or 0) > 0

@@ -1,0 +1,273 @@
+"""The model card (`README.md`) of a saved team, from what `team.json` records and what training logged.
+
+TRL's conventions are kept: YAML metadata (`base_model` as a Hub id, never a local path; `library_name`; tags with
+`trl` and the trainer's, and `base_model:adapter:<id>`), the method's paper and citation, TRL's citation, the
+framework versions. What a team adds: its agents and their roles, the adapter folder of each, how to load it with
+`trl_marl.load_team` and with plain PEFT, the training settings and the last logged metrics.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from huggingface_hub import ModelCard, ModelCardData
+
+from .models import DEFAULT_MODEL_ID
+
+TRL_CITATION = textwrap.dedent("""\
+    @software{vonwerra2020trl,
+      title   = {{TRL: Transformers Reinforcement Learning}},
+      author  = {von Werra, Leandro and Belkada, Younes and Tunstall, Lewis and Beeching, Edward and Thrush, Tristan and Lambert, Nathan and Huang, Shengyi and Rasul, Kashif and Gallouédec, Quentin},
+      license = {Apache-2.0},
+      url     = {https://github.com/huggingface/trl},
+      year    = {2020}
+    }""")  # noqa: E501 (TRL's own entry, as its cards print it)
+# A prompt for the loading snippet when the training data offers none short enough to print.
+GENERIC_PROMPT = [{"role": "user", "content": "Explain why the sky is blue."}]
+MAX_EXAMPLE_CHARS = 400
+FRAMEWORKS = [
+    ("trl_marl", "trl-marl"),
+    ("TRL", "trl"),
+    ("PEFT", "peft"),
+    ("Transformers", "transformers"),
+    ("PyTorch", "torch"),
+    ("Datasets", "datasets"),
+    ("Tokenizers", "tokenizers"),
+]
+
+
+@dataclass
+class CardContents:
+    """What a team's card says beyond `team.json`: where the snippets load it from, the method, and training."""
+
+    model_name: str
+    load_from: str  # the Hub id of the pushed team, else the saved folder
+    from_hub: bool  # whether `load_from` is a Hub id
+    trainer_name: str  # "MAGRPOTrainer"
+    paper: dict  # the trainer's `_paper`: title, id, citation
+    base_model_id: str | None  # the base model's Hub id; None for a local checkpoint
+    settings: dict[str, Any] = field(default_factory=dict)  # setting -> value (None values are left out)
+    metrics: dict[str, float] = field(default_factory=dict)  # the last logged training metrics
+    metrics_step: int | None = None
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    tags: list[str] = field(default_factory=list)
+    dataset_name: str | None = None
+    example: dict | None = None  # a training row: `prompt` and the columns the transition reads
+    tracking: dict[str, str] = field(default_factory=dict)  # e.g. {"Weights & Biases": url}
+
+
+def team_model_card(spec: dict, contents: CardContents) -> ModelCard:
+    """The team's model card: `spec` is the content of `team.json`."""
+    base_id = contents.base_model_id
+    tags = list(dict.fromkeys([*contents.tags, "lora", "multi-agent"]))
+    if base_id:
+        tags.append(f"base_model:adapter:{base_id}")
+    metadata = ModelCardData(
+        base_model=base_id,
+        base_model_relation="adapter" if base_id else None,
+        library_name="peft",
+        model_name=contents.model_name,
+        datasets=contents.dataset_name,
+        tags=tags,
+    )
+    sections = [
+        f"# Model Card for {contents.model_name}",
+        _summary(spec, contents),
+        _agents_section(spec),
+        _loading_section(spec, contents),
+        _training_section(spec, contents),
+        _results_section(contents),
+        "### Framework versions\n\n" + "\n".join(f"- {label}: {_version(dist)}" for label, dist in FRAMEWORKS),
+        _citations_section(spec, contents),
+    ]
+    return ModelCard(f"---\n{metadata.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n")
+
+
+def _summary(spec: dict, contents: CardContents) -> str:
+    agents = spec["agents"]
+    names = ", ".join(f"`{agent['name']}`" for agent in agents)
+    adapters = len({agent["adapter"] for agent in agents})
+    carrying = "one LoRA adapter per agent" if adapters == len(agents) else f"{adapters} LoRA adapter(s) shared"
+    task = f" on the task `{spec['task']}`" if spec.get("task") else ""
+    turns = spec["num_turns"]
+    return (
+        f"A team of {len(agents)} LLM agents ({names}) trained with {spec['algorithm']}{task}, using "
+        "trl_marl, a plugin of [TRL](https://github.com/huggingface/trl). The team is one base model, "
+        f"{_base_model_text(spec, contents)}, carrying {carrying}. The agents play an episode together "
+        f"({turns} turn{'s' if turns != 1 else ''}, scheduler `{spec['scheduler']}`): each answers with its own "
+        "adapter and role, and one team reward scores their joint answer."
+    )
+
+
+def _base_model_text(spec: dict, contents: CardContents) -> str:
+    base_id = contents.base_model_id
+    if base_id is None:
+        return (
+            f"a local checkpoint (`{spec['base_model']}`) that has no Hub id; on another machine pass "
+            "`base_model=` (the same model's Hub id or path) to `load_team`"
+        )
+    link = f"[{base_id}](https://huggingface.co/{base_id})"
+    if base_id == DEFAULT_MODEL_ID:
+        return f"{link} (trl_marl's embedded default model, which `load_team` finds offline too)"
+    return link
+
+
+def _cell(text: Any) -> str:
+    """`text` made safe for one Markdown table cell."""
+    return str(text).replace("|", "\\|").replace("\r", "").replace("\n", "<br>") or " "
+
+
+def _agents_section(spec: dict) -> str:
+    rows = [
+        f"| `{agent['name']}` | {_cell(agent.get('system_prompt') or '(no system prompt)')} | `{agent['adapter']}/` |"
+        for agent in spec["agents"]
+    ]
+    return "\n".join(
+        [
+            "## The agents",
+            "",
+            "Each agent's role is its system prompt; its adapter is a PEFT LoRA adapter in its own folder.",
+            "",
+            "| agent | role (system prompt) | adapter folder |",
+            "|---|---|---|",
+            *rows,
+            "",
+            "`team.json` records the agents, their roles and adapters, the base model and the episode's settings "
+            "(turns, transition, scheduler, completion length): what `load_team` rebuilds the team from.",
+        ]
+    )
+
+
+def _example_call(example: dict | None) -> str:
+    """`team.run(...)`'s arguments for `example` (a training row) if it is short enough to print, else a generic
+    prompt."""
+    if example is not None and _is_literal(example.get("prompt")):
+        columns = {key: value for key, value in example.items() if key != "prompt"}
+        arguments = [repr(example["prompt"])] + [f"{key}={value!r}" for key, value in columns.items()]
+        printable = all(key.isidentifier() and _is_literal(value) for key, value in columns.items())
+        if printable and sum(map(len, arguments)) <= MAX_EXAMPLE_CHARS:
+            return ", ".join(arguments)
+        if len(arguments[0]) <= MAX_EXAMPLE_CHARS:
+            return arguments[0]
+    return repr(GENERIC_PROMPT)
+
+
+def _is_literal(value: Any) -> bool:
+    """Whether `repr(value)` is Python source that rebuilds it (strings, numbers, lists and dicts of them)."""
+    try:
+        return value is not None and ast.literal_eval(repr(value)) == value
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return False
+
+
+def _loading_section(spec: dict, contents: CardContents) -> str:
+    source = contents.load_from
+    adapters = list(dict.fromkeys(agent["adapter"] for agent in spec["agents"]))
+    base = contents.base_model_id or spec["base_model"]
+    if contents.from_hub:
+        folder_lines = ["from huggingface_hub import snapshot_download", "", f'folder = snapshot_download("{source}")']
+    else:
+        folder_lines = [f'folder = "{source}"']
+    peft_lines = [
+        "from peft import PeftModel",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        *([folder_lines[0]] if contents.from_hub else []),
+        "",
+        folder_lines[-1],
+        f'base = AutoModelForCausalLM.from_pretrained("{base}")',
+        f'model = PeftModel.from_pretrained(base, f"{{folder}}/{adapters[0]}", adapter_name="{adapters[0]}")',
+        *(f'model.load_adapter(f"{{folder}}/{adapter}", adapter_name="{adapter}")' for adapter in adapters[1:]),
+        "tokenizer = AutoTokenizer.from_pretrained(folder)",
+        f'model.set_adapter("{adapters[0]}")  # the adapter that answers next',
+    ]
+    return "\n".join(
+        [
+            "## Quick start",
+            "",
+            "With trl_marl installed, `load_team` takes this team's folder or Hub id, loads the base "
+            "model once and every adapter onto it; `Team.run` plays one episode (greedy by default) with the prompt "
+            "building of training, `Team.play(rows)` one episode per dataset row:",
+            "",
+            "```python",
+            "from trl_marl import load_team",
+            "",
+            f'team = load_team("{source}")',
+            f"run = team.run({_example_call(contents.example)})",
+            "for agent, answer in run.final.items():",
+            '    print(f"{agent}: {answer}")',
+            "```",
+            "",
+            "Each adapter is also a plain PEFT adapter on the base model. Without trl_marl, give each agent its role "
+            "(the system prompt above) and route its prompts through its adapter:",
+            "",
+            "```python",
+            *peft_lines,
+            "```",
+        ]
+    )
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple, set)):
+        return ", ".join(str(item) for item in (sorted(value) if isinstance(value, set) else value))
+    return str(value)
+
+
+def _training_section(spec: dict, contents: CardContents) -> str:
+    paper = contents.paper
+    method = spec["algorithm"]
+    if paper.get("id"):
+        method += f", the method of [{paper['title']}](https://huggingface.co/papers/{paper['id']})"
+    settings = {key: value for key, value in contents.settings.items() if value is not None and value != []}
+    lines = [
+        "## Training procedure",
+        "",
+        *(f"[{label}]({url})" for label, url in contents.tracking.items()),
+        f"This team was trained with {method}, by trl_marl's `{contents.trainer_name}` (a subclass of TRL's "
+        "`GRPOTrainer`).",
+    ]
+    if settings:
+        lines += ["", "| setting | value |", "|---|---|"]
+        lines += [f"| `{key}` | {_cell(_value(value))} |" for key, value in settings.items()]
+    return "\n".join(lines)
+
+
+def _metrics_table(metrics: dict[str, float]) -> list[str]:
+    return ["| metric | value |", "|---|---|", *(f"| `{key}` | {_value(float(v))} |" for key, v in metrics.items())]
+
+
+def _results_section(contents: CardContents) -> str:
+    lines = ["## Results", ""]
+    if not contents.metrics:
+        lines.append("No training step has been logged yet.")
+    else:
+        team_reward = contents.metrics.get("reward")
+        if team_reward is not None:
+            step = f" ({contents.metrics_step})" if contents.metrics_step is not None else ""
+            lines += [f"Team reward at the last logged step{step}: {_value(float(team_reward))}.", ""]
+        lines.append("The last logged training metrics (`reward` is the team reward, `agents/<name>/...` per agent):")
+        lines += ["", *_metrics_table(contents.metrics)]
+    if contents.eval_metrics:
+        lines += ["", "The last evaluation:", "", *_metrics_table(contents.eval_metrics)]
+    return "\n".join(lines)
+
+
+def _citations_section(spec: dict, contents: CardContents) -> str:
+    lines = ["## Citations", ""]
+    if contents.paper.get("citation"):
+        lines += [f"Cite {spec['algorithm']} as:", "", "```bibtex", contents.paper["citation"], "```", ""]
+    lines += ["Cite TRL as:", "", "```bibtex", TRL_CITATION, "```"]
+    return "\n".join(lines)
+
+
+def _version(distribution: str) -> str:
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "not installed"
