@@ -258,6 +258,17 @@ def test_a_config_with_an_unknown_scheduler_fails_when_built_naming_the_field():
         get_plugin("schedulers", "round_robn")
 
 
+def test_evaluation_without_data_fails_before_the_model_loads():
+    def reward(prompts, completions, **kwargs):
+        return [1.0] * len(prompts)
+
+    args = MAGRPOConfig(output_dir="unused", agents=["writer", "checker"], use_cpu=True, num_generations=2,
+                        per_device_train_batch_size=2, eval_strategy="steps", eval_steps=1)  # fmt: skip
+    data = Dataset.from_dict({"prompt": ["Hi?"]})
+    with pytest.raises(ValueError, match=r"`eval_strategy='steps'` needs evaluation data: pass `eval_dataset`, or a"):
+        MAGRPOTrainer("no/such-model", reward, args=args, train_dataset=data)
+
+
 def test_the_python_api_names_a_missing_prompt_column_before_the_model_loads():
     def reward(prompts, completions, **kwargs):
         return [1.0] * len(prompts)

@@ -39,6 +39,11 @@ def resolve_team_inputs(args, task, reward_funcs, train_dataset, eval_dataset, t
         if eval_dataset is None and args.eval_strategy != "no":
             eval_dataset = task.dataset("eval")
         transition = transition or task.transition
+    if eval_dataset is None and args.eval_strategy != "no":  # Trainer would say so only after the model loaded
+        raise ValueError(
+            f"`eval_strategy={args.eval_strategy.value!r}` needs evaluation data: pass `eval_dataset`, or a `task` "
+            "(its eval split is used), or set `eval_strategy='no'`."
+        )
     reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
     if not reward_funcs or reward_funcs == [None]:
         raise ValueError("`reward_funcs` is empty: give at least one team reward function (or a task).")
