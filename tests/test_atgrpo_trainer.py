@@ -154,17 +154,17 @@ def test_at_grpo_configs_written_before_the_split_still_load(tmp_path):
 
 
 def test_the_cli_applies_the_same_rule_to_yaml_keys_and_flags(tmp_path):
-    from trl_marl.cli import parse_train_config
+    from trl_marl.cli import UsageError, parse_train_config
 
     path = tmp_path / "at_grpo.yaml"
     base = f"algorithm: at_grpo\ntask: reach_target\noutput_dir: {tmp_path / 'out'}\nuse_cpu: true\nbf16: false\n"
     path.write_text(base + "joint_mode: aligned\ndiscount: 1\n")
     _, args = parse_train_config(str(path), ["--discount", "1.0"])
     assert type(args) is ATGRPOConfig and not hasattr(args, "discount")
-    with pytest.raises(SystemExit, match="`joint_mode='cross'` does not apply to AT-GRPO: each group holds"):
+    with pytest.raises(UsageError, match="`joint_mode='cross'` does not apply to AT-GRPO: each group holds"):
         parse_train_config(str(path), ["--joint_mode", "cross"])
     path.write_text(base + "discount: 0.9\n")
-    with pytest.raises(SystemExit, match=f"{path}: `discount=0.9` does not apply to AT-GRPO"):
+    with pytest.raises(UsageError, match=f"{path}: `discount=0.9` does not apply to AT-GRPO"):
         parse_train_config(str(path))
 
 
