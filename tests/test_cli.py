@@ -13,7 +13,7 @@ import pytest
 from datasets import Dataset
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, PluginError
-from trl_marl.cli import main, parse_train_config
+from trl_marl.cli import UsageError, main, parse_train_config
 from trl_marl.registry import get_plugin
 
 QUESTIONS = ["What is 2 plus 2?", "What colour is snow?", "Name a fruit.", "What is 3 times 3?"]
@@ -233,6 +233,72 @@ def test_other_commands_name_the_closest_flag_or_plugin(capsys):
     assert one_line_error(capsys, ["evaluate", "explain", "--limt", "2"]) == (
         "trl-marl evaluate: unknown argument '--limt' (did you mean '--limit'?)."
     )
+
+
+def test_a_value_of_the_wrong_type_is_one_line_naming_the_flag(tmp_path, capsys, no_model_load):
+    path = dataset_config(tmp_path, "unused")
+    assert one_line_error(capsys, ["train", path, "--max_steps", "abc"]) == (
+        "argument --max_steps/--max-steps: invalid int value: 'abc'"
+    )
+    message = one_line_error(capsys, ["train", path, "--adapter_mode", "bogus"])
+    assert message.startswith("argument --adapter_mode/--adapter-mode: invalid choice: 'bogus'")
+
+
+def test_a_field_of_the_other_algorithm_says_which_algorithm_has_it(tmp_path, capsys, no_model_load):
+    path = dataset_config(tmp_path, "unused")
+    message = one_line_error(capsys, ["train", path, "--team_reward_weight", "0.5"])
+    assert message.startswith("unknown flag '--team_reward_weight' (a field of at_grpo: set `algorithm: at_grpo`).")
+
+
+def test_one_reward_given_as_a_string_is_a_list_of_one(tmp_path):
+    path = tmp_path / "team.yaml"
+    path.write_text("task: describe_word\nrewards: word_budget\nuse_cpu: true\n")
+    script_args, _ = parse_train_config(str(path))
+    assert script_args.rewards == ["word_budget"]
+
+
+def test_a_task_without_data_sources_given_one_is_one_line(tmp_path, capsys, no_model_load):
+    path = tmp_path / "team.yaml"
+    path.write_text("task: explain\nuse_cpu: true\n")
+    message = one_line_error(capsys, ["train", str(path), "--task_source", "hub"])
+    assert message.startswith(f"{path}: `task_source`: Task 'Explain' does not take the options ['source']")
+
+
+def test_a_dataset_without_rewards_or_on_a_missing_file_is_named(tmp_path, capsys, no_model_load):
+    path = tmp_path / "team.yaml"
+    path.write_text(f"dataset_name: {tmp_path / 'questions.jsonl'}\nagents: [writer, checker]\nuse_cpu: true\n")
+    assert one_line_error(capsys, ["train", str(path)]).startswith(
+        f"{path}: `dataset_name` without a `task` needs `rewards`"
+    )
+    message = one_line_error(capsys, ["train", str(path), "--rewards", "word_budget"])
+    assert message == f"No such data file or folder: {tmp_path / 'questions.jsonl'}."
+
+
+def test_a_model_folder_that_does_not_exist_is_named(tmp_path, capsys):
+    path = dataset_config(tmp_path, str(tmp_path / "no-model"))
+    message = one_line_error(capsys, ["train", path])
+    assert message == f"{path}: `model_name_or_path`: no such folder: {tmp_path / 'no-model'}."
+
+
+def test_the_config_goes_first_and_debug_before_it_is_ours(tmp_path, capsys, no_model_load):
+    path = dataset_config(tmp_path, "unused")
+    message = one_line_error(capsys, ["train", "--max_steps", "2", path])
+    assert message == "trl-marl train: the config file goes first: trl-marl train CONFIG [--field value ...]."
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("task: explian\n")
+    with pytest.raises(UsageError, match="No task plugin named 'explian'"):  # `--debug` then the config: ours
+        main(["train", "--debug", str(bad)])
+    assert one_line_error(capsys, []) == "the following arguments are required: command"
+
+
+def test_evaluate_names_a_missing_team_or_a_baseline_that_does_not_go_with_it(tmp_path, capsys):
+    message = one_line_error(capsys, ["evaluate", "explain", "--team", str(tmp_path / "nope")])
+    assert message.startswith(f"No team at '{tmp_path / 'nope'}'")
+    (tmp_path / "empty").mkdir()
+    message = one_line_error(capsys, ["evaluate", "explain", "--team", str(tmp_path / "empty")])
+    assert message.startswith(f"No team.json in {tmp_path / 'empty'}")
+    message = one_line_error(capsys, ["evaluate", "explain", "--team", str(tmp_path), "--baseline", "sequential"])
+    assert message == "trl-marl evaluate: --team PATH goes with --baseline team (its default), and only with it."
 
 
 def test_the_real_command_exits_2_with_one_line_and_debug_shows_the_traceback(tmp_path):

@@ -27,8 +27,8 @@ import os
 import sys
 from typing import Any
 
-from .cli_train import TrainArguments, UsageError, closest, flag_value, parse_train_config, read_config, train
-from .registry import GROUPS, PluginError, discover
+from .cli_train import ALGORITHMS, TrainArguments, UsageError, flag_value, parse_train_config, read_config, train
+from .registry import GROUPS, PluginError, did_you_mean, discover
 
 __all__ = ["TrainArguments", "UsageError", "main", "parse_train_config"]
 
@@ -54,18 +54,26 @@ def evaluate(arguments) -> int:
     import torch
 
     from .evaluation import evaluate_task
+    from .hub import resolve_team_folder
     from .tasks import resolve_task
+    from .team import read_team_file
 
     baseline = arguments.baseline or ("team" if arguments.team else "parallel")
+    if (baseline == "team") != (arguments.team is not None):
+        raise UsageError("trl-marl evaluate: --team PATH goes with --baseline team (its default), and only with it.")
     options = {"source": arguments.task_source} if arguments.task_source else {}
     try:
         task = resolve_task(arguments.task, **options)
-    except (PluginError, TypeError) as error:
+        team = None
+        if arguments.team is not None:  # a folder or Hub id without a team fails before any model loads
+            team = resolve_team_folder(arguments.team)
+            read_team_file(team)
+    except (PluginError, TypeError, FileNotFoundError, ValueError) as error:
         raise UsageError(str(error)) from None
     metrics = evaluate_task(
         task,
         baseline,
-        team=arguments.team,
+        team=team,
         model=arguments.model,
         split=arguments.split,
         limit=arguments.limit,
@@ -135,24 +143,22 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser, whose mistakes are one-line `UsageError`s like the rest of the command's."""
 
     def error(self, message: str):
-        raise UsageError(f"{self.prog}: {message}")
+        raise UsageError(message if self.prog == "trl-marl" else f"{self.prog}: {message}")
 
 
 def check_arguments(parser: argparse.ArgumentParser, extra: list[str]) -> None:
     """Fail on arguments a command does not take, suggesting the closest of its flags."""
     if extra:
         flags = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
-        raise UsageError(f"{parser.prog}: unknown argument '{extra[0]}'{closest(extra[0].split('=')[0], flags)}.")
+        raise UsageError(f"{parser.prog}: unknown argument '{extra[0]}'{did_you_mean(extra[0].split('=')[0], flags)}.")
 
 
 def main(argv: list[str] | None = None) -> int:
     """The `trl-marl` command: its exit status (2 after a mistake in the command line, the config or its data)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     # A bare `--debug` is ours; `--debug underflow_overflow` is TrainingArguments' field of that name.
-    ours = [
-        i for i, a in enumerate(argv) if a == "--debug" and (i == 0 or i + 1 == len(argv) or argv[i + 1][:1] == "-")
-    ]
-    debug = bool(ours) or os.environ.get("TRL_MARL_DEBUG", "").strip().lower() not in ("", "0", "false")
+    ours = [i for i, a in enumerate(argv) if a == "--debug" and (i == 0 or not is_debug_option(argv[i + 1 : i + 2]))]
+    debug = bool(ours) or os.environ.get("TRL_MARL_DEBUG", "").strip().lower() not in ("", "0", "false", "no", "off")
     argv = [a for i, a in enumerate(argv) if i not in ours]
     try:
         return run(argv)
@@ -161,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"trl-marl: error: {error}", file=sys.stderr)
         return 2
+
+
+def is_debug_option(following: list[str]) -> bool:
+    """Whether what follows a `--debug` is a value of TrainingArguments' `debug` field (not a flag or a config)."""
+    return bool(following) and following[0][:1] != "-" and not following[0].endswith((".yaml", ".yml"))
 
 
 def run(argv: list[str]) -> int:
@@ -184,7 +195,7 @@ def run(argv: list[str]) -> int:
     evaluating.add_argument("--model", default=None, help="base model of a baseline (default: the embedded model)")
     evaluating.add_argument("--split", default="eval")
     evaluating.add_argument(
-        "--algorithm", default="magrpo", choices=["magrpo", "at_grpo"],
+        "--algorithm", default="magrpo", choices=list(ALGORITHMS),
         help="at_grpo: one episode per problem, one candidate per turn; adds episodes/success_rate",
     )  # fmt: skip
     evaluating.add_argument("--task_source", default=None, help="the task's data source, e.g. hub (default: offline)")

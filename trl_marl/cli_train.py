@@ -9,7 +9,6 @@ one line.
 
 import argparse
 import dataclasses
-import difflib
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,18 +16,12 @@ from typing import Any
 import yaml
 from trl import ScriptArguments
 
-from .registry import PluginError, get_plugin
+from .registry import PluginError, did_you_mean, get_plugin
 
 ALGORITHMS = ("magrpo", "at_grpo")
 # Data files `dataset_name` / `dataset_test_split` may name, by suffix: the `datasets` builder that reads them.
-DATA_FILE_BUILDERS = {
-    ".json": "json",
-    ".jsonl": "json",
-    ".csv": "csv",
-    ".parquet": "parquet",
-    ".arrow": "arrow",
-    ".txt": "text",
-}
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
+DATA_FILES = "/".join(DATA_FILE_BUILDERS)
 
 
 class UsageError(ValueError):
@@ -77,18 +70,18 @@ def algorithm_classes(algorithm: str) -> tuple[type, type]:
     return (ATGRPOConfig, ATGRPOTrainer) if algorithm == "at_grpo" else (MAGRPOConfig, MAGRPOTrainer)
 
 
-def closest(name: str, known) -> str:
-    """` (did you mean 'x'?)` for the closest of `known`, or nothing."""
-    match = difflib.get_close_matches(name, list(known), 1)
-    return f" (did you mean '{match[0]}'?)" if match else ""
-
-
 def train_parser(algorithm: str):
-    """TRL's parser over `TrainArguments` and the algorithm's config; its `--help` lists every field."""
+    """TRL's parser over `TrainArguments` and the algorithm's config; its `--help` lists every field, and its
+    mistakes (a value of the wrong type, a choice that is none) are one-line `UsageError`s."""
     from trl import TrlParser
 
+    class Parser(TrlParser):
+        def error(self, message: str):
+            raise UsageError(message)
+
     config_class, _ = algorithm_classes(algorithm)
-    parser = TrlParser((TrainArguments, config_class), prog="trl-marl train", description=__doc__.split("\n\n")[0])
+    parser = Parser((TrainArguments, config_class), prog="trl-marl train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="YAML file of fields (as `trl grpo --config`); flags override it.")
     for name, (neutral, _) in config_class.not_applicable.items():  # the sibling's fields: checked after parsing
         parser.add_argument(f"--{name}", type=type(neutral), default=neutral, help=argparse.SUPPRESS)
     return parser
@@ -100,7 +93,7 @@ def parse_train_config(
     """`(TrainArguments, MAGRPOConfig or ATGRPOConfig)` from a `trl-marl train` YAML file (or none: flags only) and
     `--key value` overrides, validated as `trl-marl train` does, without loading a model. A key or flag that is no
     field, an unknown plugin, or no data (with `require_data`) is a `UsageError` naming it."""
-    from .tasks import resolve_task, task_defaults
+    from .tasks import task_defaults
 
     source = config_path or "the command line"
     values = read_config(config_path) if config_path else {}
@@ -109,25 +102,23 @@ def parse_train_config(
         raise UsageError(f"{source}: `algorithm` must be one of {list(ALGORITHMS)}, got {algorithm!r}.")
     config_class, _ = algorithm_classes(algorithm)
     known = field_names(config_class)
-    check_keys(source, values, known, config_class)
-    check_flags(overrides, known | {"config", "help"})
+    check_keys(source, values, known, algorithm)
+    check_flags(overrides, known | {"config", "help"}, algorithm)
     task_name = flag_value(overrides, "--task") or values.get("task")
     dataset_name = flag_value(overrides, "--dataset_name") or values.get("dataset_name")
-    if require_data and not task_name and not dataset_name and not {"-h", "--help"} & set(overrides):
-        raise UsageError(
-            f"{source}: no training data: set `task` (a task plugin, `trl-marl list tasks`) or `dataset_name` (a Hub "
-            "dataset, a local data folder or a .json/.jsonl/.csv/.parquet file with a `prompt` column) and `rewards`."
-        )
+    if require_data and not {"-h", "--help"} & set(overrides):
+        if config_path is None and any(a.endswith((".yaml", ".yml")) for a in overrides):
+            raise UsageError("trl-marl train: the config file goes first: trl-marl train CONFIG [--field value ...].")
+        check_data_given(source, task_name, dataset_name, flag_value(overrides, "--rewards") or values.get("rewards"))
     parser = train_parser(algorithm)
     if task_name:  # the task's agents, turns and scheduler are defaults the file and flags may override
-        try:
-            task = resolve_task(task_name)
-        except PluginError as error:
-            raise UsageError(f"{source}: `task`: {error}") from None
-        parser.set_defaults(**task_defaults(task))
+        task_source = flag_value(overrides, "--task_source") or values.get("task_source")
+        parser.set_defaults(**task_defaults(task_plugin(source, task_name, task_source)))
     arguments = ["--config", config_path, *overrides] if config_path else list(overrides)
     try:
         parsed = parser.parse_args_and_config(arguments)
+    except UsageError:  # the parser's own: it names the flag
+        raise
     except ValueError as error:  # a field's own check (`__post_init__`): it names the field
         raise UsageError(f"{source}: {error}") from error
     script_args, args = parsed[:2]
@@ -135,6 +126,8 @@ def parse_train_config(
         config_class.without_inapplicable(vars(parsed[2]) if len(parsed) > 2 else {})
     except ValueError as error:
         raise UsageError(f"{source}: {error}") from None
+    if isinstance(script_args.rewards, str):  # `rewards: one_reward` in the file
+        script_args.rewards = [script_args.rewards]
     for name in script_args.rewards or []:
         try:
             get_plugin("rewards", name)
@@ -143,6 +136,32 @@ def parse_train_config(
     if script_args.dataset_streaming:
         raise UsageError(f"{source}: `dataset_streaming` is not supported by trl-marl train: leave it false.")
     return script_args, args
+
+
+def check_data_given(source: str, task: str | None, dataset_name: str | None, rewards: Any) -> None:
+    """Fail when there is nothing to train on: no task, or a dataset without the rewards that score it."""
+    if not task and not dataset_name:
+        raise UsageError(
+            f"{source}: no training data: set `task` (a task plugin, `trl-marl list tasks`) or `dataset_name` (a Hub "
+            f"dataset, a local data folder or a {DATA_FILES} file with a `prompt` column) and `rewards`."
+        )
+    if not task and not rewards:
+        raise UsageError(
+            f"{source}: `dataset_name` without a `task` needs `rewards`: the team reward plugins that score the team "
+            "(`trl-marl list rewards`), e.g. `rewards: [answer_match]`."
+        )
+
+
+def task_plugin(source: str, name: str, task_source: str | None = None):
+    """The task plugin `name` (with its data source), or a `UsageError` naming what is wrong."""
+    from .tasks import resolve_task
+
+    try:
+        return resolve_task(name, **({"source": task_source} if task_source else {}))
+    except PluginError as error:
+        raise UsageError(f"{source}: `task`: {error}") from None
+    except TypeError as error:  # a task without data sources given `task_source`
+        raise UsageError(f"{source}: `task_source`: {error}") from None
 
 
 def read_config(config_path: str) -> dict:
@@ -167,19 +186,28 @@ def field_names(config_class: type) -> set[str]:
     return known | {"env", *config_class.not_applicable}
 
 
-def check_keys(source: str, values: dict, known: set[str], config_class: type) -> None:
+def hint(name: str, known: set[str], algorithm: str, prefix: str = "") -> str:
+    """What a name that is no field may have meant: a field of the other algorithm, or the closest field."""
+    other = next(a for a in ALGORITHMS if a != algorithm)
+    if name in {f.name for f in dataclasses.fields(algorithm_classes(other)[0])}:
+        return f" (a field of {other}: set `algorithm: {other}`)"
+    return did_you_mean(prefix + name, [prefix + key for key in known])
+
+
+def check_keys(source: str, values: dict, known: set[str], algorithm: str) -> None:
     """Fail on a key that is no field, before anything is built (TRL's parser would first build the config, whose
     own checks could hide the misspelt key)."""
     unknown = sorted(set(values) - known)
     if unknown:
-        hints = ", ".join(f"'{key}'{closest(key, known)}" for key in unknown)
+        config_class = algorithm_classes(algorithm)[0]
+        hints = ", ".join(f"'{key}'{hint(key, known, algorithm)}" for key in unknown)
         raise UsageError(
             f"{source}: unknown key(s) {hints}. Keys are {config_class.__name__} / GRPOConfig fields, `env`, and the "
             "script arguments (`trl-marl train --help` lists them all)."
         )
 
 
-def check_flags(arguments: list[str], known: set[str]) -> None:
+def check_flags(arguments: list[str], known: set[str], algorithm: str) -> None:
     """Fail on a `--flag` that is no field (argparse would also take a prefix of one, or fail after the config
     file was read)."""
     for argument in arguments:
@@ -188,8 +216,8 @@ def check_flags(arguments: list[str], known: set[str]) -> None:
         name = argument[2:].split("=", 1)[0].replace("-", "_")
         if name in known or (name.startswith("no_") and name[3:] in known):
             continue
-        hint = closest(f"--{name}", [f"--{key}" for key in known])
-        raise UsageError(f"unknown flag '--{name}'{hint}. `trl-marl train --help` lists every field.")
+        closest = hint(name, known, algorithm, prefix="--")
+        raise UsageError(f"unknown flag '--{name}'{closest}. `trl-marl train --help` lists every field.")
 
 
 def flag_value(arguments: list[str], flag: str) -> str | None:
@@ -209,8 +237,10 @@ def load_data_source(name: str, config: str | None = None):
 
     suffix = os.path.splitext(name)[1].lower()
     if os.path.isfile(name) and suffix not in DATA_FILE_BUILDERS:
-        raise UsageError(f"{name}: a data file must be one of {sorted(DATA_FILE_BUILDERS)}, got {suffix!r}.")
-    bars = not datasets.is_progress_bar_enabled()  # a small file's progress bars would only crowd an error
+        raise UsageError(f"{name}: a data file must be one of {DATA_FILES}, got {suffix!r}.")
+    if not os.path.exists(name) and (suffix in DATA_FILE_BUILDERS or name.startswith(("/", "./", "../", "~"))):
+        raise UsageError(f"No such data file or folder: {name}.")
+    bars_were_on = datasets.is_progress_bar_enabled()  # a small file's progress bars would only crowd an error
     datasets.disable_progress_bars()
     try:
         if os.path.isfile(name):
@@ -219,7 +249,7 @@ def load_data_source(name: str, config: str | None = None):
     except Exception as error:  # datasets raises many kinds (not found, offline, bad config): all mean "cannot load"
         raise UsageError(f"Cannot load the dataset {name!r}: {type(error).__name__}: {error}") from None
     finally:
-        if not bars:
+        if bars_were_on:
             datasets.enable_progress_bars()
 
 
@@ -239,7 +269,7 @@ def training_data(script_args: TrainArguments, args) -> tuple[Any, Any]:
     eval_dataset = None
     if args.eval_strategy != "no":
         test = script_args.dataset_test_split
-        if os.path.isfile(test):
+        if os.path.isfile(test) or os.path.splitext(test)[1].lower() in DATA_FILE_BUILDERS:
             eval_dataset = load_data_source(test)["train"]
         elif test in splits:
             eval_dataset = splits[test]
@@ -258,16 +288,15 @@ def train(config_path: str | None, overrides: list[str]) -> int:
 
     script_args, args = parse_train_config(config_path, overrides)
     _, trainer_class = algorithm_classes(script_args.algorithm)
-    task = None
-    if script_args.task:
-        from .tasks import resolve_task
-
-        options = {"source": script_args.task_source} if script_args.task_source else {}
-        task = resolve_task(script_args.task, **options)
+    source = config_path or "the command line"
+    task = task_plugin(source, script_args.task, script_args.task_source) if script_args.task else None
     train_dataset, eval_dataset = training_data(script_args, args)
+    model = script_args.model_name_or_path
+    if model and not os.path.isdir(model) and model.startswith(("/", "./", "../", "~")):
+        raise UsageError(f"{source}: `model_name_or_path`: no such folder: {model}.")
     try:
         trainer = trainer_class(
-            script_args.model_name_or_path or default_model_path(),
+            model or default_model_path(),
             script_args.rewards,
             args=args,
             train_dataset=train_dataset,
@@ -275,8 +304,8 @@ def train(config_path: str | None, overrides: list[str]) -> int:
             task=task,
             quantization_config=four_bit_config() if script_args.load_in_4bit else None,
         )
-    except (ValueError, TypeError, PluginError, OSError) as error:  # the inputs, checked before and as the model loads
-        raise UsageError(str(error)) from error
+    except (ValueError, PluginError, OSError) as error:  # the inputs, checked before and as the model loads
+        raise UsageError(" ".join(str(error).split())) from error
     trainer.train()
     trainer.save_model(args.output_dir)
     if trainer.accelerator.is_main_process:

@@ -22,11 +22,10 @@ import os
 import tempfile
 from typing import Any
 
-from .config import MAGRPOConfig
+from .cli_train import ALGORITHMS
 from .tasks import Task, resolve_task, task_defaults
 
 BASELINES = ("team", "parallel", "sequential", "single")
-ALGORITHMS = ("magrpo", "at_grpo")
 SINGLE_AGENT = "solo"
 
 
@@ -67,9 +66,8 @@ def evaluate_task(
     turn (no choice among candidates, whose rewards may see the answer: the figures are not best-of-K); its
     `reward` averages every agent's turn, `episodes/team_reward` is the team reward each episode ended on, and
     `episodes/success_rate` is added for tasks that define success."""
-    from .atgrpo_trainer import ATGRPOTrainer
-    from .config import ATGRPOConfig
-    from .magrpo_trainer import MAGRPOTrainer
+    from .cli_train import algorithm_classes
+    from .hub import resolve_team_folder
     from .models import default_model_path
     from .team import load_team, read_team_file
 
@@ -88,6 +86,7 @@ def evaluate_task(
     settings["per_device_eval_batch_size"] = 2
     reward_funcs = list(task.reward_funcs)
     if baseline == "team":
+        team = resolve_team_folder(team)  # a folder, or the Hub id of a pushed team
         spec = read_team_file(team)
         settings.update(agents=[{"name": a["name"], "system_prompt": a["system_prompt"]} for a in spec["agents"]],
                         adapter_mode=spec["adapter_mode"], num_turns=spec["num_turns"])  # fmt: skip
@@ -101,9 +100,7 @@ def evaluate_task(
         reward_funcs = [_as_team_reward(resolve_reward(func), names) for func in reward_funcs]
     settings.update(config)
     with tempfile.TemporaryDirectory() as output_dir:
-        config_class, trainer_class = (
-            (ATGRPOConfig, ATGRPOTrainer) if algorithm == "at_grpo" else (MAGRPOConfig, MAGRPOTrainer)
-        )
+        config_class, trainer_class = algorithm_classes(algorithm)
         args = config_class(output_dir=settings.pop("output_dir", output_dir), **settings)
         trainer = trainer_class(
             model if model is not None else default_model_path(),

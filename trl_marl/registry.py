@@ -96,10 +96,9 @@ def get_plugin(kind: str, name: str) -> Plugin:
     matches = [plugin for plugin in discover(kind) if plugin.name == name]
     if not matches:
         names = sorted({plugin.name for plugin in discover(kind)})
-        close = difflib.get_close_matches(name, names, 1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise PluginError(
-            f"No {kind[:-1]} plugin named '{name}'{hint}. Installed: {names}. Add one with an entry point in the "
+            f"No {kind[:-1]} plugin named '{name}'{did_you_mean(name, names)}. Installed: {names}. Add one with an "
+            "entry point in the "
             f"group '{GROUPS[kind]}' of your package, or with trl_marl.register_{kind[:-1]}."
         )
     if len(matches) > 1:
@@ -109,6 +108,12 @@ def get_plugin(kind: str, name: str) -> Plugin:
             "one of the entry points."
         )
     return matches[0]
+
+
+def did_you_mean(name: str, known) -> str:
+    """` (did you mean 'x'?)` for the closest of `known` to `name`, or nothing (a hint for error messages)."""
+    match = difflib.get_close_matches(name, list(known), 1)
+    return f" (did you mean '{match[0]}'?)" if match else ""
 
 
 def load_plugin(kind: str, name: str) -> Any:
