@@ -26,7 +26,8 @@ from trl_marl import (
     default_model_path,
     load_team,
 )
-from trl_marl.hub import hub_base_model
+from trl_marl import hub
+from trl_marl.hub import hub_base_model, team_download_patterns
 from trl_marl.tasks import resolve_task
 
 AGENTS = [
@@ -317,7 +318,9 @@ def test_push_to_hub_uploads_the_whole_team_with_its_card(pushed_team):
     ]
     card = ModelCard.load(uploaded / "README.md")
     assert card.data.model_name == "picnic-team" and "trl-marl" in card.data.tags
-    assert f'load_team("{HUB_ID}")' in card.text and f'snapshot_download("{HUB_ID}")' in card.text
+    assert f'load_team("{HUB_ID}")' in card.text and f'snapshot_download(  # the adapters' in card.text
+    allow, ignore = team_download_patterns(["planner", "checker"])
+    assert f'    "{HUB_ID}",\n    allow_patterns={allow!r},\n    ignore_patterns={ignore!r},\n)' in card.text
 
 
 def test_load_team_by_hub_id_plays_an_episode_offline_from_the_hub_cache(pushed_team, tmp_path, monkeypatch):
@@ -370,3 +373,48 @@ def test_checkpoint_pushes_upload_the_whole_team(tiny_model_dir, tmp_path, monke
     assert {"team.json", "README.md", "planner/adapter_model.safetensors", "checker/adapter_config.json"} <= files
     assert not any(name.startswith("checkpoint-") for name in files)
     assert f'load_team("{HUB_ID}")' in (checkpoint_push["copy"] / "README.md").read_text()
+
+
+# ---------------------------------------------------------------- what a card says, and snippets that run anywhere
+
+
+def card_text(folder: Path) -> str:
+    return (Path(folder) / "README.md").read_text()
+
+
+def run_block(text: str, word: str) -> dict:
+    """Execute the card's first Python block containing `word`; its namespace."""
+    namespace = {}
+    exec(next(block for block in python_blocks(text) if word in block), namespace)
+    return namespace
+
+
+def test_the_quick_start_of_a_task_team_plays_a_problem_of_the_task(tiny_model_dir, tmp_path, capsys):
+    # plan_path's rows need their columns (`puzzle`, `board`): its environment's `reset` reads them. Its first training
+    # row is too long to print, and a bare prompt is refused ("Task plan_path got a row of puzzle None").
+    args = ATGRPOConfig.for_task(
+        "plan_path",
+        output_dir=str(tmp_path / "out"),
+        num_turns=1,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=4,
+        max_steps=1,
+        lora_r=4,
+        lora_alpha=8,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+    )
+    trainer = ATGRPOTrainer(tiny_model_dir, args=args, task="plan_path")
+    trainer.save_model()
+    text = card_text(tmp_path / "out")
+    quick_start = python_blocks(text)[0]
+    assert 'row = resolve_task("plan_path").dataset("eval")[0]' in quick_start and "team.play([row])" in quick_start
+    assert "Explain why the sky is blue." not in quick_start
+    namespace = {}
+    exec(quick_start, namespace)  # as printed
+    run = namespace["run"]
+    assert set(run.final) == {"tool", "plan"}
+    assert run.state is not None and namespace["row"]["puzzle"] == "plan_path"  # the puzzle's environment ran
+    assert "tool: " in capsys.readouterr().out

@@ -215,14 +215,19 @@ def run(argv: list[str]) -> int:
         "With use_vllm, vLLM's engine (its pool of vllm_gpu_memory_utilization x the card, and the KV cache left in "
         "it) beside the trainer, and why a card does not fit.",
     )
-    estimating.add_argument("config", help="YAML file of `trl-marl train`")
+    estimating.add_argument("config", nargs="?", help="YAML file of `trl-marl train` (or --config FILE)")
     estimating.add_argument("--prompt_length", type=int, default=512, help="longest prompt in tokens (default 512)")
     estimating.add_argument("--gpu_memory_gb", type=float, nargs="*", default=[16, 24],
                             help="card sizes to check, in GiB (vLLM's pool is a share of each)")  # fmt: skip
     if argv[:1] == ["train"]:
         return train_command(argv[1:])
+    if argv[:1] == ["estimate"]:  # `--config FILE` as the positional CONFIG
+        config, rest = config_argument(None, argv[1:], "estimate")
+        argv = ["estimate", config, *rest] if config is not None else argv
     arguments, overrides = parser.parse_known_args(argv)
     if arguments.command == "estimate":
+        if arguments.config is None:
+            raise UsageError("trl-marl estimate: give the YAML file of a `trl-marl train` run, as CONFIG or --config.")
         return estimate(arguments, overrides)
     check_arguments(evaluating if arguments.command == "evaluate" else listing, overrides)
     if arguments.command == "evaluate":
@@ -235,15 +240,15 @@ def train_command(arguments: list[str]) -> int:
     config = None
     if arguments and not arguments[0].startswith("-"):
         config, arguments = arguments[0], arguments[1:]
+    return train(*config_argument(config, arguments, "train"))
+
+
+def config_argument(config: str | None, arguments: list[str], command: str) -> tuple[str | None, list[str]]:
+    """`(config file, the other arguments)`: the file given as CONFIG or as `--config CONFIG` (TRL's form)."""
     for i, argument in enumerate(arguments):
         if argument == "--config" or argument.startswith("--config="):
             given = argument.split("=", 1)[1] if "=" in argument else next(iter(arguments[i + 1 : i + 2]), None)
             if given is None or config is not None:
-                raise UsageError("trl-marl train: give one config file, as CONFIG or as --config CONFIG.")
-            config, arguments = given, arguments[:i] + arguments[i + (1 if "=" in argument else 2) :]
-            break
-    return train(config, arguments)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+                raise UsageError(f"trl-marl {command}: give one config file, as CONFIG or as --config CONFIG.")
+            return given, arguments[:i] + arguments[i + (1 if "=" in argument else 2) :]
+    return config, arguments

@@ -9,7 +9,7 @@ from trl import GRPOConfig
 
 from .agents import normalize_agents
 from .models import default_mixed_precision
-from .registry import PluginError, get_plugin
+from .registry import check_plugin_name
 from .vllm_generation import SERVER_MODE_REASON
 
 logger = logging.getLogger("trl_marl")
@@ -113,7 +113,10 @@ class TeamConfig(GRPOConfig, metaclass=_TeamConfigType):
     # Typed as names for command-line parsing; Python code and YAML files may give {'name', 'system_prompt'} dicts.
     agents: list[str] | None = field(
         default=None,
-        metadata={"help": "The agents: names or {'name', 'system_prompt'} dicts. Names must be unique."},
+        metadata={
+            "help": "The agents: names or {'name', 'system_prompt'} dicts. Names are unique: a letter, then "
+            "letters, digits, _ or -; not ref, __base__, default, nor a piece of PEFT's prefix 'lora_'."
+        },
     )
     baseline: str = field(
         default="mean",
@@ -161,7 +164,8 @@ class TeamConfig(GRPOConfig, metaclass=_TeamConfigType):
         if not self._trainer:
             raise TypeError("TeamConfig is the base the two configs share: use MAGRPOConfig or ATGRPOConfig.")
         self.agents = normalize_agents(self.agents)
-        self.frozen_agents = list(self.frozen_agents or [])
+        frozen = self.frozen_agents or []
+        self.frozen_agents = [frozen] if isinstance(frozen, str) else list(frozen)  # `frozen_agents: critic`
         unknown = [name for name in self.frozen_agents if name not in self.agent_names]
         if unknown:
             raise ValueError(
@@ -176,11 +180,8 @@ class TeamConfig(GRPOConfig, metaclass=_TeamConfigType):
             raise _choice_error("baseline", self.baseline, BASELINES)
         if self.adapter_mode not in ADAPTER_MODES:
             raise _choice_error("adapter_mode", self.adapter_mode, ADAPTER_MODES)
-        if isinstance(self.scheduler, str):  # found now, not when the trainer starts (metadata only: nothing imports)
-            try:
-                get_plugin("schedulers", self.scheduler)
-            except PluginError as error:
-                raise ValueError(f"`scheduler`: {error}") from None
+        if isinstance(self.scheduler, str):  # found now, not when the trainer starts
+            check_plugin_name("schedulers", self.scheduler, "scheduler")
         if not isinstance(self.max_joint_actions, int) or self.max_joint_actions < 1:
             raise ValueError(f"`max_joint_actions` must be a positive integer, got {self.max_joint_actions!r}.")
         if not isinstance(self.num_turns, int) or isinstance(self.num_turns, bool) or self.num_turns < 1:

@@ -110,6 +110,15 @@ def get_plugin(kind: str, name: str) -> Plugin:
     return matches[0]
 
 
+def check_plugin_name(kind: str, name: str, field_name: str) -> None:
+    """A `ValueError` naming `field_name` when no single plugin of `kind` is called `name` (reads package metadata
+    only: nothing is imported)."""
+    try:
+        get_plugin(kind, name)
+    except PluginError as error:
+        raise ValueError(f"`{field_name}`: {error}") from None
+
+
 def did_you_mean(name: str, known) -> str:
     """` (did you mean 'x'?)` for the closest of `known` to `name`, or nothing (a hint for error messages)."""
     match = difflib.get_close_matches(name, list(known), 1)

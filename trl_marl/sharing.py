@@ -4,7 +4,7 @@ Every save (`save_model`, each checkpoint, `push_to_hub`) leaves a team that loa
 
 - `team.json`, which `trl_marl.load_team` reads;
 - each adapter's `adapter_config.json` naming the base model as `team.json` does (the default model's Hub id, not its
-  local conversion; `hub.make_adapter_configs_portable`);
+  local conversion; a Hub cache snapshot's repo id, not its folder; `hub.make_adapter_configs_portable`);
 - `README.md`, the team's model card (`team_card.py`), written after PEFT's own card so that it is the one kept.
   `create_model_card`, TRL's hook (each checkpoint, `push_to_hub`), writes the same card into `output_dir`.
 
@@ -22,7 +22,8 @@ from transformers import is_wandb_available
 from transformers.trainer_utils import HubStrategy
 from trl.trainer.utils import get_comet_experiment_url, get_trackio_space_url
 
-from .hub import CARD_FILE, copy_team_files, hub_base_model, make_adapter_configs_portable
+from .evaluation import is_training_metric
+from .hub import CARD_FILE, copy_team_files, hub_base_model, hub_snapshot_id, make_adapter_configs_portable
 from .team import base_model_name, team_spec, write_team_file
 from .team_card import CardContents, team_model_card
 
@@ -42,6 +43,7 @@ class TeamSharingMixin:
         base = self.accelerator.unwrap_model(self.model).get_base_model()
         used = self.rollout_settings  # the transition and scheduler the rollouts used (fixed at __init__)
         name = base_model_name(base)
+        name = hub_snapshot_id(name) or name  # a model loaded from its Hub cache snapshot: its repo id, as by id
         return team_spec(self.args, self.agent_adapters, name, used.transition, used.scheduler, self.task)
 
     def create_model_card(
@@ -136,14 +138,18 @@ class TeamSharingMixin:
 
 
 def _last_logged(log_history: list[dict], eval_: bool) -> tuple[int | None, dict[str, float]]:
-    """The step and the numeric metrics of the last log entry holding the team reward (`reward`, or `eval_reward`)."""
+    """The step and the numeric metrics of the last log entry holding the team reward (`reward`, or `eval_reward`);
+    an evaluation's without the keys that describe training only (`evaluation.is_training_metric`: the loss, clipping,
+    advantages, token count)."""
     key = "eval_reward" if eval_ else "reward"
     for entry in reversed(log_history):
         if key in entry:
+            numeric = {name: value for name, value in entry.items() if isinstance(value, (int, float))}
             metrics = {
                 name: float(value)
-                for name, value in entry.items()
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and name not in ("step", "epoch")
+                for name, value in numeric.items()
+                if not isinstance(value, bool) and name not in ("step", "epoch")
+                if not (eval_ and is_training_metric(name.removeprefix("eval_")))
             }
             reward = metrics.pop(key)
             return entry.get("step"), {key: reward, **metrics}

@@ -16,6 +16,7 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from .hub import team_download_patterns
 from .models import DEFAULT_MODEL_ID
 
 TRL_CITATION = textwrap.dedent("""\
@@ -56,7 +57,7 @@ class CardContents:
     eval_metrics: dict[str, float] = field(default_factory=dict)
     tags: list[str] = field(default_factory=list)
     dataset_name: str | None = None
-    example: dict | None = None  # a training row: `prompt` and the columns the transition reads
+    example: dict | None = None  # a training row: `prompt` and the columns the transition reads (without a task)
     tracking: dict[str, str] = field(default_factory=dict)  # e.g. {"Weights & Biases": url}
 
 
@@ -77,7 +78,7 @@ def team_model_card(spec: dict, contents: CardContents) -> ModelCard:
     sections = [
         f"# Model Card for {contents.model_name}",
         _summary(spec, contents),
-        _agents_section(spec),
+        _agents_section(spec, contents),
         _loading_section(spec, contents),
         _training_section(spec, contents),
         _results_section(contents),
@@ -90,26 +91,51 @@ def team_model_card(spec: dict, contents: CardContents) -> ModelCard:
 def _summary(spec: dict, contents: CardContents) -> str:
     agents = spec["agents"]
     names = ", ".join(f"`{agent['name']}`" for agent in agents)
-    adapters = len({agent["adapter"] for agent in agents})
-    carrying = "one LoRA adapter per agent" if adapters == len(agents) else f"{adapters} LoRA adapter(s) shared"
+    adapters = list(dict.fromkeys(agent["adapter"] for agent in agents))
+    if len(adapters) < len(agents):
+        carrying = f"one LoRA adapter (`{adapters[0]}/`) that all {len(agents)} agents share"
+    else:
+        carrying = "one LoRA adapter per agent"
     task = f" on the task `{spec['task']}`" if spec.get("task") else ""
-    turns = spec["num_turns"]
-    return (
+    text = (
         f"A team of {len(agents)} LLM agents ({names}) trained with {spec['algorithm']}{task}, using "
         "trl_marl, a plugin of [TRL](https://github.com/huggingface/trl). The team is one base model, "
-        f"{_base_model_text(spec, contents)}, carrying {carrying}. The agents play an episode together "
-        f"({turns} turn{'s' if turns != 1 else ''}, scheduler `{spec['scheduler']}`): each answers with its own "
-        "adapter and role, and one team reward scores their joint answer."
+        f"{_base_model_text(spec, contents)}, carrying {carrying}. {_episode_text(spec, contents, len(adapters))}"
+    )
+    if contents.base_model_id is None:
+        text += (
+            " The base model is a local checkpoint with no Hub id: on another machine pass `base_model=` (the same "
+            "model's Hub id or path) to `load_team`."
+        )
+    return text
+
+
+def _episode_text(spec: dict, contents: CardContents, num_adapters: int) -> str:
+    """How the agents play an episode and how training scored them, by algorithm."""
+    turns = spec["num_turns"]
+    episode = f"{turns} turn{'s' if turns != 1 else ''}, scheduler `{spec['scheduler']}`"
+    adapter = "its own adapter" if num_adapters == len(spec["agents"]) else "the shared adapter"
+    settings = contents.settings
+    if spec["algorithm"] == "AT-GRPO":
+        k = settings.get("num_generations") or "K"
+        alpha = settings.get("team_reward_weight")
+        weight = f"α · team reward (α = {_value(alpha)})" if alpha is not None else "α · team reward"
+        chosen = "a sampled one" if settings.get("continuation") == "sample" else "the best one"
+        return (
+            f"The agents act in turn ({episode}), each with {adapter} and its role. In training, the acting agent "
+            f"sampled {k} candidates from the same state; they formed one group, each scored {weight} + the agent's "
+            f"local reward, and the episode continued from {chosen}."
+        )
+    return (
+        f"The agents play an episode together ({episode}): each answers with {adapter} and its role, and one team "
+        "reward scores their joint answer."
     )
 
 
 def _base_model_text(spec: dict, contents: CardContents) -> str:
     base_id = contents.base_model_id
     if base_id is None:
-        return (
-            f"a local checkpoint (`{spec['base_model']}`) that has no Hub id; on another machine pass "
-            "`base_model=` (the same model's Hub id or path) to `load_team`"
-        )
+        return f"a local checkpoint (`{spec['base_model']}`)"
     link = f"[{base_id}](https://huggingface.co/{base_id})"
     if base_id == DEFAULT_MODEL_ID:
         return f"{link} (trl_marl's embedded default model, which `load_team` finds offline too)"
@@ -121,25 +147,45 @@ def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\r", "").replace("\n", "<br>") or " "
 
 
-def _agents_section(spec: dict) -> str:
+def _agents_section(spec: dict, contents: CardContents) -> str:
+    agents = spec["agents"]
+    frozen = [name for name in contents.settings.get("frozen_agents") or [] if name in {a["name"] for a in agents}]
+    shared = len({agent["adapter"] for agent in agents}) < len(agents)
     rows = [
-        f"| `{agent['name']}` | {_cell(agent.get('system_prompt') or '(no system prompt)')} | `{agent['adapter']}/` |"
-        for agent in spec["agents"]
+        f"| `{agent['name']}`{' (frozen)' if agent['name'] in frozen else ''} | "
+        f"{_cell(agent.get('system_prompt') or '(no system prompt)')} | `{agent['adapter']}/` |"
+        for agent in agents
     ]
-    return "\n".join(
-        [
-            "## The agents",
-            "",
-            "Each agent's role is its system prompt; its adapter is a PEFT LoRA adapter in its own folder.",
-            "",
-            "| agent | role (system prompt) | adapter folder |",
-            "|---|---|---|",
-            *rows,
-            "",
-            "`team.json` records the agents, their roles and adapters, the base model and the episode's settings "
-            "(turns, transition, scheduler, completion length): what `load_team` rebuilds the team from.",
-        ]
-    )
+    if shared:
+        adapters = (
+            f"Each agent's role is its system prompt. All agents share one PEFT LoRA adapter, in the folder "
+            f"`{agents[0]['adapter']}/`: their roles alone tell them apart."
+        )
+    else:
+        adapters = "Each agent's role is its system prompt; its adapter is a PEFT LoRA adapter in its own folder."
+    lines = [
+        "## The agents",
+        "",
+        adapters,
+        "",
+        "| agent | role (system prompt) | adapter folder |",
+        "|---|---|---|",
+        *rows,
+    ]
+    if frozen:
+        names = ", ".join(f"`{name}`" for name in frozen)
+        if shared:
+            effect = "their completions carried no loss, while the adapter they share trained on the other agents'"
+        else:
+            effect = "their adapters are as they were when training started"
+        lines += ["", f"Frozen agents ({names}: `frozen_agents`) acted in every training episode but did not train: "
+                  f"{effect}."]  # fmt: skip
+    lines += [
+        "",
+        "`team.json` records the agents, their roles and adapters, the base model and the episode's settings "
+        "(turns, transition, scheduler, completion length): what `load_team` rebuilds the team from.",
+    ]
+    return "\n".join(lines)
 
 
 def _example_call(example: dict | None) -> str:
@@ -164,39 +210,73 @@ def _is_literal(value: Any) -> bool:
         return False
 
 
+def _string(text: str) -> str:
+    """A Python string literal of `text`, double-quoted unless `text` holds a quote (then as `repr` writes it)."""
+    literal = repr(str(text))
+    return f'"{literal[1:-1]}"' if "'" not in text and '"' not in text else literal
+
+
+def _episode_lines(spec: dict, contents: CardContents) -> list[str]:
+    """The Quick start's episode: on a problem of the task the team trained on (its rows carry the columns that the
+    task's environment and transition read), else on the first training row when it prints short, else a prompt."""
+    if spec.get("task"):
+        return [
+            f'row = resolve_task({_string(spec["task"])}).dataset("eval")[0]  # a problem: its prompt and columns',
+            "run = team.play([row])[0]",
+        ]
+    return [f"run = team.run({_example_call(contents.example)})"]
+
+
 def _loading_section(spec: dict, contents: CardContents) -> str:
-    source = contents.load_from
+    source = _string(contents.load_from)
     adapters = list(dict.fromkeys(agent["adapter"] for agent in spec["agents"]))
-    base = contents.base_model_id or spec["base_model"]
+    base = _string(contents.base_model_id or spec["base_model"])
+    imports = ["from peft import PeftModel", "from transformers import AutoModelForCausalLM, AutoTokenizer"]
     if contents.from_hub:
-        folder_lines = ["from huggingface_hub import snapshot_download", "", f'folder = snapshot_download("{source}")']
+        allow, ignore = team_download_patterns(adapters)
+        imports.insert(0, "from huggingface_hub import snapshot_download")
+        folder_lines = [
+            "folder = snapshot_download(  # the adapters and the tokenizer, not the checkpoints pushed beside them",
+            f"    {source},",
+            f"    allow_patterns={allow!r},",
+            f"    ignore_patterns={ignore!r},",
+            ")",
+        ]
     else:
-        folder_lines = [f'folder = "{source}"']
+        folder_lines = [f"folder = {source}"]
     peft_lines = [
-        "from peft import PeftModel",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
-        *([folder_lines[0]] if contents.from_hub else []),
+        *imports,
         "",
-        folder_lines[-1],
-        f'base = AutoModelForCausalLM.from_pretrained("{base}")',
+        *folder_lines,
+        f"base = AutoModelForCausalLM.from_pretrained({base})",
         f'model = PeftModel.from_pretrained(base, f"{{folder}}/{adapters[0]}", adapter_name="{adapters[0]}")',
         *(f'model.load_adapter(f"{{folder}}/{adapter}", adapter_name="{adapter}")' for adapter in adapters[1:]),
         "tokenizer = AutoTokenizer.from_pretrained(folder)",
         f'model.set_adapter("{adapters[0]}")  # the adapter that answers next',
     ]
+    if spec.get("task"):
+        how = (
+            f"`Team.play(rows)` plays one episode per dataset row (here a problem of the task `{spec['task']}`, with "
+            "the columns its environment reads), greedy by default, with the prompt building of training:"
+        )
+    else:
+        how = (
+            "`Team.run` plays one episode (greedy by default) with the prompt building of training, "
+            "`Team.play(rows)` one episode per dataset row:"
+        )
     return "\n".join(
         [
             "## Quick start",
             "",
-            "With trl_marl installed, `load_team` takes this team's folder or Hub id, loads the base "
-            "model once and every adapter onto it; `Team.run` plays one episode (greedy by default) with the prompt "
-            "building of training, `Team.play(rows)` one episode per dataset row:",
+            "With trl_marl installed, `load_team` takes this team's folder or Hub id, loads the base model once and "
+            f"every adapter onto it; {how}",
             "",
             "```python",
             "from trl_marl import load_team",
+            *(["from trl_marl.tasks import resolve_task"] if spec.get("task") else []),
             "",
-            f'team = load_team("{source}")',
-            f"run = team.run({_example_call(contents.example)})",
+            f"team = load_team({source})",
+            *_episode_lines(spec, contents),
             "for agent, answer in run.final.items():",
             '    print(f"{agent}: {answer}")',
             "```",
