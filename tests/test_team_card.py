@@ -24,9 +24,9 @@ from trl_marl import (
     MAGRPOConfig,
     MAGRPOTrainer,
     default_model_path,
+    hub,
     load_team,
 )
-from trl_marl import hub
 from trl_marl.hub import hub_base_model, team_download_patterns
 from trl_marl.tasks import resolve_task
 
@@ -318,7 +318,7 @@ def test_push_to_hub_uploads_the_whole_team_with_its_card(pushed_team):
     ]
     card = ModelCard.load(uploaded / "README.md")
     assert card.data.model_name == "picnic-team" and "trl-marl" in card.data.tags
-    assert f'load_team("{HUB_ID}")' in card.text and f'snapshot_download(  # the adapters' in card.text
+    assert f'load_team("{HUB_ID}")' in card.text and "snapshot_download(  # the adapters" in card.text
     allow, ignore = team_download_patterns(["planner", "checker"])
     assert f'    "{HUB_ID}",\n    allow_patterns={allow!r},\n    ignore_patterns={ignore!r},\n)' in card.text
 
@@ -418,3 +418,185 @@ def test_the_quick_start_of_a_task_team_plays_a_problem_of_the_task(tiny_model_d
     assert set(run.final) == {"tool", "plan"}
     assert run.state is not None and namespace["row"]["puzzle"] == "plan_path"  # the puzzle's environment ran
     assert "tool: " in capsys.readouterr().out
+
+
+# A team repo pushed with hub_strategy="checkpoint" / "all_checkpoints", beside a base model's files.
+REPO_FILES = {
+    "team.json": True,
+    "README.md": True,
+    "tokenizer.json": True,
+    "tokenizer_config.json": True,
+    "special_tokens_map.json": True,
+    "chat_template.jinja": True,
+    "vocab.json": True,
+    "merges.txt": True,
+    "planner/adapter_config.json": True,
+    "planner/adapter_model.safetensors": True,
+    "checker/adapter_config.json": True,
+    "checker/adapter_model.safetensors": True,
+    "checkpoint-1/optimizer.pt": False,
+    "checkpoint-1/trainer_state.json": False,
+    "checkpoint-1/team.json": False,
+    "checkpoint-1/planner/adapter_model.safetensors": False,
+    "last-checkpoint/scheduler.pt": False,
+    "last-checkpoint/checker/adapter_config.json": False,
+    "training_args.bin": False,
+    "model.safetensors": False,
+    "runs/Jan01_00-00-00/events.out.tfevents.1.host": False,
+}
+
+
+def test_a_team_repo_is_downloaded_without_its_checkpoints():
+    allow, ignore = team_download_patterns(["planner", "checker"])
+    kept = set(filter_repo_objects(REPO_FILES, allow_patterns=allow, ignore_patterns=ignore))
+    assert kept == {path for path, needed in REPO_FILES.items() if needed}
+
+
+def test_an_agent_named_like_a_checkpoint_keeps_its_adapter_folder():
+    allow, ignore = team_download_patterns(["checkpoint-1"])
+    files = ["checkpoint-1/adapter_model.safetensors", "last-checkpoint/optimizer.pt", "team.json"]
+    assert list(filter_repo_objects(files, allow_patterns=allow, ignore_patterns=ignore)) == files[:1] + files[2:]
+
+
+def test_load_team_by_hub_id_asks_only_for_the_team_files(pushed_team, tmp_path, monkeypatch):
+    _, uploads = pushed_team
+    put_in_hub_cache(monkeypatch, tmp_path / "hub", HUB_ID, uploads[0]["copy"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    calls = []
+
+    def recording_snapshot_download(repo_id, **kwargs):
+        calls.append(kwargs)
+        return huggingface_hub.snapshot_download(repo_id, **kwargs)
+
+    monkeypatch.setattr(hub, "snapshot_download", recording_snapshot_download)
+    assert set(load_team(HUB_ID).run(PROMPT).final) == {"planner", "checker"}
+    (call,) = calls
+    assert call["revision"] == "0123456789abcdef0123456789abcdef01234567"  # the commit team.json came from
+    kept = filter_repo_objects(
+        REPO_FILES, allow_patterns=call["allow_patterns"], ignore_patterns=call["ignore_patterns"]
+    )
+    assert set(kept) == {path for path, needed in REPO_FILES.items() if needed}
+
+
+def test_the_pushed_cards_peft_snippet_loads_from_the_hub_cache(pushed_team, tmp_path, monkeypatch):
+    _, uploads = pushed_team
+    put_in_hub_cache(monkeypatch, tmp_path / "hub", HUB_ID, uploads[0]["copy"])
+    model = run_block(card_text(uploads[0]["copy"]), "PeftModel")["model"]
+    assert set(model.peft_config) == {"planner", "checker"}
+
+
+def test_load_team_of_a_hub_repo_without_team_json_says_it_is_not_a_team(tiny_model_dir, tmp_path, monkeypatch):
+    put_in_hub_cache(monkeypatch, tmp_path / "hub", "org/base-model", Path(tiny_model_dir))  # a base model's repo
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match=r"^'org/base-model' is not a trl_marl team: it has no team\.json"):
+        load_team("org/base-model")
+
+
+def test_the_card_of_a_shared_adapter_says_all_agents_share_it(tiny_model_dir, tmp_path):
+    trainer = tiny_trainer(tiny_model_dir, tmp_path / "out", adapter_mode="shared")
+    trainer.save_model()
+    text = card_text(tmp_path / "out")
+    assert "carrying one LoRA adapter (`team/`) that all 2 agents share." in text
+    assert "All agents share one PEFT LoRA adapter, in the folder `team/`" in text
+    assert "each answers with the shared adapter and its role" in text
+    assert "adapter(s) shared" not in text and "in its own folder" not in text and "its own adapter" not in text
+    assert "| `planner` | Plan briefly \\| in steps. | `team/` |" in text
+    assert set(run_block(text, "PeftModel")["model"].peft_config) == {"team"}
+
+
+def test_the_card_of_a_local_base_says_so_in_its_own_sentence(tiny_team, tiny_model_dir):
+    _, out = tiny_team
+    text = card_text(out)
+    assert (
+        f"The team is one base model, a local checkpoint (`{tiny_model_dir}`), carrying one LoRA adapter per agent."
+        in text
+    )
+    assert "The base model is a local checkpoint with no Hub id: on another machine pass `base_model=`" in text
+    assert "`load_team`, carrying" not in text
+
+
+def test_the_atgrpo_card_describes_turn_taking_and_candidate_groups(tiny_model_dir, tmp_path):
+    args = tiny_config(tmp_path / "out", ATGRPOConfig, team_reward_weight=0.5, num_turns=2)
+    trainer = ATGRPOTrainer(
+        tiny_model_dir, different_lengths, args=args, train_dataset=Dataset.from_dict({"prompt": [PROMPT] * 2})
+    )
+    trainer.save_model()
+    text = card_text(tmp_path / "out")
+    assert "The agents act in turn (2 turns, scheduler `parallel`), each with its own adapter and its role." in text
+    assert "at each step the acting agent sampled 2 candidates from the same state; they formed one group" in text
+    assert "α · team reward (α = 0.5) + the agent's local reward, and the episode continued from the best one." in text
+    assert "joint answer" not in text
+
+
+def test_the_magrpo_card_says_one_team_reward_scores_the_joint_answer(tiny_team):
+    _, out = tiny_team
+    assert (
+        "each answers with its own adapter and its role, and one team reward scores their joint answer"
+        in card_text(out)
+    )
+
+
+def test_frozen_agents_are_marked_in_the_agents_table(tiny_model_dir, tmp_path):
+    trainer = tiny_trainer(tiny_model_dir, tmp_path / "out", frozen_agents=["checker"])
+    trainer.save_model()
+    text = card_text(tmp_path / "out")
+    assert "| `checker` (frozen) | Check the plan. | `checker/` |" in text
+    assert "| `planner` | Plan briefly" in text  # trained: no mark
+    assert "Frozen agents (`frozen_agents`: `checker`) acted in every training episode but did not train" in text
+
+
+def test_the_last_evaluation_leaves_out_what_only_training_has(tiny_model_dir, tmp_path):
+    trainer = tiny_trainer(tiny_model_dir, tmp_path / "out", per_device_eval_batch_size=2, num_generations_eval=2)
+    trainer.evaluate(Dataset.from_dict({"prompt": [PROMPT] * 2}))
+    logged = trainer.state.log_history[-1]
+    assert {"eval_reward", "eval_loss", "eval_num_tokens"} <= set(logged)  # what evaluate() logs
+    assert any(key.startswith("eval_clip_ratio/") for key in logged) and any("advantage" in key for key in logged)
+    trainer.save_model()
+    text = card_text(tmp_path / "out")
+    evaluation = dict(re.findall(r"^\| `([^`]+)` \| ([^|]+) \|$", text.split("The last evaluation:")[1], re.MULTILINE))
+    assert evaluation["eval_reward"] == f"{logged['eval_reward']:.4g}"
+    assert "eval_agents/planner/completion_length" in evaluation and "eval_runtime" in evaluation
+    assert not [key for key in evaluation if key in ("eval_loss", "eval_num_tokens") or "clip_ratio" in key]
+    assert not [key for key in evaluation if "advantage" in key]
+
+
+def test_snippets_load_a_folder_whose_name_holds_quotes_and_a_backslash(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / 'Bob\'s "best" team \\ v1'
+    trainer = tiny_trainer(tiny_model_dir, out)
+    trainer.save_model()
+    text = card_text(out)
+    assert set(run_block(text, "load_team")["run"].final) == {"planner", "checker"}
+    assert set(run_block(text, "PeftModel")["model"].peft_config) == {"planner", "checker"}
+    assert f"load_team({str(out)!r})" in text
+
+
+@pytest.mark.parametrize(
+    "path, hub_id",
+    [
+        ("/root/.cache/huggingface/hub/models--Qwen--Qwen3-1.7B/snapshots/0123abcd", "Qwen/Qwen3-1.7B"),
+        ("/cache/models--gpt2/snapshots/0123abcd/", "gpt2"),
+        ("/cache/models--org--name/blobs/0123abcd", None),  # not a snapshot folder
+    ],
+)
+def test_hub_base_model_of_a_hub_cache_snapshot_is_its_repo_id(path, hub_id):
+    assert hub_base_model(path) == hub_id
+
+
+def test_a_team_on_a_hub_cache_snapshot_records_the_repo_id(tiny_model_dir, tmp_path):
+    snapshot = tmp_path / "hub" / "models--org--tiny-llama" / "snapshots" / "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(tiny_model_dir, snapshot)
+    trainer = tiny_trainer(str(snapshot), tmp_path / "out")
+    trainer.save_model()
+    card = ModelCard.load(tmp_path / "out" / "README.md")
+    assert card.data.base_model == "org/tiny-llama" and "base_model:adapter:org/tiny-llama" in card.data.tags
+    assert json.loads((tmp_path / "out" / "team.json").read_text())["base_model"] == "org/tiny-llama"
+    config = json.loads((tmp_path / "out" / "planner" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "org/tiny-llama"
+    assert str(snapshot) not in card.text
+
+
+def test_a_printed_row_never_passes_a_column_as_one_of_team_runs_options():
+    from trl_marl.team_card import _example_call
+
+    assert _example_call({"prompt": "Plan.", "topic": "picnic"}) == "'Plan.', topic='picnic'"
+    assert _example_call({"prompt": "Plan.", "num_turns": 3}) == "'Plan.'"  # not run(num_turns=3)

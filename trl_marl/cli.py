@@ -252,3 +252,7 @@ def config_argument(config: str | None, arguments: list[str], command: str) -> t
                 raise UsageError(f"trl-marl {command}: give one config file, as CONFIG or as --config CONFIG.")
             return given, arguments[:i] + arguments[i + (1 if "=" in argument else 2) :]
     return config, arguments
+
+
+if __name__ == "__main__":
+    sys.exit(main())

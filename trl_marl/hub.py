@@ -127,12 +127,14 @@ def resolve_team_folder(path_or_id: str | os.PathLike) -> Path:
     try:
         team_file = Path(hf_hub_download(name, TEAM_FILE, local_files_only=offline))
     except EntryNotFoundError as error:  # remote: the repo has no team.json; local: it or the whole repo is not cached
-        if isinstance(error, LocalEntryNotFoundError) and not _is_cached(name):
+        from_cache = isinstance(error, LocalEntryNotFoundError)
+        if from_cache and not _is_cached(name):
             raise _not_found(name, offline, error) from error
+        where = " (in its snapshot in the Hub cache)" if from_cache else ""
         raise FileNotFoundError(
-            f"{name!r} is not a trl_marl team: it has no {TEAM_FILE}{' (in the Hub cache)' if offline else ''}. Pass "
-            "the Hub id of a team pushed by a trainer's push_to_hub (a base model's id goes to load_team's "
-            "`base_model=`), or the folder written by save_model."
+            f"{name!r} is not a trl_marl team: it has no {TEAM_FILE}{where}. Pass the Hub id of a team pushed by a "
+            "trainer's push_to_hub (a base model's id goes to load_team's `base_model=`), or the folder written by "
+            "save_model."
         ) from None
     except (OSError, ValueError) as error:  # no such repo, no network
         raise _not_found(name, offline, error) from error

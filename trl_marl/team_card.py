@@ -30,6 +30,7 @@ TRL_CITATION = textwrap.dedent("""\
 # A prompt for the loading snippet when the training data offers none short enough to print.
 GENERIC_PROMPT = [{"role": "user", "content": "Explain why the sky is blue."}]
 MAX_EXAMPLE_CHARS = 400
+RUN_OPTIONS = ("num_turns", "max_new_tokens", "do_sample")  # `Team.run`'s own keyword arguments: not row columns
 FRAMEWORKS = [
     ("trl_marl", "trl-marl"),
     ("TRL", "trl"),
@@ -122,9 +123,9 @@ def _episode_text(spec: dict, contents: CardContents, num_adapters: int) -> str:
         weight = f"α · team reward (α = {_value(alpha)})" if alpha is not None else "α · team reward"
         chosen = "a sampled one" if settings.get("continuation") == "sample" else "the best one"
         return (
-            f"The agents act in turn ({episode}), each with {adapter} and its role. In training, the acting agent "
-            f"sampled {k} candidates from the same state; they formed one group, each scored {weight} + the agent's "
-            f"local reward, and the episode continued from {chosen}."
+            f"The agents act in turn ({episode}), each with {adapter} and its role. In training, at each step the "
+            f"acting agent sampled {k} candidates from the same state; they formed one group, each scored {weight} + "
+            f"the agent's local reward, and the episode continued from {chosen}."
         )
     return (
         f"The agents play an episode together ({episode}): each answers with {adapter} and its role, and one team "
@@ -178,8 +179,10 @@ def _agents_section(spec: dict, contents: CardContents) -> str:
             effect = "their completions carried no loss, while the adapter they share trained on the other agents'"
         else:
             effect = "their adapters are as they were when training started"
-        lines += ["", f"Frozen agents ({names}: `frozen_agents`) acted in every training episode but did not train: "
-                  f"{effect}."]  # fmt: skip
+        lines += [
+            "",
+            f"Frozen agents (`frozen_agents`: {names}) acted in every training episode but did not train: {effect}.",
+        ]
     lines += [
         "",
         "`team.json` records the agents, their roles and adapters, the base model and the episode's settings "
@@ -194,7 +197,9 @@ def _example_call(example: dict | None) -> str:
     if example is not None and _is_literal(example.get("prompt")):
         columns = {key: value for key, value in example.items() if key != "prompt"}
         arguments = [repr(example["prompt"])] + [f"{key}={value!r}" for key, value in columns.items()]
-        printable = all(key.isidentifier() and _is_literal(value) for key, value in columns.items())
+        printable = all(
+            key.isidentifier() and key not in RUN_OPTIONS and _is_literal(value) for key, value in columns.items()
+        )
         if printable and sum(map(len, arguments)) <= MAX_EXAMPLE_CHARS:
             return ", ".join(arguments)
         if len(arguments[0]) <= MAX_EXAMPLE_CHARS:
