@@ -107,7 +107,8 @@ def parse_train_config(
     task_name = flag_value(overrides, "--task") or values.get("task")
     dataset_name = flag_value(overrides, "--dataset_name") or values.get("dataset_name")
     if require_data and not {"-h", "--help"} & set(overrides):
-        if config_path is None and any(a.endswith((".yaml", ".yml")) for a in overrides):
+        strays = [a for i, a in enumerate(overrides) if i == 0 or not overrides[i - 1].startswith("-")]
+        if config_path is None and any(a.endswith((".yaml", ".yml")) for a in strays):  # not a flag's value
             raise UsageError("trl-marl train: the config file goes first: trl-marl train CONFIG [--field value ...].")
         check_data_given(source, task_name, dataset_name, flag_value(overrides, "--rewards") or values.get("rewards"))
     parser = train_parser(algorithm)
