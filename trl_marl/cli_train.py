@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from trl import ScriptArguments
 
-from .registry import PluginError, did_you_mean, get_plugin
+from .registry import PluginError, check_plugin_name, did_you_mean
 
 ALGORITHMS = ("magrpo", "at_grpo")
 # Data files `dataset_name` / `dataset_test_split` may name, by suffix: the `datasets` builder that reads them.
@@ -131,9 +131,9 @@ def parse_train_config(
         script_args.rewards = [script_args.rewards]
     for name in script_args.rewards or []:
         try:
-            get_plugin("rewards", name)
-        except PluginError as error:
-            raise UsageError(f"{source}: `rewards`: {error}") from None
+            check_plugin_name("rewards", name, "rewards")
+        except ValueError as error:
+            raise UsageError(f"{source}: {error}") from None
     if script_args.dataset_streaming:
         raise UsageError(f"{source}: `dataset_streaming` is not supported by trl-marl train: leave it false.")
     return script_args, args
