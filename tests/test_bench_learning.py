@@ -112,12 +112,17 @@ def test_diagnostics_name_each_group_and_what_the_second_teammate_did_after_the_
     runs[0]["training"] = {"turns/0/agents/first/frac_reward_zero_std": [0.5, 0.0]}
     lines = bench.diagnostics_table(runs).splitlines()
     assert (
-        "| pick_new | untrained | second names a new option after the first's invalid: 0.25; turns 3.00 | - |" in lines
+        "| pick_new | untrained | second names a new option after the first's invalid: 0.25 (n = 8); turns 3.00 | - |"
+        in lines
     )
     expected = (
-        "| pick_new | at_grpo | second names a new option after the first's new: 0.50, repeated: 0.00; turns 2.50 | "
+        "| pick_new | at_grpo | second names a new option after the first's new: 0.50 (n = 4), repeated: 0.00 (n = 2); "
+        "turns 2.50 | "
     )
     assert expected + "turn 0 first 0.25 |" in lines
+    # pooled over seeds by episodes: (1.0 · 1 + 0.25 · 4) / 5 = 0.40 (a mean of the two rates would say 0.62)
+    assert bench.pooled_rate([[1.0, 1], [0.25, 4], None, [0.5, 0]]) == "0.40 (n = 5)"
+    assert bench.pooled_rate([None]) == "-"
 
 
 def test_training_diagnostics_keep_the_team_reward_and_the_per_group_signals_step_by_step(bench):
@@ -132,3 +137,19 @@ def test_training_diagnostics_keep_the_team_reward_and_the_per_group_signals_ste
         "turns/1/agents/second/frac_reward_zero_std": [None, 0.5],
     }
     assert bench.curve_mean([[1.0, None], [0.0, 0.5]]) == [0.5, 0.5]
+
+
+def test_claims_table_says_plainly_whether_each_claim_holds(bench):
+    runs = [run("at_grpo", s, [1.0, v]) for s, v in enumerate([0.0, 1.0, 0.5])]
+    runs += [run("coarse", s, [0.5, v]) for s, v in enumerate([0.0, 1.0, 0.5])]  # at_grpo − coarse: +0.25 each seed
+    runs += [run("single", s, [v, v]) for s, v in enumerate([1.0, 0.5, 0.5])]  # at_grpo − single: -0.5, +0.5, +0.25
+    lines = bench.claims_table(runs).splitlines()
+    assert "| pick_new | at_grpo beats coarse | 3 | 0.250 ± 0.000 | +0.250, +0.250, +0.250 | holds |" in lines
+    # mean 0.0833, std 0.5204, half-width 4.303 · 0.5204 / sqrt(3) = 1.293
+    expected = "| pick_new | at_grpo beats single | 3 | 0.083 ± 1.293 | -0.500, +0.500, +0.250 | "
+    assert expected + "does not hold: the interval contains 0 |" in lines
+    # the untrained team (step 0, every score 0): at_grpo − untrained = 0.5, 1.0, 0.75
+    assert "| pick_new | at_grpo beats untrained | 3 | 0.750 ± 0.621 | +0.500, +1.000, +0.750 | holds |" in lines
+    assert not [line for line in lines if "magrpo" in line or "distinct_items" in line]  # no runs, no claim
+    assert bench.verdict([-0.5, -0.4, -0.6]) == "does not hold: the other is better"
+    assert bench.verdict([0.5]) == "needs 2 seeds or more"

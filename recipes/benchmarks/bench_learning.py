@@ -22,11 +22,12 @@ distinct valid members of both lists.
     pip install -e ".[bench]"                                   # matplotlib, for the PNG
     python recipes/benchmarks/bench_learning.py                # both tasks, every method, seeds 0 1 2
     python recipes/benchmarks/bench_learning.py --task pick_new --methods at_grpo --seeds 0   # one run
-    python recipes/benchmarks/bench_learning.py --report       # the table and the PNG from the saved runs
+    python recipes/benchmarks/bench_learning.py --report       # the tables and the PNG from the saved runs
 
 Each run is saved to `recipes/benchmarks/results/bench_learning.json` as it finishes (a run already there with the
 same settings is skipped, so a long benchmark resumes where it stopped; `--fresh` forgets the saved runs). The
-table (also written to `bench_learning.md`) and the curves (`bench_learning.png`) are regenerated from that file.
+tables (scores, the claims of CLAIMS with their verdicts, diagnostics; also written to `bench_learning.md`) and the
+curves (`bench_learning.png`) are regenerated from that file.
 Settings were chosen on the training split only (untrained samples read on training problems); the held-out split is
 only ever scored.
 """
@@ -104,6 +105,17 @@ COMMON = dict(
 T_95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131]
 T_95 += [2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
 T_95 = dict(enumerate(T_95, 1))  # two-sided 95 % quantiles of Student's t, by degrees of freedom
+# the claims the benchmark tests, per task: (method expected to win, method it must beat)
+CLAIMS = {
+    "distinct_items": [("magrpo", "per_role"), ("magrpo", "single"), ("magrpo", "untrained")],
+    "pick_new": [
+        ("at_grpo", "single"),
+        ("at_grpo", "coarse"),
+        ("at_grpo", "untrained"),
+        ("at_grpo", "magrpo"),
+        ("at_grpo", "alpha0"),
+    ],
+}
 
 
 # --- the coarse-key ablation ---
@@ -349,6 +361,36 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def verdict(differences: list[float]) -> str:
+    """A claim "A beats B" holds when the 95 % interval of the paired difference A − B lies above 0."""
+    if len(differences) < 2:
+        return "needs 2 seeds or more"
+    mean, half = interval(differences)
+    if mean - half > 0:
+        return "holds"
+    return "does not hold: the other is better" if mean + half < 0 else "does not hold: the interval contains 0"
+
+
+def claims_table(runs: list[dict]) -> str:
+    """One line per claim of CLAIMS with runs of both methods: the paired difference and whether it is resolved."""
+    lines = [
+        "| task | claim | seeds of both | paired difference (held out) | by seed | verdict |",
+        "|---|---|---|---|---|---|",
+    ]
+    for task_name, claims in CLAIMS.items():
+        of_task = dict(with_untrained(runs, task_name))
+        for winner, other in claims:
+            if winner not in of_task or other not in of_task:
+                continue
+            differences = paired_difference(of_task[winner], of_task[other])
+            by_seed = ", ".join(f"{d:+.3f}" for d in differences)
+            lines.append(
+                f"| {task_name} | {winner} beats {other} | {len(differences)} | {fmt(differences)} | {by_seed} | "
+                f"{verdict(differences)} |"
+            )
+    return "\n".join(lines)
+
+
 def plot(runs: list[dict], path: str) -> None:
     """Top: the held-out team reward at each evaluation, per method. Bottom: the training team reward per method
     (`distinct_items`), and AT-GRPO's chosen candidate's reward per (turn, agent), fine groups solid and coarse dashed
@@ -398,6 +440,14 @@ def mean_of(values) -> str:
     return f"{statistics.mean(values):.2f}" if values else "-"
 
 
+def pooled_rate(rates_and_counts: list[list | None]) -> str:
+    """A rate over the episodes of every seed together, from each seed's (rate, episodes), "(n = episodes)" after it:
+    seeds with few episodes of a kind weigh less than in a mean of rates."""
+    pairs = [pair for pair in rates_and_counts if pair and pair[1]]
+    episodes = sum(count for _, count in pairs)
+    return f"{sum(rate * count for rate, count in pairs) / episodes:.2f} (n = {episodes})" if episodes else "-"
+
+
 def group_label(key: str) -> str:
     """`turns/1/agents/second/frac_reward_zero_std` -> `turn 1 second`; the batch-wide key -> `all`."""
     parts = key.split("/")
@@ -405,8 +455,9 @@ def group_label(key: str) -> str:
 
 
 def diagnostics_table(runs: list[dict]) -> str:
-    """Per method, means over seeds: what the teammates did on the held-out problems at the end, and how often a
-    training group carried no signal (all its rewards tied)."""
+    """Per method, means over seeds (the second teammate's rates pooled over the seeds' episodes): what the teammates
+    did on the held-out problems at the end, and how often a training group carried no signal (all its rewards
+    tied)."""
     lines = [
         "| task | method | at the end, held out | share of groups with tied rewards in training |",
         "|---|---|---|---|",
@@ -420,9 +471,7 @@ def diagnostics_table(runs: list[dict]) -> str:
                 held_out = f"own reward first {own[0]}, second {own[1]}; members both named {overlap}"
             else:
                 kinds = sorted({kind for f in finals for kind in f["second_by_first"]})
-                after = [
-                    f"{kind}: {mean_of(f['second_by_first'].get(kind, [None])[0] for f in finals)}" for kind in kinds
-                ]
+                after = [f"{kind}: {pooled_rate([f['second_by_first'].get(kind) for f in finals])}" for kind in kinds]
                 turns = mean_of(f["turns"] for f in finals)
                 held_out = f"second names a new option after the first's {', '.join(after)}; turns {turns}"
             if method == "untrained":
@@ -470,7 +519,7 @@ def current(runs: list[dict], steps: int | None, eval_every: int | None) -> list
 
 def report(record: dict, results: str, steps: int | None, eval_every: int | None) -> None:
     runs = current(record["runs"], steps, eval_every)
-    text = table(runs) + "\n\n" + diagnostics_table(runs)
+    text = table(runs) + "\n\n" + claims_table(runs) + "\n\n" + diagnostics_table(runs)
     print(text)
     stem = os.path.splitext(results)[0]
     with open(stem + ".md", "w") as f:
