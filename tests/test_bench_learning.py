@@ -116,8 +116,8 @@ def test_diagnostics_name_each_group_and_what_the_second_teammate_did_after_the_
         in lines
     )
     expected = (
-        "| pick_new | at_grpo | second names a new option after the first's new: 0.50 (n = 4), repeated: 0.00 (n = 2); "
-        "turns 2.50 | "
+        "| pick_new | at_grpo | second names a new option after the first's new: 0.50 (n = 4), "
+        "repeated: 0.00 (n = 2); turns 2.50 | "
     )
     assert expected + "turn 0 first 0.25 |" in lines
     # pooled over seeds by episodes: (1.0 · 1 + 0.25 · 4) / 5 = 0.40 (a mean of the two rates would say 0.62)
