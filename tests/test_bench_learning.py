@@ -56,6 +56,19 @@ def test_the_report_keeps_only_runs_made_with_the_current_settings(bench):
     assert bench.current([now, shorter, older], None, 4) == [now]
     assert bench.current([now, shorter, older], 4, 4) == [shorter]
     assert bench.run_settings("pick_new", "magrpo", 16, 4)["reward_funcs"] == ["new_option_gain"]
+    assert bench.run_settings("pick_new", "magrpo", 16, 4)["num_generations"] == 2  # the method's over COMMON's 4
+
+
+def test_a_saved_run_made_with_other_common_settings_is_not_current(bench, monkeypatch):
+    made = {
+        "task": "pick_new",
+        "method": "at_grpo",
+        "seed": 0,
+        "settings": bench.run_settings("pick_new", "at_grpo", 16, 4),
+    }
+    assert bench.current([made], None, None) == [made]
+    monkeypatch.setitem(bench.COMMON, "learning_rate", 1e-4)
+    assert bench.current([made], None, None) == []
 
 
 def test_interval_is_the_mean_and_the_95_percent_t_half_width(bench):

@@ -245,8 +245,9 @@ def schedule(task_name: str, steps: int | None = None, eval_every: int | None = 
 
 
 def run_settings(task_name: str, method: str, steps: int, eval_every: int) -> dict:
-    """What makes two runs of a method comparable: the config fields it sets, its reward, its evaluation steps."""
-    fields = {**SETTINGS[task_name], **METHODS[task_name][method][1], "max_steps": steps}
+    """What makes two runs of a method comparable: the config fields it sets (COMMON's too), its reward, its
+    evaluation steps."""
+    fields = {**COMMON, **SETTINGS[task_name], **METHODS[task_name][method][1], "max_steps": steps}
     rewards = [func.__name__ for func in REWARDS.get((task_name, method), TASKS[task_name].reward_funcs)]
     return {**fields, "reward_funcs": rewards, "eval_every": eval_every}
 
