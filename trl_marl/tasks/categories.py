@@ -42,8 +42,7 @@ CATEGORIES: dict[str, list[str]] = {
     "days of the week": " ".join(name.lower() for name in calendar.day_name),
 }
 CATEGORIES = {name: members.split() for name, members in CATEGORIES.items()}
-# Members of two words, and irregular plurals, as a model writes them.
-# Members of two words, and other names a model uses for members, plural forms included.
+# Members of two words; then ALIASES: other names a model uses for members (irregular plurals included).
 CATEGORIES["vegetables"] += ["sweet potato", "brussels sprout"]
 CATEGORIES["musical instruments"] += ["double bass"]
 CATEGORIES["countries"] += ["united states", "united kingdom", "south africa", "new zealand"]
