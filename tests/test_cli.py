@@ -299,6 +299,9 @@ def test_evaluate_names_a_missing_team_or_a_baseline_that_does_not_go_with_it(tm
     assert message.startswith(f"No team.json in {tmp_path / 'empty'}")
     message = one_line_error(capsys, ["evaluate", "explain", "--team", str(tmp_path), "--baseline", "sequential"])
     assert message == "trl-marl evaluate: --team PATH goes with --baseline team (its default), and only with it."
+    message = one_line_error(capsys, ["evaluate", "explain", "--split", "test"])  # a task has train and eval only
+    assert message.startswith("trl-marl evaluate: argument --split: invalid choice: 'test' (choose from ")
+    assert message.replace("'", "").endswith("(choose from train, eval)")  # newer argparse quotes them
 
 
 def test_the_real_command_exits_2_with_one_line_and_debug_shows_the_traceback(tmp_path):

@@ -51,6 +51,10 @@ def test_bad_arguments_name_what_is_wrong(tiny_model_dir):
         evaluate_task("reach_target", "ensemble", model=tiny_model_dir)
     with pytest.raises(ValueError, match="Pass `team=`"):
         evaluate_task("reach_target", "team", model=tiny_model_dir)
+    with pytest.raises(
+        ValueError, match=r"`split` must be one of \['train', 'eval'\] \(a task's splits\), got 'test'"
+    ):
+        evaluate_task("reach_target", "parallel", model=tiny_model_dir, split="test")
 
 
 def test_the_evaluate_command_prints_the_metrics(tiny_model_dir):

@@ -193,7 +193,7 @@ def run(argv: list[str]) -> int:
                             help="default: team with --team, else parallel")  # fmt: skip
     evaluating.add_argument("--team", default=None, help="a folder written by save_model")
     evaluating.add_argument("--model", default=None, help="base model of a baseline (default: the embedded model)")
-    evaluating.add_argument("--split", default="eval")
+    evaluating.add_argument("--split", default="eval", choices=["train", "eval"], help="the task's split to score")
     evaluating.add_argument(
         "--algorithm", default="magrpo", choices=list(ALGORITHMS),
         help="at_grpo: one episode per problem, one candidate per turn; adds episodes/success_rate",

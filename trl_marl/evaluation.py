@@ -26,6 +26,7 @@ from .cli_train import ALGORITHMS
 from .tasks import Task, resolve_task, task_defaults
 
 BASELINES = ("team", "parallel", "sequential", "single")
+SPLITS = ("train", "eval")  # what Task.dataset(split) takes
 SINGLE_AGENT = "solo"
 
 
@@ -75,6 +76,8 @@ def evaluate_task(
         raise ValueError(f"`baseline` must be one of {list(BASELINES)}, got {baseline!r}.")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"`algorithm` must be one of {list(ALGORITHMS)}, got {algorithm!r}.")
+    if split not in SPLITS:
+        raise ValueError(f"`split` must be one of {list(SPLITS)} (a task's splits), got {split!r}.")
     if (baseline == "team") != (team is not None):
         raise ValueError("Pass `team=` (a folder written by save_model) with baseline='team', and only then.")
     task = resolve_task(task)
