@@ -72,6 +72,14 @@ def test_an_unset_bf16_becomes_fp16_on_a_gpu_without_bf16_and_says_so(monkeypatc
     assert default_mixed_precision(None, False, use_cpu=False) == (None, False)  # TRL's default: bf16
 
 
+def test_an_unset_bf16_without_a_gpu_or_use_cpu_says_which_field_to_set(tmp_path):
+    assert models.half_precision_dtype() is None  # no GPU here
+    with pytest.raises(ValueError, match=r"no GPU that supports it\. To train on the CPU, set `use_cpu=True`"):
+        MAGRPOConfig(output_dir=str(tmp_path), agents=["writer", "critic"])
+    config = MAGRPOConfig(output_dir=str(tmp_path), agents=["writer", "critic"], bf16=False)  # a choice is kept
+    assert (config.bf16, config.fp16, config.use_cpu) == (False, False, False)
+
+
 def test_torch_compile_is_refused_naming_the_field(tmp_path):
     with pytest.raises(ValueError, match=r"`torch_compile=True` is not supported.*recompile.*torch_compile=False"):
         MAGRPOConfig(output_dir=str(tmp_path), agents=["writer", "critic"], torch_compile=True, use_cpu=True)

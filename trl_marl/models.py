@@ -123,12 +123,23 @@ def default_mixed_precision(bf16: bool | None, fp16: bool, use_cpu: bool) -> tup
       9.9x slower (docs/benchmarks.md).
     - On a GPU without bf16 (T4, V100; `half_precision_dtype()` is fp16), where bf16 fails: fp16, with a warning.
     - Otherwise unchanged: TRL's default (bf16 on a GPU that has it). An explicit choice is always kept.
+
+    Without any accelerator that does bf16 and without `use_cpu`, TRL's default fails in transformers' check ("Your
+    setup doesn't support bf16/gpu"); this raises first, saying which field to set.
     """
     if bf16 is not None or fp16:
         return bf16, fp16
     if use_cpu:
         return False, False
     import torch
+    from transformers.utils import is_torch_bf16_gpu_available, is_torch_xla_available
+
+    if half_precision_dtype() is None and not is_torch_bf16_gpu_available() and not is_torch_xla_available():
+        raise ValueError(
+            "`bf16` is on by default (as in TRL), but this machine has no GPU that supports it. To train on the CPU, "
+            "set `use_cpu=True` (`--use_cpu true` on the command line, `use_cpu: true` in a config): float32; or "
+            "set `bf16` / `fp16` yourself."
+        )
 
     if half_precision_dtype() is torch.float16:
         logger.warning(
