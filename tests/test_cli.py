@@ -166,6 +166,11 @@ def test_an_unknown_flag_names_the_closest_field(tmp_path, capsys, no_model_load
         message
         == "unknown flag '--max_stpes' (did you mean '--max_steps'?). `trl-marl train --help` lists every field."
     )
+    # HF's parser has --no_<field> only for fields that default to true: gradient_checkpointing has one, use_vllm not
+    message = one_line_error(capsys, ["train", path, "--no-use-vllm"])
+    assert message == "unknown flag '--no_use_vllm': `use_vllm` is not on by default; pass '--use_vllm false'."
+    script_args, args = parse_train_config(path, ["--no_gradient_checkpointing", "--use_vllm", "false"])
+    assert args.gradient_checkpointing is False and args.use_vllm is False
 
 
 def test_an_unknown_key_names_the_closest_field(tmp_path, capsys, no_model_load):

@@ -187,6 +187,12 @@ def field_names(config_class: type) -> set[str]:
     return known | {"env", *config_class.not_applicable}
 
 
+def true_by_default(algorithm: str) -> set[str]:
+    """The boolean fields that default to true: the ones with a `--no_<field>` flag."""
+    classes = (TrainArguments, algorithm_classes(algorithm)[0])
+    return {f.name for cls in classes for f in dataclasses.fields(cls) if f.default is True}
+
+
 def hint(name: str, known: set[str], algorithm: str, prefix: str = "") -> str:
     """What a name that is no field may have meant: a field of the other algorithm, or the closest field."""
     other = next(a for a in ALGORITHMS if a != algorithm)
@@ -215,8 +221,10 @@ def check_flags(arguments: list[str], known: set[str], algorithm: str) -> None:
         if not argument.startswith("--"):
             continue
         name = argument[2:].split("=", 1)[0].replace("-", "_")
-        if name in known or (name.startswith("no_") and name[3:] in known):
+        if name in known or (name.startswith("no_") and name[3:] in true_by_default(algorithm)):
             continue
+        if name.startswith("no_") and name[3:] in known:  # HF's parser adds --no_X only where X defaults to true
+            raise UsageError(f"unknown flag '--{name}': `{name[3:]}` is not on by default; pass '--{name[3:]} false'.")
         closest = hint(name, known, algorithm, prefix="--")
         raise UsageError(f"unknown flag '--{name}'{closest}. `trl-marl train --help` lists every field.")
 
