@@ -8,6 +8,7 @@ import pytest
 import torch
 from datasets import Dataset
 from test_trainer import lora_params, randomize_adapters
+from tiny_run import TINY_RUN
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, Task, TeamConfig, TeamTrainer
 from trl_marl.tasks.toy import ReachTarget
@@ -49,13 +50,7 @@ def config(config_class, tmp_path, **overrides):
         num_generations=2,
         max_completion_length=6,
         max_steps=2,
-        learning_rate=5e-2,
-        lora_r=4,
-        lora_alpha=8,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
+        **TINY_RUN,
         seed=3,
     )
     values.update(overrides)

@@ -7,6 +7,7 @@ import torch
 from datasets import Dataset
 from test_atgrpo_trainer import Notebook
 from test_trainer import PROMPTS, lora_params, randomize_adapters
+from tiny_run import TINY_RUN
 from transformers import TrainerCallback
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer
@@ -26,14 +27,8 @@ def common(tmp_path, **overrides):
         num_generations=2,
         max_completion_length=5,
         max_steps=2,
-        learning_rate=5e-2,
-        lora_r=4,
-        lora_alpha=8,
+        **TINY_RUN,
         beta=0.1,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
         seed=5,
     )
     values.update(overrides)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from sandbox_helpers import require_bubblewrap
 from test_trainer import lora_params, randomize_adapters
+from tiny_run import TINY_RUN
 
 import trl_marl.tasks.math_tool as math_tool
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, NextTurn
@@ -255,8 +256,7 @@ def test_a_few_at_grpo_steps_train_both_agents_on_a_tiny_model(tiny_model_dir, t
     task = MathWithLengthBonus()
     args = ATGRPOConfig.for_task(
         task, num_turns=2, output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=2,
-        max_completion_length=8, max_steps=2, learning_rate=5e-2, lora_r=4, lora_alpha=8, logging_steps=1,
-        report_to="none", save_strategy="no", use_cpu=True, seed=3,
+        max_completion_length=8, max_steps=2, **TINY_RUN, seed=3,
     )  # fmt: skip
     trainer = ATGRPOTrainer(tiny_model_dir, args=args, task=task, train_dataset=task.dataset("eval"))
     randomize_adapters(trainer)

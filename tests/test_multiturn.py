@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
+from tiny_run import TINY_RUN
 from transformers import AutoTokenizer
 from trl.trainer.utils import split_tensor_dict
 
@@ -33,13 +34,7 @@ def make_trainer(model_dir, tmp_path, transition=None, **overrides):
         num_generations=2,
         max_completion_length=5,
         max_steps=2,
-        learning_rate=5e-2,
-        lora_r=4,
-        lora_alpha=8,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
+        **TINY_RUN,
         seed=5,
     )
     values.update(overrides)

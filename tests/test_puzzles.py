@@ -14,6 +14,7 @@ import pytest
 import torch
 from sandbox_helpers import require_bubblewrap
 from test_trainer import lora_params, randomize_adapters
+from tiny_run import TINY_RUN
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, NextTurn
 from trl_marl.atgrpo import ATGRPORollout
@@ -441,8 +442,7 @@ def test_the_puzzle_task_trains_a_few_at_grpo_steps_on_a_tiny_model(tiny_model_d
     task = PlanPathWithLengthBonus(difficulty="easy", num_turns=2, train_size=8, eval_size=2)
     args = ATGRPOConfig.for_task(
         task, output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, max_completion_length=8,
-        max_steps=2, learning_rate=5e-2, lora_r=4, lora_alpha=8, logging_steps=1, report_to="none",
-        save_strategy="no", use_cpu=True, gradient_checkpointing=False, seed=3,
+        max_steps=2, **TINY_RUN, gradient_checkpointing=False, seed=3,
     )  # fmt: skip
     trainer = ATGRPOTrainer(tiny_model_dir, args=args, task=task)
     randomize_adapters(trainer)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import PeftModel
+from tiny_run import TINY_RUN
 from transformers import AutoModelForCausalLM, TrainerCallback
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, RewardFunctionError
@@ -27,13 +28,7 @@ def make_config(tmp_path, **overrides):
         num_generations=4,
         max_completion_length=6,
         max_steps=2,
-        learning_rate=5e-2,
-        lora_r=4,
-        lora_alpha=8,
-        logging_steps=1,
-        report_to="none",
-        save_strategy="no",
-        use_cpu=True,
+        **TINY_RUN,
         seed=3,
     )
     values.update(overrides)
