@@ -35,11 +35,16 @@ def per_adapter_reference(model, input_ids):
 
 
 @pytest.mark.parametrize(
-    ("right_rank", "right_dropout", "batched"),
-    [(2, 0.0, True), (4, 0.0, True), (2, 0.1, False)],
-    ids=["batched", "batched-different-ranks", "peft-mixed-batch-different-dropouts"],
+    ("right_rank", "right_dropout", "zero3", "batched"),
+    [(2, 0.0, False, True), (4, 0.0, False, True), (2, 0.1, False, False), (2, 0.0, True, False)],
+    ids=["batched", "batched-different-ranks", "peft-mixed-batch-different-dropouts", "peft-mixed-batch-zero3"],
 )
-def test_routed_forward_and_gradients_equal_per_adapter_forwards(tiny_model_dir, right_rank, right_dropout, batched):
+def test_routed_forward_and_gradients_equal_per_adapter_forwards(
+    tiny_model_dir, monkeypatch, right_rank, right_dropout, zero3, batched
+):
+    """Under DeepSpeed ZeRO-3 a parameter is gathered only while its own module runs: the batched path reads the
+    adapters' weights without running their modules, so every layer takes PEFT's path, which runs them."""
+    monkeypatch.setattr("trl_marl.routing.is_deepspeed_zero3_enabled", lambda: zero3)
     model = two_adapter_model(tiny_model_dir, right_rank, right_dropout)
     router = AdapterRouter(model, ["left", "right"])
     plain_layers = [m for m in model.modules() if hasattr(m, "lora_A") and router._is_plain_lora(m)]

@@ -54,9 +54,13 @@ def randomize_adapters(trainer, seed=0):
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
 
 
-@pytest.mark.parametrize("joint_mode", ["aligned", "cross"])
-def test_every_adapter_trains_and_base_stays_frozen(tiny_model_dir, tmp_path, joint_mode):
-    trainer = make_trainer(tiny_model_dir, tmp_path, joint_mode=joint_mode)
+@pytest.mark.parametrize(
+    "joint_mode, checkpointing",
+    [("aligned", {}), ("cross", {}), ("aligned", {"use_reentrant": True}), ("aligned", {"use_reentrant": False})],
+)
+def test_every_adapter_trains_and_base_stays_frozen(tiny_model_dir, tmp_path, joint_mode, checkpointing):
+    overrides = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs=checkpointing) if checkpointing else {}
+    trainer = make_trainer(tiny_model_dir, tmp_path, joint_mode=joint_mode, **overrides)
     base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
     adapters_before = {agent: lora_params(trainer.model, agent) for agent in ("concise", "detailed")}
     assert all(p.requires_grad for n, p in trainer.model.named_parameters() if "lora_" in n)
@@ -133,7 +137,10 @@ def test_each_row_uses_its_agents_adapter_in_training_forward(tiny_model_dir, tm
     assert not torch.allclose(mixed[[0, 3]], mixed[[1, 2]].flip(0)), "agents should differ"
 
 
-def test_gradient_checkpointing_replays_each_row_with_its_adapter(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_gradient_checkpointing_replays_each_row_with_its_adapter(tiny_model_dir, tmp_path, use_reentrant):
+    """Reentrant checkpointing runs the first forward without gradients and replays it in the backward: the replay must
+    not reuse adapter weights concatenated (and detached) in the first forward, or no LoRA weight gets a gradient."""
     trainer = make_trainer(tiny_model_dir, tmp_path)
     randomize_adapters(trainer)
     trainer.model.train()
@@ -145,7 +152,7 @@ def test_gradient_checkpointing_replays_each_row_with_its_adapter(tiny_model_dir
     def gradients(checkpointing):
         model = trainer.model
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
         else:
             model.gradient_checkpointing_disable()
         model.zero_grad()
@@ -154,6 +161,7 @@ def test_gradient_checkpointing_replays_each_row_with_its_adapter(tiny_model_dir
 
     plain, checkpointed = gradients(False), gradients(True)
     assert any(".concise." in n for n in plain) and any(".detailed." in n for n in plain)
+    assert sorted(checkpointed) == sorted(plain), "a LoRA weight got no gradient under checkpointing"
     for name, grad in plain.items():
         torch.testing.assert_close(checkpointed[name], grad, rtol=1e-4, atol=1e-6)
 

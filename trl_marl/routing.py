@@ -10,7 +10,8 @@ batch, then the LoRA deltas of every row come from two matmuls against the agent
 rank: `h = x A_catᵀ` gives every agent's rank-space projection of every row, a mask keeps each row's own agent's
 block, and `h B_catᵀ` (B scaled per agent) is each row's `scale_a · B_a A_a x`. Nothing is copied per row: the extra
 memory is the concatenated adapters (cached during generation) and `h`, rows × tokens × the summed ranks. Other
-layers (LoRA variants, `modules_to_save`, …) use PEFT's own mixed-batch path (`adapter_names=` injected per call).
+layers (LoRA variants, `modules_to_save`, …), and every layer under DeepSpeed ZeRO-3 (whose parameters are gathered
+only while their own module runs), use PEFT's own mixed-batch path (`adapter_names=` injected per call).
 
 A row routed to `BASE` goes through the base model alone: that is how the KL reference (the base, shared by every
 agent) is computed. PEFT's own ways to the base (`disable_adapter()`, TRL's `use_adapter(model, None)`) end in
@@ -27,6 +28,7 @@ import torch
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 from peft.utils import AuxiliaryTrainingWrapper
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 from .agents import is_4bit_linear
 
@@ -97,6 +99,10 @@ class AdapterRouter:
         self._adapter_weight = next((p for n, p in model.named_parameters() if "lora_" in n), None)
 
     def _is_plain_lora(self, layer: LoraLayer) -> bool:
+        # Under ZeRO-3 a parameter is gathered only while its own module runs; the batched path reads the adapters'
+        # weights without running `lora_A` / `lora_B`, so it would see empty partitions. PEFT's path runs them.
+        if is_deepspeed_zero3_enabled():
+            return False
         if getattr(layer, "fan_in_fan_out", False) or not all(name in layer.lora_A for name in self.adapter_names):
             return False
         if any(name in layer.lora_variant or layer.lora_bias.get(name, False) for name in self.adapter_names):
@@ -138,14 +144,21 @@ class AdapterRouter:
         return args, kwargs
 
     def _concatenated(self, layer: LoraLayer) -> tuple[torch.Tensor, torch.Tensor]:
-        """`A_cat` `(Σr, in)` and `B_cat` `(out, Σr)`, each agent's B scaled by its LoRA scaling."""
-        cached = self._weight_cache.get(id(layer))
-        if cached is not None:
-            return cached
+        """`A_cat` `(Σr, in)` and `B_cat` `(out, Σr)`, each agent's B scaled by its LoRA scaling.
+
+        Cached only for forwards without gradients (generation: the weights do not change until the next routing),
+        and read only by them. A forward with gradients always concatenates anew: reentrant gradient checkpointing
+        runs a layer's first forward without gradients and replays it with gradients in the backward, and the replay
+        must build its matrices from the parameters, not reuse the first forward's detached copies."""
+        if torch.is_grad_enabled():
+            return self._concatenate(layer)
+        if id(layer) not in self._weight_cache:
+            self._weight_cache[id(layer)] = self._concatenate(layer)
+        return self._weight_cache[id(layer)]
+
+    def _concatenate(self, layer: LoraLayer) -> tuple[torch.Tensor, torch.Tensor]:
         lora_a = torch.cat([layer.lora_A[name].weight for name in self.adapter_names])
         lora_b = torch.cat([layer.lora_B[name].weight * layer.scaling[name] for name in self.adapter_names], dim=1)
-        if not torch.is_grad_enabled():  # generation: the weights do not change until the next routing
-            self._weight_cache[id(layer)] = lora_a, lora_b
         return lora_a, lora_b
 
     def _mask(self, layer: LoraLayer, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
