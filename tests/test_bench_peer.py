@@ -2,11 +2,14 @@
 tests, and no virtual environment is created here."""
 
 import importlib.util
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "recipes" / "benchmarks"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPO_ROOT / "recipes" / "benchmarks"
 
 
 def load(name):
@@ -112,3 +115,12 @@ def test_the_floor_row_shows_ceilings_not_verdicts_and_stays_out_of_the_judged_r
     assert "PASS" not in floor_row and "MISS" not in floor_row
     trl_marl_row = next(line for line in text.splitlines() if line.startswith("trl_marl (LoRA, shared base)"))
     assert "1.50x MISS (>=4x)" in trl_marl_row and "5.00x PASS (>=5x)" in trl_marl_row
+
+
+def test_comlrls_environment_goes_inside_the_checkout_in_an_ignored_folder(bench):
+    venv = bench.DEFAULT_COMLRL_VENV
+    assert venv.is_relative_to(REPO_ROOT), f"{venv} is outside the checkout {REPO_ROOT}"
+    if shutil.which("git") is None or not (REPO_ROOT / ".git").exists():
+        pytest.skip("needs git and a git checkout to ask whether the folder is ignored")
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(venv / "bin" / "python")], cwd=REPO_ROOT)
+    assert ignored.returncode == 0, f"{venv.relative_to(REPO_ROOT)} is not in .gitignore"

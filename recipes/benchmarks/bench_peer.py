@@ -5,7 +5,8 @@ agent; trl_marl keeps one shared base with one LoRA adapter per agent. Five conf
 
 1. `comlrl`:       CoMLRL's `MAGRPOTrainer`, full copies in float32, in its own virtual environment (created here on
                    first use: `python -m venv`, then `pip install torch==2.13.0 comlrl==1.4.3` constrained to that
-                   torch), run through `peer_comlrl_runner.py`;
+                   torch; by default `.venv-comlrl/` at the repository root, which git ignores), run through
+                   `peer_comlrl_runner.py`;
 2. `trl_marl`:     `trl_marl.MAGRPOTrainer`, LoRA adapters (r 16, all linear layers) on one float32 base;
 3. `trl_marl_4bit`: the same on a 4-bit NF4 base (`load_in_4bit`; bf16 compute on CUDA, float32 on the CPU). It
                    runs on the CPU too: bitsandbytes (>= 0.45) has a CPU backend, which tests/test_quantized.py trains
@@ -104,7 +105,7 @@ from peer_comlrl_runner import (  # noqa: E402
 from run_info import run_header  # noqa: E402
 
 COMLRL_VERSION, COMLRL_TORCH = "1.4.3", "2.13.0"
-DEFAULT_COMLRL_VENV = REPO_ROOT.parent / ".venv-comlrl"  # next to the repository, outside its work tree
+DEFAULT_COMLRL_VENV = REPO_ROOT / ".venv-comlrl"  # inside the checkout, in .gitignore: never beside it
 TARGETS = {"time": 4.0, "memory": 5.0}  # CoMLRL / trl_marl, at least
 CONFIGURATIONS = {
     "comlrl": "CoMLRL (full copies, fp32)",
@@ -483,7 +484,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny settings, to check that the script works")
     parser.add_argument("--steps", type=int, help="prompts = optimizer steps per agent (default 8, quick 2; >= 2)")
     parser.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads of each worker (default 2)")
-    parser.add_argument("--comlrl_venv", type=Path, default=DEFAULT_COMLRL_VENV, help="CoMLRL's virtual environment")
+    parser.add_argument(
+        "--comlrl_venv",
+        type=Path,
+        default=DEFAULT_COMLRL_VENV,
+        help="CoMLRL's virtual environment (default .venv-comlrl/ in the checkout)",
+    )
     parser.add_argument(
         "--logprob_vocab_chunk",
         type=int,
