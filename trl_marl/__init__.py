@@ -1,6 +1,18 @@
 """trl_marl: cooperative multi-agent reinforcement learning for teams of LLM agents, on top of TRL."""
 
+# ruff: noqa: E402 (the bitsandbytes filter below must be in place before the package's imports run)
+import logging
 import warnings
+
+# On CPUs with AVX512-BF16, importing bitsandbytes (which PEFT does, so every trl_marl command did) logs "Failed to
+# load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'...". That kernel serves only the CPU
+# inference layout of 4-bit weights, which trl_marl turns off wherever a 4-bit base is used (the trainers and
+# `load_team` call `keep_4bit_weights_trainable`), so the line cannot concern a trl_marl run, 4-bit or not. Only this
+# message is dropped, and only when trl_marl is imported before bitsandbytes (the filter must exist when it logs).
+BITSANDBYTES_KERNELS_NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+    lambda record: not str(record.msg).startswith(BITSANDBYTES_KERNELS_NOTICE)
+)
 
 from .advantages import aligned_credit, baseline_values, cross_credit, group_advantages, team_rewards
 from .atgrpo_trainer import ATGRPOTrainer
