@@ -3,6 +3,7 @@
 import pytest
 import torch
 from datasets import Dataset
+from test_resume import StopAt, adapters, make_trainer
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer
 
@@ -80,3 +81,31 @@ def test_frozen_adapters_take_the_trained_adapters_dtype_on_a_4bit_base(tiny_mod
     }
     assert dtypes == {"writer": {torch.bfloat16}, "critic": {torch.bfloat16}, "reader": {torch.bfloat16}}
     assert not any(p.requires_grad for n, p in trainer.model.named_parameters() if ".reader." in n)
+
+
+def test_resuming_a_4bit_team_keeps_its_adapters_dtype_and_equals_the_uninterrupted_run(tiny_model_dir, tmp_path):
+    """On resume, transformers reloads each adapter with PEFT's `load_adapter`, which upcasts it to float32 and
+    replaces its parameters; on a 4-bit base the adapters train in bf16, and a resumed run must go on in bf16."""
+    from transformers import BitsAndBytesConfig
+
+    def four_bit():
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+
+    settings = dict(max_steps=4, agents=["concise", "detailed", "reader"], frozen_agents=["reader"])
+    uninterrupted = make_trainer(tiny_model_dir, tmp_path / "a", quantization_config=four_bit(), **settings)
+    uninterrupted.train()
+    first = make_trainer(
+        tiny_model_dir, tmp_path / "b", quantization_config=four_bit(), save_strategy="steps", save_steps=2, **settings
+    )
+    first.add_callback(StopAt(2))
+    first.train()
+    resumed = make_trainer(tiny_model_dir, tmp_path / "b", quantization_config=four_bit(), **settings)
+    resumed.train(resume_from_checkpoint=True)
+
+    assert resumed.state.global_step == 4
+    expected, final = adapters(uninterrupted), adapters(resumed)
+    assert {p.dtype for p in expected.values()} == {torch.bfloat16}
+    assert {name: p.dtype for name, p in final.items()} == {name: p.dtype for name, p in expected.items()}
+    for name in expected:
+        torch.testing.assert_close(final[name], expected[name], rtol=0, atol=0, msg=name)
+    assert not any(p.requires_grad for n, p in resumed.model.named_parameters() if ".reader." in n)

@@ -43,9 +43,16 @@ def make_trainer(model_dir, output_dir, **overrides):
         seed=3,
     )
     dataset_size = overrides.pop("dataset_size", len(PROMPTS))
+    quantization_config = overrides.pop("quantization_config", None)
     settings.update(overrides)
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS[:dataset_size]]})
-    return MAGRPOTrainer(model_dir, team_reward, args=MAGRPOConfig(**settings), train_dataset=dataset)
+    return MAGRPOTrainer(
+        model_dir,
+        team_reward,
+        args=MAGRPOConfig(**settings),
+        train_dataset=dataset,
+        quantization_config=quantization_config,
+    )
 
 
 class StopAt(TrainerCallback):
@@ -103,6 +110,64 @@ def test_stopping_and_resuming_equals_the_uninterrupted_run(tiny_model_dir, tmp_
     after, expected_logs = logged_after(resumed, 3), logged_after(uninterrupted, 3)
     assert sorted(after) == [(4, "loss"), (5, "loss"), (5, "reward"), (6, "loss")]
     assert after == pytest.approx(expected_logs, rel=1e-5, abs=1e-7)
+
+
+def test_load_best_model_at_end_loads_every_agents_adapter_from_the_best_checkpoint(tiny_model_dir, tmp_path):
+    """The team's eval reward is made best at step 1 (it falls with the step), so the best checkpoint is not the last
+    one; every agent's adapter must come back from it, and `save_model` must write those adapters."""
+    from safetensors.torch import load_file
+
+    def falling_eval_reward(prompts, completions, split, trainer_state, **kwargs):
+        if split[0] == "eval":
+            return [1.0 / (1 + trainer_state.global_step)] * len(completions)
+        return team_reward(prompts, completions)
+
+    settings = dict(
+        output_dir=str(tmp_path),
+        agents=[{"name": "concise"}, {"name": "detailed"}],
+        num_generations=2,
+        num_generations_eval=2,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        max_completion_length=4,
+        learning_rate=5e-2,
+        max_steps=3,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="reward",
+        report_to="none",
+        use_cpu=True,
+        seed=3,
+    )
+    prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
+    trainer = MAGRPOTrainer(
+        tiny_model_dir,
+        falling_eval_reward,
+        args=MAGRPOConfig(**settings),
+        train_dataset=Dataset.from_dict({"prompt": prompts, "split": ["train"] * len(prompts)}),
+        eval_dataset=Dataset.from_dict({"prompt": prompts[:1], "split": ["eval"]}),
+    )
+    trainer.train()
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-1")
+
+    def saved(folder, agent):
+        return load_file(folder / agent / "adapter_model.safetensors")
+
+    model = dict(trainer.model.named_parameters())
+    for agent in ("concise", "detailed"):
+        best, last = saved(tmp_path / "checkpoint-1", agent), saved(tmp_path / "checkpoint-3", agent)
+        assert any(not torch.equal(best[key], last[key]) for key in best), f"{agent} did not train after step 1"
+        for key, value in best.items():
+            name = key.replace(".weight", f".{agent}.weight")
+            torch.testing.assert_close(model[name].detach(), value, rtol=0, atol=0, msg=name)
+            assert model[name].requires_grad, name
+    trainer.save_model()
+    for agent in ("concise", "detailed"):
+        best, written = saved(tmp_path / "checkpoint-1", agent), saved(tmp_path, agent)
+        assert all(torch.equal(best[key], written[key]) for key in best), f"save_model wrote {agent}'s last adapter"
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ Everything else (loss types, clipping, KL to the base, gradient accumulation, lo
 """
 
 import functools
+import logging
 from collections.abc import Callable
 
 import torch
@@ -49,6 +50,8 @@ from .scheduling import resolve_scheduler
 from .sharing import TeamSharingMixin
 from .team_actions import TeamActionsMixin, resolve_team_inputs
 from .vllm_generation import TeamVLLMMixin
+
+logger = logging.getLogger("trl_marl")
 
 BASE_ROW = -1  # the agent index of a row routed to the base model alone (the KL reference)
 
@@ -301,12 +304,31 @@ class TeamTrainer(TeamSharingMixin, CheckpointMixin, TeamMetricsMixin, TeamActio
             self._save_team(output_dir or self.args.output_dir)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        super()._load_from_checkpoint(resume_from_checkpoint, model=model)
-        # Trainer reloads every adapter of a PeftModel but leaves only the active one trainable, and builds the
-        # optimizer afterwards: without this, a resumed run would train a single agent (or a frozen one).
         unwrapped = self.accelerator.unwrap_model(model or self.model)
+        dtypes = {name: param.dtype for name, param in unwrapped.named_parameters() if "lora_" in name}
+        super()._load_from_checkpoint(resume_from_checkpoint, model=model)
+        # Trainer reloads every adapter with PEFT's `load_adapter`, which upcasts it to float32 (on a 4-bit base the
+        # adapters train in bf16) and leaves only the active adapter trainable; it builds the optimizer afterwards.
+        # Without this, a resumed run would go on in another precision and train a single agent (or a frozen one).
+        for name, param in unwrapped.named_parameters():
+            if name in dtypes and param.dtype != dtypes[name]:
+                param.data = param.data.to(dtypes[name])
         self._set_adapter_trainability(unwrapped)
         self._adapter_parameters = adapter_parameters(unwrapped, self.adapter_names)
+
+    def _load_best_model(self):
+        # Trainer looks for one adapter at the checkpoint's root; a team's adapters are in `<adapter>/` folders, which
+        # `_load_from_checkpoint` reads (every adapter, in its precision). DeepSpeed and FSDP load their own
+        # whole-model state, every adapter included.
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return super()._load_best_model()
+        logger.info(
+            "Loading every agent's adapter from the best checkpoint, %s (%s = %s).",
+            self.state.best_model_checkpoint,
+            self.args.metric_for_best_model,
+            self.state.best_metric,
+        )
+        self._load_from_checkpoint(self.state.best_model_checkpoint)
 
     # ------------------------------------------------------------------ rollout
 
