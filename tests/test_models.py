@@ -5,6 +5,7 @@ The GGUF conversion (~15-20 s on CPU) runs once, in the module-scoped `converted
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -18,6 +19,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.trainer_utils import validate_quantization_for_training
 
 from trl_marl import models
+
+UNREACHABLE_HUB = "http://127.0.0.1:9"  # nothing listens on the discard port: the connection is refused at once
+OFFLINE_LINE = "offline: using the embedded SmolLM2-135M-Instruct"
 
 
 def _isolate_hub(mp: pytest.MonkeyPatch, hub_cache: Path, offline: bool = True) -> None:
@@ -128,6 +132,16 @@ def test_missing_package_offline_says_what_to_install(isolated: pytest.MonkeyPat
     assert "online" in str(error.value)
 
 
+def test_missing_package_with_the_hub_unreachable_says_so_and_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _isolate_hub(monkeypatch, tmp_path / "hub", offline=False)
+    monkeypatch.setattr(constants, "ENDPOINT", UNREACHABLE_HUB)
+    monkeypatch.setattr(models, "_find_gguf", lambda: None)
+    with pytest.raises(FileNotFoundError, match="the Hugging Face Hub could not be reached to download it, and the "):
+        models.default_model_path(cache_dir=tmp_path / "cache")
+
+
 def test_partial_folders_do_not_count(isolated: pytest.MonkeyPatch, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     partial = cache / models.CONVERTED_DIRNAME
@@ -221,3 +235,64 @@ def test_network_failure_falls_through_to_gguf(
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # set after huggingface_hub was imported: must still be honoured
     assert models.default_model_path(cache_dir=converted.parent) == str(converted)
     assert calls == [True]
+
+
+def test_an_unreachable_hub_is_one_line_not_the_hubs_connection_error(
+    converted: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture, capfd
+) -> None:
+    _isolate_hub(monkeypatch, tmp_path / "hub", offline=False)  # offline mode off: the Hub is tried, and refused
+    monkeypatch.setattr(constants, "ENDPOINT", UNREACHABLE_HUB)
+    monkeypatch.setattr(models, "_write_checkpoint", _no_conversion)
+    with caplog.at_level(logging.INFO):
+        assert models.default_model_path(cache_dir=converted.parent) == str(converted)
+    said = caplog.text + "".join(capfd.readouterr())
+    assert "An error happened while trying to locate the files on the Hub" not in said
+    assert "internet connection" not in said and "Could not download" not in said
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [OFFLINE_LINE]
+
+
+def test_offline_mode_says_the_same_line_as_information(
+    converted: Path, isolated: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    isolated.setattr(models, "_write_checkpoint", _no_conversion)
+    with caplog.at_level(logging.INFO, logger="trl_marl"):
+        assert models.default_model_path(cache_dir=converted.parent) == str(converted)
+    assert [(r.levelno, r.getMessage()) for r in caplog.records if "offline" in r.getMessage()] == [
+        (logging.INFO, OFFLINE_LINE)
+    ]
+
+
+def test_a_reachable_hub_still_downloads_the_model_and_says_nothing_of_offline(
+    converted: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _isolate_hub(monkeypatch, tmp_path / "hub", offline=False)
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer_config.json", "tokenizer.json"):
+        (snapshot / name).symlink_to(converted / name)
+
+    def fake_snapshot_download(repo_id: str, local_files_only: bool = False, **kwargs: object) -> str:
+        if local_files_only:
+            raise LocalEntryNotFoundError("not cached")
+        return str(snapshot)
+
+    monkeypatch.setattr(models, "snapshot_download", fake_snapshot_download)
+    with caplog.at_level(logging.INFO):
+        assert models.default_model_path(cache_dir=tmp_path / "unused") == str(snapshot)
+    assert "offline" not in caplog.text and not (tmp_path / "unused").exists()
+
+
+def test_a_hub_error_that_is_not_a_lost_connection_is_still_shown(
+    converted: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _isolate_hub(monkeypatch, tmp_path / "hub", offline=False)
+
+    def fake_snapshot_download(repo_id: str, local_files_only: bool = False, **kwargs: object) -> str:
+        raise LocalEntryNotFoundError("not cached") if local_files_only else PermissionError("cache not writable")
+
+    monkeypatch.setattr(models, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr(models, "_write_checkpoint", _no_conversion)
+    with caplog.at_level(logging.INFO):
+        assert models.default_model_path(cache_dir=converted.parent) == str(converted)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warned == [f"Could not download {models.DEFAULT_MODEL_ID} from the Hugging Face Hub: cache not writable"]

