@@ -76,6 +76,33 @@ def test_two_processes_compute_the_advantages_of_one_process_and_end_with_identi
     assert any(not torch.equal(one[name], torch.zeros_like(one[name])) for name in one if "lora_B" in name)
 
 
+def test_two_processes_resumed_mid_epoch_in_the_second_epoch_equal_the_uninterrupted_run(tiny_model_dir, tmp_path):
+    """4 prompts, 2 per step: an epoch is 2 steps. Stopped at step 3 (epoch 1.5) and resumed, the two processes must
+    see epoch 1's shuffle, not epoch 0's: accelerate's `set_epoch` does not reach the sampler of a data loader rebuilt
+    to skip the batches already trained when it is sharded over processes."""
+    script = Path(__file__).parent / "scripts" / "equivalence_train.py"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+
+    def run(output_dir, *flags):
+        command = [torchrun, "--nproc_per_node", "2", str(script), tiny_model_dir, str(output_dir)]
+        result = subprocess.run([*command, "--dataset_size", "4", "--max_steps", "4", *flags], capture_output=True,
+                                text=True, env=env, timeout=600)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        return [json.loads((output_dir / f"report-{r}.json").read_text()) for r in (0, 1)]
+
+    uninterrupted = run(tmp_path / "a")
+    run(tmp_path / "b", "--stop_at", "3")
+    resumed = run(tmp_path / "b", "--resume")
+    for rank in (0, 1):
+        expected_prompts = uninterrupted[rank]["step_prompts"]
+        assert set(expected_prompts["2"]) != set(expected_prompts["0"]), "epoch 1 should be shuffled otherwise"
+        assert resumed[rank]["step_prompts"] == {"3": expected_prompts["3"]}
+        expected, final = (torch.load(folder / f"adapters-{rank}.pt") for folder in (tmp_path / "a", tmp_path / "b"))
+        for name in expected:
+            torch.testing.assert_close(final[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize(("config", "kind"), [("multi_gpu.yaml", "MULTI_GPU"), ("deepspeed_zero2.yaml", "DEEPSPEED")])
 def test_the_documented_accelerate_configs_are_valid(config, kind):
     from accelerate.commands.config.config_args import load_config_from_file

@@ -25,6 +25,8 @@ import os
 import re
 
 import torch
+from accelerate.utils import send_to_device
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl.trainer.utils import RepeatSampler
 
@@ -52,6 +54,13 @@ def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
     return os.path.join(output_dir, max(steps)[1]) if steps else None
 
 
+def resumed_epoch(checkpoint: str | os.PathLike) -> int:
+    """The epoch a run resumed from `checkpoint` continues in: the whole part of its `trainer_state.json`'s `epoch`
+    (2 after exactly two epochs; 1 halfway through the second)."""
+    with open(os.path.join(checkpoint, TRAINER_STATE_NAME)) as file:
+        return int(json.load(file).get("epoch") or 0)
+
+
 def write_json_atomically(path: str, content: dict) -> None:
     """Write `content` to `path` through a temporary file and a rename: readers see the old file or the new one."""
     temporary = f"{path}.tmp"
@@ -70,7 +79,14 @@ class ResumableRepeatSampler(RepeatSampler):
     boundary on, it trained on other prompts than the run that never stopped. `Trainer` calls `set_epoch(e)` before
     every epoch (through accelerate's data loader); this puts the generator where the uninterrupted run's generator is
     at the start of epoch `e`: seeded, with `e` permutations drawn.
+
+    A run resumed mid-epoch starts at `epoch`: there `set_epoch` may never arrive, since accelerate's `set_epoch` does
+    not reach a sampler under a data loader that skips the trained batches and is sharded over processes.
     """
+
+    def __init__(self, *args, epoch: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.set_epoch(epoch)
 
     def set_epoch(self, epoch: int) -> None:
         if self.shuffle:
@@ -93,6 +109,7 @@ class CheckpointMixin:
             repeat_count=sampler.repeat_count,
             shuffle=sampler.shuffle,
             seed=sampler.seed,
+            epoch=getattr(self, "_resumed_epoch", 0),
         )
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
@@ -113,6 +130,7 @@ class CheckpointMixin:
                 f"trainer. The latest complete checkpoint beside it: {latest}. Resume from that one (or pass "
                 "resume_from_checkpoint=True)."
             )
+        self._resumed_epoch = resumed_epoch(resume_from_checkpoint) if resume_from_checkpoint else 0
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _save_checkpoint(self, model, trial) -> None:
@@ -162,5 +180,10 @@ class CheckpointMixin:
                 saved_processes,
             )
             return
-        state = torch.load(path, map_location=self.accelerator.device, weights_only=False)
-        self._step, self._buffered_inputs = state["step"], state["buffered_inputs"]
+        # Loaded on the host, then moved: under several CPU processes the device is `cpu:0`, which `torch.load` cannot
+        # map storages to.
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        self._step, self._buffered_inputs = (
+            state["step"],
+            send_to_device(state["buffered_inputs"], self.accelerator.device),
+        )
