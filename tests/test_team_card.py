@@ -3,6 +3,7 @@ run) and portable adapter configs. Pushing and loading by Hub id: tests/test_tea
 
 import json
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -158,13 +159,14 @@ def test_checkpoints_carry_the_team_card(default_team):
     _, out = default_team
     card = ModelCard.load(out / "checkpoint-1" / "README.md")
     assert card.data.base_model == DEFAULT_MODEL_ID and "None" not in card.content
-    assert f'load_team("{out / "checkpoint-1"}")' in card.text
+    assert 'load_team("out/checkpoint-1")' in card.text
 
 
-def test_the_cards_load_team_snippet_runs(default_team, capsys):
+def test_the_cards_load_team_snippet_runs(default_team, capsys, monkeypatch):
     _, out = default_team
     snippet = next(block for block in python_blocks((out / "README.md").read_text()) if "load_team" in block)
-    assert f'load_team("{out}")' in snippet  # the saved folder, nothing to substitute
+    assert 'load_team("out")' in snippet  # the saved folder's name: run from its parent, nothing to substitute
+    monkeypatch.chdir(out.parent)
     namespace = {}
     exec(snippet, namespace)
     assert set(namespace["run"].final) == {"concise", "detailed"}
@@ -184,6 +186,19 @@ def tiny_team(tiny_model_dir, tmp_path_factory):
     return trainer, out
 
 
+@pytest.mark.parametrize("team", ["default_team", "tiny_team"])
+def test_the_card_names_the_teams_folder_never_a_path_of_this_machine(team, request, tiny_model_dir):
+    _, out = request.getfixturevalue(team)
+    machine_paths = [str(out), str(out.parent), tiny_model_dir, default_model_path(), tempfile.gettempdir()]
+    # The folder's name, as TRL's cards name a model; a checkpoint's inside it.
+    cards = {out / "README.md": "out", out / "checkpoint-1" / "README.md": "out/checkpoint-1"}
+    for card, name in cards.items():
+        if card.exists():  # the tiny team saves no checkpoint
+            text = card.read_text()
+            assert [path for path in machine_paths if path in text] == [], card
+            assert f'load_team("{name}")' in text and f'folder = "{name}"' in text
+
+
 def test_a_team_on_a_local_base_omits_base_model_and_says_how_to_load_it(tiny_team, tiny_model_dir):
     _, out = tiny_team
     card = ModelCard.load(out / "README.md")
@@ -194,12 +209,10 @@ def test_a_team_on_a_local_base_omits_base_model_and_says_how_to_load_it(tiny_te
     assert config["base_model_name_or_path"] == tiny_model_dir  # another base: its name or path as given
 
 
-def test_the_cards_peft_snippet_loads_every_agents_adapter(tiny_team):
+def test_the_cards_peft_snippet_loads_every_agents_adapter(tiny_team, tiny_model_dir, monkeypatch):
     trainer, out = tiny_team
-    snippet = next(block for block in python_blocks((out / "README.md").read_text()) if "PeftModel" in block)
-    namespace = {}
-    exec(snippet, namespace)
-    model = namespace["model"]
+    monkeypatch.chdir(out.parent)
+    model = run_block(card_text(out), "PeftModel", local_base=tiny_model_dir)["model"]
     assert set(model.peft_config) == {"planner", "checker"}
     trained = {name: p for name, p in trainer.model.named_parameters() if "lora_" in name}
     loaded = {name: p for name, p in model.named_parameters() if "lora_" in name}
@@ -227,14 +240,20 @@ def card_text(folder: Path) -> str:
     return (Path(folder) / "README.md").read_text()
 
 
-def run_block(text: str, word: str) -> dict:
-    """Execute the card's first Python block containing `word`; its namespace."""
+def run_block(text: str, word: str, local_base: str | None = None) -> dict:
+    """Execute the card's first Python block containing `word`; its namespace. `local_base`: the path of a local base
+    model, which the card names by its folder's name only, put in its place as its user would."""
+    block = next(block for block in python_blocks(text) if word in block)
+    if local_base is not None:
+        named = f'from_pretrained("{Path(local_base).name}")'
+        assert named in block, block
+        block = block.replace(named, f"from_pretrained({local_base!r})")
     namespace = {}
-    exec(next(block for block in python_blocks(text) if word in block), namespace)
+    exec(block, namespace)
     return namespace
 
 
-def test_the_quick_start_of_a_task_team_plays_a_problem_of_the_task(tiny_model_dir, tmp_path, capsys):
+def test_the_quick_start_of_a_task_team_plays_a_problem_of_the_task(tiny_model_dir, tmp_path, capsys, monkeypatch):
     # plan_path's rows need their columns (`puzzle`, `board`): its environment's `reset` reads them. Its first training
     # row is too long to print, and a bare prompt is refused ("Task plan_path got a row of puzzle None").
     args = ATGRPOConfig.for_task(
@@ -257,6 +276,7 @@ def test_the_quick_start_of_a_task_team_plays_a_problem_of_the_task(tiny_model_d
     quick_start = python_blocks(text)[0]
     assert 'row = resolve_task("plan_path").dataset("eval")[0]' in quick_start and "team.play([row])" in quick_start
     assert "Explain why the sky is blue." not in quick_start
+    monkeypatch.chdir(tmp_path)  # the snippet names the team by its folder's name, "out"
     namespace = {}
     exec(quick_start, namespace)  # as printed
     run = namespace["run"]
@@ -265,7 +285,7 @@ def test_the_quick_start_of_a_task_team_plays_a_problem_of_the_task(tiny_model_d
     assert "tool: " in capsys.readouterr().out
 
 
-def test_the_card_of_a_shared_adapter_says_all_agents_share_it(tiny_model_dir, tmp_path):
+def test_the_card_of_a_shared_adapter_says_all_agents_share_it(tiny_model_dir, tmp_path, monkeypatch):
     trainer = tiny_trainer(tiny_model_dir, tmp_path / "out", adapter_mode="shared")
     trainer.save_model()
     text = card_text(tmp_path / "out")
@@ -274,15 +294,16 @@ def test_the_card_of_a_shared_adapter_says_all_agents_share_it(tiny_model_dir, t
     assert "each answers with the shared adapter and its role" in text
     assert "adapter(s) shared" not in text and "in its own folder" not in text and "its own adapter" not in text
     assert "| `planner` | Plan briefly \\| in steps. | `team/` |" in text
-    assert set(run_block(text, "PeftModel")["model"].peft_config) == {"team"}
+    monkeypatch.chdir(tmp_path)
+    assert set(run_block(text, "PeftModel", local_base=tiny_model_dir)["model"].peft_config) == {"team"}
 
 
 def test_the_card_of_a_local_base_says_so_in_its_own_sentence(tiny_team, tiny_model_dir):
     _, out = tiny_team
     text = card_text(out)
     assert (
-        f"The team is one base model, a local checkpoint (`{tiny_model_dir}`), carrying one LoRA adapter per agent."
-        in text
+        f"The team is one base model, a local checkpoint (`{Path(tiny_model_dir).name}`), carrying one LoRA adapter "
+        "per agent." in text
     )
     assert "The base model is a local checkpoint with no Hub id: on another machine pass `base_model=`" in text
     assert "`load_team`, carrying" not in text
@@ -333,14 +354,15 @@ def test_the_last_evaluation_leaves_out_what_only_training_has(tiny_model_dir, t
     assert not [key for key in evaluation if "advantage" in key]
 
 
-def test_snippets_load_a_folder_whose_name_holds_quotes_and_a_backslash(tiny_model_dir, tmp_path, capsys):
+def test_snippets_load_a_folder_whose_name_holds_quotes_and_a_backslash(tiny_model_dir, tmp_path, capsys, monkeypatch):
     out = tmp_path / 'Bob\'s "best" team \\ v1'
     trainer = tiny_trainer(tiny_model_dir, out)
     trainer.save_model()
     text = card_text(out)
+    monkeypatch.chdir(tmp_path)
     assert set(run_block(text, "load_team")["run"].final) == {"planner", "checker"}
-    assert set(run_block(text, "PeftModel")["model"].peft_config) == {"planner", "checker"}
-    assert f"load_team({str(out)!r})" in text
+    assert set(run_block(text, "PeftModel", local_base=tiny_model_dir)["model"].peft_config) == {"planner", "checker"}
+    assert f"load_team({out.name!r})" in text
 
 
 def test_a_printed_row_never_passes_a_column_as_one_of_team_runs_options():

@@ -213,10 +213,10 @@ def test_load_team_by_hub_id_asks_only_for_the_team_files(pushed_team, tmp_path,
     assert set(kept) == {path for path, needed in REPO_FILES.items() if needed}
 
 
-def test_the_pushed_cards_peft_snippet_loads_from_the_hub_cache(pushed_team, tmp_path, monkeypatch):
+def test_the_pushed_cards_peft_snippet_loads_from_the_hub_cache(pushed_team, tmp_path, monkeypatch, tiny_model_dir):
     _, uploads = pushed_team
     put_in_hub_cache(monkeypatch, tmp_path / "hub", HUB_ID, uploads[0]["copy"])
-    model = run_block(card_text(uploads[0]["copy"]), "PeftModel")["model"]
+    model = run_block(card_text(uploads[0]["copy"]), "PeftModel", local_base=tiny_model_dir)["model"]
     assert set(model.peft_config) == {"planner", "checker"}
 
 

@@ -77,7 +77,7 @@ class TeamSharingMixin:
         extra_tags = [tags] if isinstance(tags, str) else list(tags or [])
         contents = CardContents(
             model_name=model_name,
-            load_from=hub_model_id or str(folder),
+            load_from=hub_model_id or folder_name(folder, self.args.output_dir),
             from_hub=hub_model_id is not None,
             trainer_name=type(self).__name__,
             paper=self._paper,
@@ -135,6 +135,16 @@ class TeamSharingMixin:
             return dict(dataset[0]) if dataset is not None and len(dataset) > 0 else None
         except (TypeError, KeyError, IndexError, NotImplementedError):  # an IterableDataset, or rows without keys
             return None
+
+
+def folder_name(folder: str | os.PathLike, output_dir: str | os.PathLike) -> str:
+    """How a card names the saved `folder` it is in: by the output folder's name, as TRL's cards and `push_to_hub`
+    name the model (a checkpoint as `<output folder's name>/checkpoint-N`; a folder outside `output_dir` by its own
+    name), never by the machine's absolute path."""
+    folder, output_dir = Path(folder).resolve(), Path(output_dir).resolve()
+    if folder.is_relative_to(output_dir):
+        return (Path(output_dir.name) / folder.relative_to(output_dir)).as_posix()
+    return folder.name
 
 
 def _last_logged(log_history: list[dict], eval_: bool) -> tuple[int | None, dict[str, float]]:

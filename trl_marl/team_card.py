@@ -12,6 +12,7 @@ import ast
 import textwrap
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
@@ -30,6 +31,8 @@ TRL_CITATION = textwrap.dedent("""\
 # A prompt for the loading snippet when the training data offers none short enough to print.
 GENERIC_PROMPT = [{"role": "user", "content": "Explain why the sky is blue."}]
 MAX_EXAMPLE_CHARS = 400
+# Beside the saved folder's name in the `load_team` snippet: the card never holds a path of the machine that saved it.
+LOAD_FOLDER_COMMENT = "this folder (its path from where you run this), or its Hub id once pushed"
 RUN_OPTIONS = ("num_turns", "max_new_tokens", "do_sample")  # `Team.run`'s own keyword arguments: not row columns
 FRAMEWORKS = [
     ("trl_marl", "trl-marl"),
@@ -47,7 +50,7 @@ class CardContents:
     """What a team's card says beyond `team.json`: where the snippets load it from, the method, and training."""
 
     model_name: str
-    load_from: str  # the Hub id of the pushed team, else the saved folder
+    load_from: str  # the Hub id of the pushed team, else the saved folder's name (never a path of the machine)
     from_hub: bool  # whether `load_from` is a Hub id
     trainer_name: str  # "MAGRPOTrainer"
     paper: dict  # the trainer's `_paper`: title, id, citation
@@ -136,11 +139,17 @@ def _episode_text(spec: dict, contents: CardContents, num_adapters: int) -> str:
 def _base_model_text(spec: dict, contents: CardContents) -> str:
     base_id = contents.base_model_id
     if base_id is None:
-        return f"a local checkpoint (`{spec['base_model']}`)"
+        return f"a local checkpoint (`{local_name(spec['base_model'])}`)"
     link = f"[{base_id}](https://huggingface.co/{base_id})"
     if base_id == DEFAULT_MODEL_ID:
         return f"{link} (trl_marl's embedded default model, which `load_team` finds offline too)"
     return link
+
+
+def local_name(path: str) -> str:
+    """A local base model as a card names it: its folder's name, never its path on the machine that saved the team
+    (TRL's cards leave a local base out)."""
+    return Path(path).name or path
 
 
 def _cell(text: Any) -> str:
@@ -235,7 +244,8 @@ def _episode_lines(spec: dict, contents: CardContents) -> list[str]:
 def _loading_section(spec: dict, contents: CardContents) -> str:
     source = _string(contents.load_from)
     adapters = list(dict.fromkeys(agent["adapter"] for agent in spec["agents"]))
-    base = _string(contents.base_model_id or spec["base_model"])
+    base = _string(contents.base_model_id or local_name(spec["base_model"]))
+    base_comment = "" if contents.base_model_id else "  # a local checkpoint: its path on your machine"
     imports = ["from peft import PeftModel", "from transformers import AutoModelForCausalLM, AutoTokenizer"]
     if contents.from_hub:
         allow, ignore = team_download_patterns(adapters)
@@ -248,12 +258,12 @@ def _loading_section(spec: dict, contents: CardContents) -> str:
             ")",
         ]
     else:
-        folder_lines = [f"folder = {source}"]
+        folder_lines = [f"folder = {source}  # this folder: its path from where you run this"]
     peft_lines = [
         *imports,
         "",
         *folder_lines,
-        f"base = AutoModelForCausalLM.from_pretrained({base})",
+        f"base = AutoModelForCausalLM.from_pretrained({base}){base_comment}",
         f'model = PeftModel.from_pretrained(base, f"{{folder}}/{adapters[0]}", adapter_name="{adapters[0]}")',
         *(f'model.load_adapter(f"{{folder}}/{adapter}", adapter_name="{adapter}")' for adapter in adapters[1:]),
         "tokenizer = AutoTokenizer.from_pretrained(folder)",
@@ -280,7 +290,7 @@ def _loading_section(spec: dict, contents: CardContents) -> str:
             "from trl_marl import load_team",
             *(["from trl_marl.tasks import resolve_task"] if spec.get("task") else []),
             "",
-            f"team = load_team({source})",
+            f"team = load_team({source})" + ("" if contents.from_hub else f"  # {LOAD_FOLDER_COMMENT}"),
             *_episode_lines(spec, contents),
             "for agent, answer in run.final.items():",
             '    print(f"{agent}: {answer}")',
