@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer
+from trl_marl.cli import main
 from trl_marl.evaluation import evaluate_task
 
 SMALL = dict(max_completion_length=4, use_cpu=True, seed=0)
@@ -75,3 +76,48 @@ def test_at_grpo_evaluation_plays_one_candidate_per_turn_and_reports_the_success
     assert 0.0 <= metrics["episodes/success_rate"] <= 1.0
     with pytest.raises(ValueError, match="`algorithm` must be one of"):
         evaluate_task("reach_target", "parallel", model=tiny_model_dir, algorithm="ppo")
+
+
+def saved_team(model_dir, folder, **generation):
+    """An untrained two-agent reach_target team saved to `folder` with the generation settings `generation`."""
+    args = MAGRPOConfig.for_task(
+        "reach_target", output_dir=str(folder), per_device_train_batch_size=2, num_generations=2, max_steps=1,
+        report_to="none", save_strategy="no", use_cpu=True, seed=0, **generation,
+    )  # fmt: skip
+    MAGRPOTrainer(model_dir, args=args, task="reach_target").save_model(str(folder))
+    return folder
+
+
+RECORDED = dict(max_completion_length=3, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, repetition_penalty=1.1)
+
+
+def test_a_saved_team_records_its_generation_settings_and_is_evaluated_with_them(tiny_model_dir, tmp_path):
+    from trl_marl.evaluation import team_settings
+
+    team = saved_team(tiny_model_dir, tmp_path / "team", **RECORDED, chat_template_kwargs={"enable_thinking": False})
+    spec = json.loads((team / "team.json").read_text())
+    assert {key: spec[key] for key in RECORDED} == RECORDED
+    settings = team_settings(spec)
+    assert {key: settings[key] for key in RECORDED} == RECORDED
+    assert settings["chat_template_kwargs"] == {"enable_thinking": False}
+    older = {key: value for key, value in spec.items() if key not in RECORDED}  # a team.json from before these fields
+    assert not set(RECORDED) & set(team_settings(older))  # the config's defaults stay
+
+
+def test_evaluate_samples_as_the_team_recorded_unless_a_flag_says_otherwise(tiny_model_dir, tmp_path, monkeypatch):
+    team = saved_team(tiny_model_dir, tmp_path / "team", **RECORDED)
+    built = []
+    monkeypatch.setattr(MAGRPOTrainer, "evaluate", lambda trainer, *a, **k: built.append(trainer.args) or {})
+    command = ["evaluate", "reach_target", "--team", str(team), "--limit", "1"]
+    assert main(command) == 0
+    assert main([*command, "--max_completion_length", "6", "--temperature", "1.0", "--top_k", "0"]) == 0
+    recorded, flagged = ({key: getattr(args, key) for key in RECORDED} for args in built)
+    assert recorded == RECORDED  # not the command's former 256 tokens at temperature 1
+    assert flagged == {**RECORDED, "max_completion_length": 6, "temperature": 1.0, "top_k": 0}
+
+
+def test_a_baseline_still_samples_256_tokens_unless_told(tiny_model_dir, monkeypatch):
+    built = []
+    monkeypatch.setattr(MAGRPOTrainer, "evaluate", lambda trainer, *a, **k: built.append(trainer.args) or {})
+    assert main(["evaluate", "reach_target", "--baseline", "single", "--model", tiny_model_dir, "--limit", "1"]) == 0
+    assert built[0].max_completion_length == 256 and built[0].temperature == 1.0

@@ -10,8 +10,11 @@
                                                   `load_in_4bit`; flags override the file; `--help` lists every field
     trl-marl evaluate TASK [--baseline B] [--team PATH] [--model M] [--limit N] [--split S] [--task_source SRC]
                       [--algorithm magrpo|at_grpo] [--use_vllm [--vllm_gpu_memory_utilization U]]
+                      [--max_completion_length N] [--temperature T] [--top_p P] [--top_k K] [--min_p P]
+                      [--repetition_penalty R]
                                                   a saved team or a baseline (single, parallel, sequential) on a task;
-                                                  prints the task's metrics as JSON
+                                                  prints the task's metrics as JSON; a team generates as its team.json
+                                                  records unless a flag says otherwise
     trl-marl estimate CONFIG.yaml [--prompt_length N] [--gpu_memory_gb 16 24]
                                                   predicted peak memory of a `train` config on one GPU (in RAM with
                                                   use_cpu: true; no weights load),
@@ -31,6 +34,17 @@ from .cli_train import ALGORITHMS, TrainArguments, UsageError, flag_value, parse
 from .registry import GROUPS, PluginError, did_you_mean, discover
 
 __all__ = ["TrainArguments", "UsageError", "main", "parse_train_config"]
+
+# `evaluate`'s flags for the generation settings a saved team records in team.json (their defaults there).
+GENERATION_FLAGS = {
+    "max_completion_length": int,
+    "temperature": float,
+    "top_p": float,
+    "top_k": int,
+    "min_p": float,
+    "repetition_penalty": float,
+}
+BASELINE_COMPLETION_LENGTH = 256  # a baseline's completions, unless --max_completion_length says otherwise
 
 
 def list_plugins(kinds: list[str]) -> int:
@@ -70,6 +84,10 @@ def evaluate(arguments) -> int:
             read_team_file(team)
     except (PluginError, TypeError, FileNotFoundError, ValueError) as error:
         raise UsageError(str(error)) from None
+    # Only the generation flags given: a team's own settings (its team.json) are the defaults of the others.
+    generation = {name: getattr(arguments, name) for name in GENERATION_FLAGS if getattr(arguments, name) is not None}
+    if team is None:
+        generation.setdefault("max_completion_length", BASELINE_COMPLETION_LENGTH)
     metrics = evaluate_task(
         task,
         baseline,
@@ -78,8 +96,8 @@ def evaluate(arguments) -> int:
         split=arguments.split,
         limit=arguments.limit,
         algorithm=arguments.algorithm,
-        max_completion_length=arguments.max_completion_length,
         use_cpu=not torch.cuda.is_available(),
+        **generation,
         **vllm_settings(arguments),
     )
     print(json.dumps({"task": arguments.task, "baseline": baseline, **metrics}, indent=2))
@@ -200,7 +218,10 @@ def run(argv: list[str]) -> int:
     )  # fmt: skip
     evaluating.add_argument("--task_source", default=None, help="the task's data source, e.g. hub (default: offline)")
     evaluating.add_argument("--limit", type=int, default=None, help="only the first N problems")
-    evaluating.add_argument("--max_completion_length", type=int, default=256)
+    for name, kind in GENERATION_FLAGS.items():
+        otherwise = BASELINE_COMPLETION_LENGTH if name == "max_completion_length" else "MAGRPOConfig's"
+        help_text = f"default: a team's own (its team.json), else {otherwise}"
+        evaluating.add_argument(f"--{name}", type=kind, default=None, help=help_text)
     evaluating.add_argument("--use_vllm", action="store_true", help="generate with vLLM, one LoRA per agent")
     evaluating.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3,
                             help="with --use_vllm: vLLM's share of the GPU memory (TRL's default)")  # fmt: skip

@@ -60,7 +60,8 @@ def evaluate_task(
     """Evaluate on `task`'s `split` (its first `limit` rows). `team` (for ``baseline="team"``): a saved team folder;
     `model`: the base model of the baselines (default: the embedded default model). `config`: `MAGRPOConfig` fields
     (e.g. `max_completion_length`, `temperature`, `use_cpu`; `use_vllm=True` with `vllm_gpu_memory_utilization` and
-    `vllm_max_model_length` generates through vLLM as training does, the engine closed afterwards).
+    `vllm_max_model_length` generates through vLLM as training does, the engine closed afterwards). A team is
+    evaluated with the generation settings its team.json records (`team_settings`) except those `config` sets.
 
     `algorithm="magrpo"` scores MAGRPO's tree of joint actions (two samples per agent and node): the mean team reward
     over them. `algorithm="at_grpo"` plays each problem as one AT-GRPO episode with a single candidate per agent and
@@ -90,9 +91,7 @@ def evaluate_task(
     reward_funcs = list(task.reward_funcs)
     if baseline == "team":
         team = resolve_team_folder(team)  # a folder, or the Hub id of a pushed team
-        spec = read_team_file(team)
-        settings.update(agents=[{"name": a["name"], "system_prompt": a["system_prompt"]} for a in spec["agents"]],
-                        adapter_mode=spec["adapter_mode"], num_turns=spec["num_turns"])  # fmt: skip
+        settings.update(team_settings(read_team_file(team)))
         model = load_team(team).model
     elif baseline in ("parallel", "sequential"):
         settings["scheduler"] = baseline
@@ -120,6 +119,18 @@ def evaluate_task(
                 trainer.vllm_generation.close()
     metrics = {key.removeprefix("eval_"): value for key, value in metrics.items()}
     return {key: value for key, value in metrics.items() if not is_training_metric(key)}
+
+
+def team_settings(spec: dict) -> dict[str, Any]:
+    """The config fields a saved team is evaluated with, from its `team.json` (`spec`): its agents and their roles,
+    adapter mode and turns, and how it generated in training (`team.GENERATION_FIELDS`: completion length, sampling,
+    chat template arguments). `evaluate_task`'s `config` overrides any of them; a field that an older team.json lacks
+    keeps the config's default."""
+    from .team import GENERATION_FIELDS
+
+    agents = [{"name": agent["name"], "system_prompt": agent["system_prompt"]} for agent in spec["agents"]]
+    recorded = {name: spec[name] for name in GENERATION_FIELDS if name in spec}
+    return {"agents": agents, "adapter_mode": spec["adapter_mode"], "num_turns": spec["num_turns"], **recorded}
 
 
 # What `trainer.evaluate()` logs but describes training, not the evaluated team: the loss and PPO's clipping

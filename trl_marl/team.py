@@ -40,6 +40,10 @@ from .scheduling import Prompt, resolve_scheduler
 from .tasks import resolve_task
 
 TEAM_FORMAT = "trl_marl.team/1"
+# How the team sampled in training and in the trainer's evaluation (config fields of these names), recorded in
+# team.json so that `trl-marl evaluate` samples the same way by default.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+GENERATION_FIELDS = ("max_completion_length", *SAMPLING_FIELDS, "chat_template_kwargs")
 
 
 def base_model_name(model: Any) -> str:
@@ -66,6 +70,7 @@ def team_spec(
         "transition": importable_name(transition),
         "scheduler": getattr(scheduler, "name", None) or args.scheduler,
         "max_completion_length": args.max_completion_length,
+        **{name: getattr(args, name) for name in SAMPLING_FIELDS},
         "chat_template_kwargs": dict(args.chat_template_kwargs or {}),
     }
 

@@ -195,7 +195,7 @@ def _agents_section(spec: dict, contents: CardContents) -> str:
     lines += [
         "",
         "`team.json` records the agents, their roles and adapters, the base model and the episode's settings "
-        "(turns, transition, scheduler, completion length): what `load_team` rebuilds the team from.",
+        "(turns, transition, scheduler, completion length and sampling): what `load_team` rebuilds the team from.",
     ]
     return "\n".join(lines)
 
