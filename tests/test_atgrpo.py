@@ -150,6 +150,28 @@ def test_alpha_mixes_team_and_local_rewards_as_hand_computed():
     assert result.metrics["turns/0/agents/b/frac_reward_zero_std"] == 1.0
 
 
+def test_the_transition_gets_the_team_reward_of_the_joint_action_the_turn_ended_on_not_the_mixed_one():
+    """As under MAGRPO, a transition's `reward` is the team reward: α · team + local is what ranks candidates."""
+    texts = {0: ["t1", "t0", "t1b"], 1: ["b1", "b2", "b3"]}
+    local = {"t1": 0.2, "t0": 0.4, "t1b": 0.0, "b1": 0.3, "b2": 0.0, "b3": 0.1}
+    rewards_seen = []
+
+    def transition(prompt, reward, **kwargs):
+        rewards_seen.append(reward)
+        return [prompt, prompt]
+
+    team = {"b1": 0.25, "b2": 0.5, "b3": 0.0}
+    rollout(team_reward_weight=0.5, num_turns=2, transition=transition).run(
+        copies([{"prompt": "p"}], 3),
+        0,
+        Scripted(texts),
+        team_score(lambda ja: team.get(ja.completions["b"], 0.0)),
+        local_score=lambda agent, jas: [local[ja.said[NAMES[agent]]] for ja in jas],
+    )
+    # b's mixed rewards 0.5·0.25 + 0.3, 0.5·0.5 + 0, 0.5·0 + 0.1: "b1" is chosen (0.425); its team reward is 0.25.
+    assert rewards_seen == [0.25] * 3
+
+
 def test_greedy_takes_the_first_best_and_sample_only_scorable_candidates():
     rng = random.Random(0)
     assert choose([1.0, 1.0, 0.0], "greedy", rng) == 0

@@ -279,7 +279,7 @@ class ATGRPORollout(EpisodeRollout):
                 history=list(branch.history[:-1]),
                 turn=turn,
                 observations=dict(zip(self.agent_names, branch.observations)),
-                reward=self._turn_outcome(branch, turn, chosen)[1],
+                reward=self._turn_outcome(branch, turn, chosen)[2],  # the team reward, as under MAGRPO
                 **extra,
             )
         except Exception as error:
