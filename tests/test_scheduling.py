@@ -3,8 +3,10 @@
 import pytest
 import torch
 
+from trl_marl import MAGRPOConfig, MAGRPOTrainer
 from trl_marl.registry import load_plugin
 from trl_marl.rollout import RolloutSettings, TreeRollout, default_transition
+from trl_marl.scheduling import Parallel
 
 NAMES = ["ann", "bob", "cy"]
 TASK = "Plan a picnic."
@@ -91,3 +93,34 @@ def test_debate_each_sees_the_others_previous_answers_not_its_own():
 def test_cross_joint_actions_need_every_agent_to_act_at_once():
     with pytest.raises(ValueError, match="`joint_mode='cross'` needs every agent to act at once.*'sequential'"):
         episode("sequential", joint_mode="cross")
+
+
+class Listed(Parallel):
+    """A scheduler plugin that returns fixed phases for every turn."""
+
+    name = "listed"
+
+    def __init__(self, phases):
+        self.listed = phases
+
+    def phases(self, turn, num_agents):
+        return self.listed
+
+
+@pytest.mark.parametrize(
+    ("phases", "problem"),
+    [
+        ([[0], [1], [0]], "agent 0 acts twice"),
+        ([[0, 1, 1]], "agent 1 acts twice"),
+        ([[0], [2]], r"agent index 2 is not one of the 2 agents \(0-1\)"),
+        ([], "no agent acts"),
+    ],
+)
+def test_a_scheduler_that_lists_an_agent_twice_or_a_missing_one_is_refused_before_the_model_loads(phases, problem):
+    """A group is one agent's candidates from one state: an agent acting twice in a turn would collide with itself
+    (AT-GRPO's (problem, turn, agent) key; MAGRPO's one answer per agent and turn)."""
+    args = MAGRPOConfig(output_dir="unused", agents=["writer", "critic"], report_to="none", use_cpu=True)
+    reward = lambda prompts, completions, **kwargs: [0.0] * len(completions)  # noqa: E731
+    dataset = [{"prompt": "Say hi."}]
+    with pytest.raises(ValueError, match=rf"Scheduler 'listed' .* turn 0 .*: {problem}\. An agent acts at most once"):
+        MAGRPOTrainer("no/such-model", reward, args=args, train_dataset=dataset, scheduler=Listed(phases))

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from trl.trainer.utils import get_callable_name
 
-from .scheduling import Prompt, Said, parallel
+from .scheduling import Prompt, Said, parallel, scheduled_phases
 
 NodeKey = tuple[int, int, int]
 
@@ -79,7 +79,7 @@ class EpisodeRollout:
         self.num_turns = settings.num_turns
         self.scheduler = settings.scheduler
         self.reset = settings.reset or (lambda example: None)
-        self.phases = [self.scheduler.phases(turn, self.num_agents) for turn in range(self.num_turns)]
+        self.phases = scheduled_phases(self.scheduler, self.num_agents, self.num_turns)
 
 
 class TransitionError(RuntimeError):

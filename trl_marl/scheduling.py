@@ -96,6 +96,33 @@ parallel, sequential, round_robin, debate = Parallel(), Sequential(), RoundRobin
 SCHEDULERS = {s.name: s for s in (parallel, sequential, round_robin, debate)}
 
 
+def scheduled_phases(scheduler, num_agents: int, num_turns: int) -> list[list[list[int]]]:
+    """Every turn's phases, checked: at least one agent acts, each an agent index, none twice in one turn (a group
+    is one agent's candidates from one state: AT-GRPO keys it by (problem, turn, agent), MAGRPO keeps one answer per
+    agent and turn). Raises a `ValueError` naming the scheduler, the turn and what is wrong."""
+    schedule = []
+    for turn in range(num_turns):
+        phases = [list(phase) for phase in scheduler.phases(turn, num_agents)]
+        acting = [agent for phase in phases for agent in phase]
+        outside = [agent for agent in acting if not isinstance(agent, int) or not 0 <= agent < num_agents]
+        twice = [agent for index, agent in enumerate(acting) if agent in acting[:index]]
+        problem = None
+        if not acting:
+            problem = "no agent acts"
+        elif outside:
+            problem = f"agent index {outside[0]!r} is not one of the {num_agents} agents (0-{num_agents - 1})"
+        elif twice:
+            problem = f"agent {twice[0]} acts twice"
+        if problem:
+            raise ValueError(
+                f"Scheduler {getattr(scheduler, 'name', type(scheduler).__name__)!r} returned the phases {phases} for "
+                f"turn {turn} of {num_agents} agents: {problem}. An agent acts at most once per turn (its candidates "
+                "from one state form one group); let it answer again at a later turn (`num_turns`)."
+            )
+        schedule.append(phases)
+    return schedule
+
+
 def resolve_scheduler(scheduler) -> object:
     """A scheduler object from a name (a registered plugin), a class, or an object with `phases` and `observe`."""
     if isinstance(scheduler, str):

@@ -46,7 +46,7 @@ from .reward_checks import (
 from .rollout import default_transition
 from .routing import BASE, AdapterRouter
 from .rows import PER_ROW_LOSS_TYPES, pad_rows, pad_samples, padding_loss_scale
-from .scheduling import resolve_scheduler
+from .scheduling import resolve_scheduler, scheduled_phases
 from .sharing import TeamSharingMixin
 from .team_actions import TeamActionsMixin, resolve_team_inputs
 from .vllm_generation import TeamVLLMMixin
@@ -117,8 +117,10 @@ class TeamTrainer(TeamSharingMixin, CheckpointMixin, TeamMetricsMixin, TeamActio
         )
         self.task = task
         self.transition = transition or default_transition
-        # Resolved before any model loads: an unknown or broken scheduler plugin fails here.
+        # Resolved and checked before any model loads: an unknown or broken scheduler plugin, or phases that list an
+        # agent twice in a turn, fail here.
         self.scheduler = resolve_scheduler(scheduler if scheduler is not None else args.scheduler)
+        scheduled_phases(self.scheduler, args.num_agents, args.num_turns)
 
         if isinstance(model, str):
             model = create_model_from_path(model, **model_init_kwargs_for(args, quantization_config))
