@@ -13,7 +13,6 @@ group for root nodes. A node's joint actions are numbered in row-major order of 
 """
 
 import copy
-import itertools
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from collections.abc import Callable
 import torch
 from trl.trainer.utils import nanstd
 
-from .advantages import node_credit, team_rewards, tree_returns
+from .advantages import cross_joint_indices, node_credit, team_rewards, tree_returns
 from .episode import (
     Branch,
     EpisodeRollout,
@@ -196,14 +195,16 @@ class TreeRollout(EpisodeRollout):
                 ]
             )
         )
-        num_generations, num_agents = self.num_generations, self.num_agents
+        # Joint action k takes completion layout[k][a] of agent a; agent 0's is the slot's own (rows of the slot's
+        # position), the other agents' come from the node's other slots.
+        layout = cross_joint_indices(self.num_agents, self.num_generations).tolist()
+        per_position = self.num_generations ** (self.num_agents - 1)
         result = []
         for slot, samples in zip(slots, per_slot):
-            for rest, others in enumerate(itertools.product(range(num_generations), repeat=num_agents - 1)):
+            for index in range(slot.position * per_position, (slot.position + 1) * per_position):
                 members = {0: samples[0]} | {
-                    a + 1: completions_at[(slot.node, g)][a + 1] for a, g in enumerate(others)
+                    a: completions_at[(slot.node, g)][a] for a, g in enumerate(layout[index]) if a > 0
                 }
-                index = slot.position * num_generations ** (num_agents - 1) + rest
                 result.append(joint_action(slot, index, members))
         return result
 

@@ -93,7 +93,6 @@ class Debate(Parallel):
 
 
 parallel, sequential, round_robin, debate = Parallel(), Sequential(), RoundRobin(), Debate()
-SCHEDULERS = {s.name: s for s in (parallel, sequential, round_robin, debate)}
 
 
 def scheduled_phases(scheduler, num_agents: int, num_turns: int) -> list[list[list[int]]]:
