@@ -12,7 +12,7 @@
 It builds the algorithm's trainer (`MAGRPOTrainer` or `ATGRPOTrainer`) on the split and returns
 `trainer.evaluate()`'s metrics without the `eval_` prefix (the team reward `reward`, the reward's logged levels such
 as `coding/pass_at_1` or `rewards/summary_reward/style`) and without the ones that describe training only (the loss,
-clipping, advantages, epoch and token count: `TRAINING_METRICS`).
+clipping, advantages, epoch and token count: `metrics.TRAINING_METRICS`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import tempfile
 from typing import Any
 
 from .cli_train import ALGORITHMS
+from .metrics import is_training_metric
 from .tasks import Task, resolve_task, task_defaults
 
 BASELINES = ("team", "parallel", "sequential", "single")
@@ -131,24 +132,6 @@ def team_settings(spec: dict) -> dict[str, Any]:
     agents = [{"name": agent["name"], "system_prompt": agent["system_prompt"]} for agent in spec["agents"]]
     recorded = {name: spec[name] for name in GENERATION_FIELDS if name in spec}
     return {"agents": agents, "adapter_mode": spec["adapter_mode"], "num_turns": spec["num_turns"], **recorded}
-
-
-# What `trainer.evaluate()` logs but describes training, not the evaluated team: the loss and PPO's clipping
-# fractions (the policy is its own old policy here: always 0), the advantages (the learning signal of a step, not a
-# score), the epoch, TRL's count of training tokens seen (`num_tokens`), and what only a training step logs
-# (`grad_norm`, `learning_rate`). Kept: the team reward and its levels (`reward`, `rewards/*`, a task's own keys such
-# as `coding/pass_at_1`), lengths (`completions/*`, `agents/*/completion_length`), turns, episodes, the policy's
-# `entropy` (and `kl` to the base with `beta > 0`), and the evaluation's runtime.
-TRAINING_METRICS = ("loss", "epoch", "num_tokens", "grad_norm", "learning_rate")
-TRAINING_METRIC_PREFIXES = ("clip_ratio/",)
-TRAINING_METRIC_SUFFIXES = ("/advantage_mean", "/advantage_std")
-
-
-def is_training_metric(key: str) -> bool:
-    """Whether an `evaluate()` metric (without its `eval_` prefix) describes training only (`TRAINING_METRICS`)."""
-    return (
-        key in TRAINING_METRICS or key.startswith(TRAINING_METRIC_PREFIXES) or key.endswith(TRAINING_METRIC_SUFFIXES)
-    )
 
 
 def resolve_reward(func):

@@ -8,6 +8,23 @@ from .advantages import team_rewards
 from .episode import JointAction, Rollout
 from .tasks import local_rewards
 
+# What `trainer.evaluate()` logs but describes training, not the evaluated team: the loss and PPO's clipping
+# fractions (the policy is its own old policy here: always 0), the advantages (the learning signal of a step, not a
+# score), the epoch, TRL's count of training tokens seen (`num_tokens`), and what only a training step logs
+# (`grad_norm`, `learning_rate`). Kept: the team reward and its levels (`reward`, `rewards/*`, a task's own keys such
+# as `coding/pass_at_1`), lengths (`completions/*`, `agents/*/completion_length`), turns, episodes, the policy's
+# `entropy` (and `kl` to the base with `beta > 0`), and the evaluation's runtime.
+TRAINING_METRICS = ("loss", "epoch", "num_tokens", "grad_norm", "learning_rate")
+TRAINING_METRIC_PREFIXES = ("clip_ratio/",)
+TRAINING_METRIC_SUFFIXES = ("/advantage_mean", "/advantage_std")
+
+
+def is_training_metric(key: str) -> bool:
+    """Whether an `evaluate()` metric (without its `eval_` prefix) describes training only (`TRAINING_METRICS`)."""
+    return (
+        key in TRAINING_METRICS or key.startswith(TRAINING_METRIC_PREFIXES) or key.endswith(TRAINING_METRIC_SUFFIXES)
+    )
+
 
 class TeamMetricsMixin:
     """Metric logging of both trainers (mixed into `TeamTrainer` before `GRPOTrainer`, whose buffers it fills)."""

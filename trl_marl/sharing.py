@@ -22,8 +22,8 @@ from transformers import is_wandb_available
 from transformers.trainer_utils import HubStrategy
 from trl.trainer.utils import get_comet_experiment_url, get_trackio_space_url
 
-from .evaluation import is_training_metric
 from .hub import CARD_FILE, copy_team_files, hub_base_model, hub_snapshot_id, make_adapter_configs_portable
+from .metrics import is_training_metric
 from .team import base_model_name, team_spec, write_team_file
 from .team_card import CardContents, team_model_card
 
@@ -149,7 +149,7 @@ def folder_name(folder: str | os.PathLike, output_dir: str | os.PathLike) -> str
 
 def _last_logged(log_history: list[dict], eval_: bool) -> tuple[int | None, dict[str, float]]:
     """The step and the numeric metrics of the last log entry holding the team reward (`reward`, or `eval_reward`);
-    an evaluation's without the keys that describe training only (`evaluation.is_training_metric`: the loss, clipping,
+    an evaluation's without the keys that describe training only (`metrics.is_training_metric`: the loss, clipping,
     advantages, token count)."""
     key = "eval_reward" if eval_ else "reward"
     for entry in reversed(log_history):
