@@ -27,8 +27,7 @@ from transformers import TrainerCallback
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, default_model_path
 from trl_marl.cli import estimate_config
-from trl_marl.config import default_mixed_precision
-from trl_marl.models import four_bit_config, half_precision_dtype
+from trl_marl.precision import default_mixed_precision, four_bit_config, half_precision_dtype
 
 HERE = Path(__file__).resolve().parent
 GIB = 1024**3

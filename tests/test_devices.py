@@ -9,9 +9,8 @@ import torch
 import yaml
 from transformers import BitsAndBytesConfig
 
-from trl_marl import MAGRPOConfig, models
-from trl_marl.config import default_mixed_precision
-from trl_marl.models import model_init_kwargs_for
+from trl_marl import MAGRPOConfig, precision
+from trl_marl.precision import default_mixed_precision, model_init_kwargs_for
 
 GPU_1 = torch.device("cuda", 1)
 
@@ -51,14 +50,14 @@ def gpu(monkeypatch, bf16_supported):
 
 
 def test_half_precision_is_bf16_only_where_the_gpu_supports_it(monkeypatch):
-    assert models.half_precision_dtype() is None  # no GPU here
-    assert models.four_bit_config().bnb_4bit_compute_dtype == torch.float32
+    assert precision.half_precision_dtype() is None  # no GPU here
+    assert precision.four_bit_config().bnb_4bit_compute_dtype == torch.float32
     gpu(monkeypatch, bf16_supported=True)
-    assert models.half_precision_dtype() is torch.bfloat16
-    assert models.four_bit_config().bnb_4bit_compute_dtype == torch.bfloat16
+    assert precision.half_precision_dtype() is torch.bfloat16
+    assert precision.four_bit_config().bnb_4bit_compute_dtype == torch.bfloat16
     gpu(monkeypatch, bf16_supported=False)
-    assert models.half_precision_dtype() is torch.float16
-    assert models.four_bit_config().bnb_4bit_compute_dtype == torch.float16
+    assert precision.half_precision_dtype() is torch.float16
+    assert precision.four_bit_config().bnb_4bit_compute_dtype == torch.float16
 
 
 def test_an_unset_bf16_becomes_fp16_on_a_gpu_without_bf16_and_says_so(monkeypatch, caplog):
@@ -73,7 +72,7 @@ def test_an_unset_bf16_becomes_fp16_on_a_gpu_without_bf16_and_says_so(monkeypatc
 
 
 def test_an_unset_bf16_without_a_gpu_or_use_cpu_says_which_field_to_set(tmp_path):
-    assert models.half_precision_dtype() is None  # no GPU here
+    assert precision.half_precision_dtype() is None  # no GPU here
     with pytest.raises(ValueError, match=r"no GPU that supports it\. To train on the CPU, set `use_cpu=True`"):
         MAGRPOConfig(output_dir=str(tmp_path), agents=["writer", "critic"])
     config = MAGRPOConfig(output_dir=str(tmp_path), agents=["writer", "critic"], bf16=False)  # a choice is kept

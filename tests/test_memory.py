@@ -96,7 +96,7 @@ def test_4bit_base_bytes_equal_bitsandbytes_on_a_tiny_model(tmp_path):
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is needed for 4-bit bases")
     import bitsandbytes as bnb
 
-    from trl_marl.models import four_bit_config
+    from trl_marl.precision import four_bit_config
 
     config = LlamaConfig(**SMALL, num_key_value_heads=2, tie_word_embeddings=True)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "tiny")

@@ -17,9 +17,9 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
 from .advantages import aligned_credit, baseline_values, cross_credit, group_advantages, team_rewards
 from .atgrpo_trainer import ATGRPOTrainer
 from .config import ATGRPOConfig, MAGRPOConfig, TeamConfig
+from .default_model import DEFAULT_MODEL_ID, default_model_path
 from .episode import NextTurn, RolloutSettings, TransitionError
 from .magrpo_trainer import MAGRPOTrainer
-from .models import DEFAULT_MODEL_ID, default_model_path
 from .registry import PluginError, register_reward, register_scheduler, register_task
 from .reward_checks import RewardFunctionError, for_agent
 from .rollout import default_transition

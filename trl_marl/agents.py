@@ -3,13 +3,10 @@
 import copy
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-
-if TYPE_CHECKING:
-    from .config import TeamConfig
 
 SHARED_ADAPTER_NAME = "team"
 # "ref" would be taken by TRL for its reference adapter, "__base__" means "no adapter" to PEFT.
@@ -81,20 +78,21 @@ def normalize_agents(agents: Any) -> list[dict[str, str]]:
     return normalized
 
 
-def agent_adapter_names(args: "TeamConfig") -> list[str]:
+def agent_adapter_names(agent_names: Sequence[str], adapter_mode: str) -> list[str]:
     """The adapter each agent trains with, in agent order (`"team"` for every agent when adapters are shared)."""
-    if args.adapter_mode == "shared":
-        return [SHARED_ADAPTER_NAME] * args.num_agents
-    return list(args.agent_names)
+    if adapter_mode == "shared":
+        return [SHARED_ADAPTER_NAME] * len(agent_names)
+    return list(agent_names)
 
 
-def lora_config_from_args(args: "TeamConfig") -> LoraConfig:
+def agent_lora_config(r: int, alpha: int, dropout: float, target_modules: Sequence[str] | str) -> LoraConfig:
+    """Every agent's `LoraConfig` (a team config's `lora_*` fields)."""
     return LoraConfig(
-        r=args.lora_r,
-        lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout,
+        r=r,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
         # PEFT takes the "all-linear" shortcut only as a plain string.
-        target_modules="all-linear" if list(args.lora_target_modules) == ["all-linear"] else args.lora_target_modules,
+        target_modules="all-linear" if list(target_modules) == ["all-linear"] else target_modules,
         task_type="CAUSAL_LM",
     )
 

@@ -293,7 +293,8 @@ def training_data(script_args: TrainArguments, args) -> tuple[Any, Any]:
 
 def train(config_path: str | None, overrides: list[str]) -> int:
     """`trl-marl train`: parse, check and load everything a mistake could be found in, then train and save."""
-    from .models import default_model_path, four_bit_config
+    from .default_model import default_model_path
+    from .precision import four_bit_config
 
     script_args, args = parse_train_config(config_path, overrides)
     _, trainer_class = algorithm_classes(script_args.algorithm)

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 from trl import GRPOConfig
 
 from .agents import normalize_agents
-from .models import default_mixed_precision
+from .precision import default_mixed_precision
 from .registry import check_plugin_name
 from .vllm_generation import SERVER_MODE_REASON
 

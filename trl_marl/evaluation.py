@@ -70,8 +70,8 @@ def evaluate_task(
     `reward` averages every agent's turn, `episodes/team_reward` is the team reward each episode ended on, and
     `episodes/success_rate` is added for tasks that define success."""
     from .cli_train import algorithm_classes
+    from .default_model import default_model_path
     from .hub import resolve_team_folder
-    from .models import default_model_path
     from .team import load_team, read_team_file
 
     if baseline not in BASELINES:

@@ -25,7 +25,7 @@ from huggingface_hub import hf_hub_download, snapshot_download
 from huggingface_hub.errors import EntryNotFoundError, HFValidationError, LocalEntryNotFoundError
 from huggingface_hub.utils import validate_repo_id
 
-from .models import DEFAULT_MODEL_ID, _hub_offline, is_default_model
+from .default_model import DEFAULT_MODEL_ID, _hub_offline, is_default_model
 
 TEAM_FILE = "team.json"
 CARD_FILE = "README.md"

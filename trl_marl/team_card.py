@@ -17,8 +17,8 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from .default_model import DEFAULT_MODEL_ID
 from .hub import team_download_patterns
-from .models import DEFAULT_MODEL_ID
 
 TRL_CITATION = textwrap.dedent("""\
     @software{vonwerra2020trl,

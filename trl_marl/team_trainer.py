@@ -29,17 +29,17 @@ from trl.trainer.utils import create_model_from_path
 from .agents import (
     adapter_parameters,
     agent_adapter_names,
+    agent_lora_config,
     attach_agent_adapters,
     cast_frozen_adapters_like_trained,
     check_adapters_train,
     keep_4bit_weights_trainable,
-    lora_config_from_args,
 )
 from .checkpoints import CheckpointMixin
 from .config import TeamConfig
 from .episode import Rollout, RolloutSettings
 from .metrics import TeamMetricsMixin
-from .models import model_init_kwargs_for
+from .precision import model_init_kwargs_for
 from .reward_checks import (
     TeamRewardFunc,
 )
@@ -126,11 +126,16 @@ class TeamTrainer(TeamSharingMixin, CheckpointMixin, TeamMetricsMixin, TeamActio
             model = create_model_from_path(model, **model_init_kwargs_for(args, quantization_config))
 
         self.agent_names = args.agent_names
-        self.agent_adapters = agent_adapter_names(args)
+        self.agent_adapters = agent_adapter_names(args.agent_names, args.adapter_mode)
         self.adapter_names = list(dict.fromkeys(self.agent_adapters))  # each adapter once
         # As TRL: seed before creating adapters, so their initialisation is reproducible (and equal to TRL's).
         set_seed(args.seed)
-        model = attach_agent_adapters(model, self.agent_adapters, peft_config or lora_config_from_args(args))
+        model = attach_agent_adapters(
+            model,
+            self.agent_adapters,
+            peft_config
+            or agent_lora_config(args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules),
+        )
         # Frozen agents act but do not train: their adapters (unless shared with a trained agent) get no gradient,
         # so the optimizer, built from what requires grad, never holds them.
         self.trained_agents = [i for i, name in enumerate(self.agent_names) if name not in args.frozen_agents]

