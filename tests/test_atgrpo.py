@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from trl_marl.advantages import ADVANTAGE_EPS
-from trl_marl.atgrpo import ATGRPORollout, choose
-from trl_marl.episode import RolloutSettings
+from trl_marl.atgrpo_rollout import ATGRPORollout, choose
+from trl_marl.rollout import RolloutSettings
 from trl_marl.scheduling import parallel, sequential
 
 NAMES = ["a", "b"]

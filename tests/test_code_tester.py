@@ -17,9 +17,9 @@ from tiny_run import TINY_RUN
 
 import trl_marl.tasks.coding.code_tester as code_tester
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, NextTurn
-from trl_marl.atgrpo import ATGRPORollout
-from trl_marl.episode import RolloutSettings
+from trl_marl.atgrpo_rollout import ATGRPORollout
 from trl_marl.registry import load_plugin
+from trl_marl.rollout import RolloutSettings
 from trl_marl.scheduling import sequential
 from trl_marl.tasks import local_rewards
 from trl_marl.tasks.coding.code_tester import (

@@ -17,8 +17,8 @@ from test_trainer import lora_params, randomize_adapters
 from tiny_run import TINY_RUN
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, NextTurn
-from trl_marl.atgrpo import ATGRPORollout
-from trl_marl.episode import RolloutSettings
+from trl_marl.atgrpo_rollout import ATGRPORollout
+from trl_marl.rollout import RolloutSettings
 from trl_marl.sandbox import Limits
 from trl_marl.scheduling import sequential
 from trl_marl.tasks import local_rewards, resolve_task

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from trl_marl.advantages import tree_returns
-from trl_marl.rollout import NextTurn, RolloutSettings, TransitionError, TreeRollout, default_transition
+from trl_marl.magrpo_rollout import TreeRollout
+from trl_marl.rollout import NextTurn, RolloutSettings, TransitionError, default_transition
 from trl_marl.rows import pad_rows, row_digest
 
 EPS = 1e-4

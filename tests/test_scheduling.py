@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer
+from trl_marl.magrpo_rollout import TreeRollout
 from trl_marl.registry import load_plugin
-from trl_marl.rollout import RolloutSettings, TreeRollout, default_transition
+from trl_marl.rollout import RolloutSettings, default_transition
 from trl_marl.scheduling import Parallel
 
 NAMES = ["ann", "bob", "cy"]

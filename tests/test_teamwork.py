@@ -5,7 +5,7 @@ team rewards against hand-computed values, the per-role reward that misleads, he
 import pytest
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, load_team
-from trl_marl.episode import NextTurn
+from trl_marl.rollout import NextTurn
 from trl_marl.tasks import resolve_task, task_defaults
 from trl_marl.tasks.categories import CATEGORIES, listed_items, mentioned
 from trl_marl.tasks.teamwork import (

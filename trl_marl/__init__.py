@@ -18,11 +18,10 @@ from .advantages import aligned_credit, baseline_values, cross_credit, group_adv
 from .atgrpo_trainer import ATGRPOTrainer
 from .config import ATGRPOConfig, MAGRPOConfig, TeamConfig
 from .default_model import DEFAULT_MODEL_ID, default_model_path
-from .episode import NextTurn, RolloutSettings, TransitionError
 from .magrpo_trainer import MAGRPOTrainer
 from .registry import PluginError, register_reward, register_scheduler, register_task
 from .reward_checks import RewardFunctionError, for_agent
-from .rollout import default_transition
+from .rollout import NextTurn, RolloutSettings, TransitionError, default_transition
 from .tasks import Task
 from .team import Team, TeamRun, load_team
 from .team_trainer import TeamTrainer

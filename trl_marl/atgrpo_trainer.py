@@ -4,9 +4,9 @@
 
 import textwrap
 
-from .atgrpo import ATGRPORollout
+from .atgrpo_rollout import ATGRPORollout
 from .config import ATGRPOConfig
-from .episode import JointAction, Rollout
+from .rollout import JointAction, Rollout
 from .tasks import local_rewards
 from .team_trainer import TeamTrainer
 

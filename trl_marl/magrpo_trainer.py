@@ -6,8 +6,8 @@ answers at every node, joint actions get one team reward, returns and advantages
 import textwrap
 
 from .config import MAGRPOConfig
-from .episode import Rollout
-from .rollout import TreeRollout
+from .magrpo_rollout import TreeRollout
+from .rollout import Rollout
 from .team_trainer import TeamTrainer
 
 

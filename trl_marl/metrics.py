@@ -5,7 +5,7 @@ from accelerate.utils import gather_object
 from trl.trainer.utils import nanstd
 
 from .advantages import team_rewards
-from .episode import JointAction, Rollout
+from .rollout import JointAction, Rollout
 from .tasks import local_rewards
 
 # What `trainer.evaluate()` logs but describes training, not the evaluated team: the loss and PPO's clipping

@@ -30,12 +30,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 from .agents import agent_prompt, keep_4bit_weights_trainable
 from .config import ATGRPOConfig
 from .default_model import DEFAULT_MODEL_ID, default_model_path, is_default_model
-from .episode import RolloutSettings
 from .hub import TEAM_FILE, resolve_team_folder
 from .importable import import_by_name, importable_name
+from .magrpo_rollout import TreeRollout
 from .precision import four_bit_config
 from .registry import PluginError
-from .rollout import TreeRollout, default_transition
+from .rollout import RolloutSettings, default_transition
 from .routing import AdapterRouter
 from .scheduling import Prompt, resolve_scheduler
 from .tasks import resolve_task

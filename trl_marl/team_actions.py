@@ -13,7 +13,6 @@ from trl.extras.profiling import profiling_context
 from trl.trainer.utils import is_async_callable
 
 from .agents import agent_prompt
-from .episode import JointAction
 from .registry import load_plugin
 from .reward_checks import (
     LOCAL_REWARD_ARGUMENTS,
@@ -22,6 +21,7 @@ from .reward_checks import (
     check_dataset_columns,
     checked_team_reward,
 )
+from .rollout import JointAction
 from .tasks import resolve_task
 
 

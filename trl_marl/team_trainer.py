@@ -37,13 +37,12 @@ from .agents import (
 )
 from .checkpoints import CheckpointMixin
 from .config import TeamConfig
-from .episode import Rollout, RolloutSettings
 from .metrics import TeamMetricsMixin
 from .precision import model_init_kwargs_for
 from .reward_checks import (
     TeamRewardFunc,
 )
-from .rollout import default_transition
+from .rollout import Rollout, RolloutSettings, default_transition
 from .routing import BASE, AdapterRouter
 from .rows import PER_ROW_LOSS_TYPES, pad_rows, pad_samples, padding_loss_scale
 from .scheduling import resolve_scheduler, scheduled_phases
@@ -73,7 +72,7 @@ class TeamTrainer(TeamSharingMixin, CheckpointMixin, TeamMetricsMixin, TeamActio
         peft_config: a `LoraConfig` for every agent's adapter; defaults to one built from the `lora_*` fields.
         transition: with `num_turns > 1`, what each agent sees at the next turn of one branch:
             `f(prompt, joint_action, history, turn, observations, reward, **columns)` returns one prompt per agent (a
-            list, or a dict agent name -> prompt) or `NextTurn(prompts, done)`; see [`~trl_marl.episode.NextTurn`].
+            list, or a dict agent name -> prompt) or `NextTurn(prompts, done)`; see [`~trl_marl.rollout.NextTurn`].
             Defaults to [`~trl_marl.rollout.default_transition`]: the task prompt again (the scheduler adds what was
             said).
         scheduler: a scheduler object or plugin name overriding `args.scheduler` (see `trl_marl.scheduling`).

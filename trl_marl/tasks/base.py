@@ -50,7 +50,7 @@ class Task:
         return None
 
     def transition(self, **kwargs) -> Any:
-        """Each agent's next prompt (feedback) or `NextTurn(done=True)`; see `trl_marl.episode.NextTurn`. Default: the
+        """Each agent's next prompt (feedback) or `NextTurn(done=True)`; see `trl_marl.rollout.NextTurn`. Default: the
         task prompt again."""
         return default_transition(**kwargs)
 

@@ -21,7 +21,7 @@ import re
 
 from datasets import Dataset
 
-from ..episode import NextTurn
+from ..rollout import NextTurn
 from .base import Task
 from .categories import CATEGORIES, listed_items, mentioned
 

@@ -24,7 +24,7 @@ import torch
 
 from .advantages import group_advantages, team_rewards
 from .config import CONTINUATIONS
-from .episode import (
+from .rollout import (
     EpisodeRollout,
     JointAction,
     Rollout,
@@ -41,7 +41,7 @@ GroupKey = tuple[int, int, int]  # (episode, turn, agent): the episode is the pr
 
 
 @dataclass
-class Branch:
+class EpisodeBranch:
     """One copy of a problem's episode: the dataset row, the environment state, and what the team said so far."""
 
     example: dict
@@ -89,7 +89,7 @@ class ATGRPORollout(EpisodeRollout):
 
     Args:
         settings: the agents, turns, reward weights, baseline and scaling, transition (which also receives `state`
-            when the task keeps one), scheduler and task hooks ([`~trl_marl.episode.RolloutSettings`]). Here an episode
+            when the task keeps one), scheduler and task hooks ([`~trl_marl.rollout.RolloutSettings`]). Here an episode
             ends after a turn whose last chosen candidate's team reward reached `termination_threshold`.
         num_generations: G, candidates per (problem, turn, agent) group.
         team_reward_weight: α.
@@ -142,7 +142,9 @@ class ATGRPORollout(EpisodeRollout):
             copy_index = first_copy + row
             state = self.reset(example)  # must depend on the row only: every copy starts from the same state
             observations = [example["prompt"]] * self.num_agents
-            branches.append(Branch(example, copy_index // num_generations, copy_index % num_generations, observations))
+            branches.append(
+                EpisodeBranch(example, copy_index // num_generations, copy_index % num_generations, observations)
+            )
             branches[-1].state = state
         candidates: list[Candidate] = []
         chosen: dict[GroupKey, tuple[int, float, float]] = {}  # group -> (position, reward, team reward)
@@ -255,19 +257,19 @@ class ATGRPORollout(EpisodeRollout):
 
     # ------------------------------------------------------------------ between turns
 
-    def _turn_outcome(self, branch: Branch, turn: int, chosen) -> tuple[int, float, float]:
+    def _turn_outcome(self, branch: EpisodeBranch, turn: int, chosen) -> tuple[int, float, float]:
         """(position, reward, team reward) of the candidate chosen for the last agent to act in `turn`: the joint
         action the turn ended on."""
         last_agent = [agent for phase in self.phases[turn] for agent in phase][-1]
         return chosen[(branch.episode, turn, last_agent)]
 
-    def _reached_threshold(self, turn: int, branch: Branch, chosen) -> bool:
+    def _reached_threshold(self, turn: int, branch: EpisodeBranch, chosen) -> bool:
         if self.settings.termination_threshold is None:
             return False
         team = self._turn_outcome(branch, turn, chosen)[2]
         return team == team and team >= self.settings.termination_threshold
 
-    def _next_turn(self, branch: Branch, turn: int, chosen) -> tuple[list[Prompt], bool]:
+    def _next_turn(self, branch: EpisodeBranch, turn: int, chosen) -> tuple[list[Prompt], bool]:
         name = transition_name(self.settings.transition)
         columns = {key: value for key, value in branch.example.items() if key != "prompt"}
         extra = {"state": branch.state} if branch.state is not None else {}
@@ -375,11 +377,11 @@ class ATGRPORollout(EpisodeRollout):
             metrics=metrics,
         )
 
-    def _final_team_reward(self, branch: Branch, chosen) -> float:
+    def _final_team_reward(self, branch: EpisodeBranch, chosen) -> float:
         """The team reward of the joint action the episode ended on. Unlike the mean over every candidate
         (`rewards/<team reward>/mean`), it never scores a candidate against a teammate who has not answered yet."""
         return self._turn_outcome(branch, len(branch.history) - 1, chosen)[2]
 
-    def _success(self, branch: Branch) -> bool | None:
+    def _success(self, branch: EpisodeBranch) -> bool | None:
         result = self.success(branch.example, branch.state, dict(branch.latest))
         return None if result is None else bool(result)
