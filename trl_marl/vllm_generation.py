@@ -38,6 +38,7 @@ from trl.generation import vllm_generation
 from trl.generation.vllm_generation import VLLMGeneration, empty_cache
 from trl.trainer import grpo_trainer
 
+from .config import SERVER_MODE_REASON
 from .memory.geometry import VLLM_MAX_NUM_BATCHED_TOKENS, vllm_max_num_seqs
 from .routing import BASE
 from .vllm_serving import (
@@ -48,12 +49,6 @@ from .vllm_serving import (
     keep_base_when_sleeping,
     lora_engine_settings,
     shut_down_engine,
-)
-
-SERVER_MODE_REASON = (
-    "`vllm_mode='server'` is not supported: TRL's `trl vllm-serve` server receives merged full weights, one policy, "
-    "while each agent needs its own adapter in the same batch. Use `vllm_mode='colocate'`, which serves every agent's "
-    "adapter as a LoRA from one engine in the trainer's process."
 )
 
 
