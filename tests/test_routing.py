@@ -5,7 +5,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from trl_marl.routing import BASE, AdapterRouter
+from trl_marl.routing import BASE, AdapterRouter, check_sharding_routable
 
 ROWS = ["left", "right", "right", "left"]
 
@@ -138,3 +138,13 @@ def test_routing_tensors_are_built_on_the_adapters_device(tiny_model_dir):
     assert router._mask(layer, torch.device("meta"), torch.float32).device.type == "meta"
     output = model(input_ids=torch.zeros(4, 3, dtype=torch.long, device="meta")).logits
     assert output.device.type == "meta" and output.shape[:2] == (4, 3)
+
+
+@pytest.mark.parametrize("sharding", ["FSDP", "DeepSpeed ZeRO-3"])
+def test_several_adapters_are_refused_under_sharded_parameters_and_one_is_not(sharding):
+    """Every process gathers a sharded module together; processes whose rows go to different agents would run
+    different adapters' modules (pairing one's weights with another's, or waiting forever)."""
+    with pytest.raises(ValueError, match=rf"A team of 2 adapters cannot train under {sharding}.*'shared'"):
+        check_sharding_routable(2, sharding)
+    check_sharding_routable(1, sharding)
+    check_sharding_routable(3, None)

@@ -11,7 +11,8 @@ rank: `h = x A_catᵀ` gives every agent's rank-space projection of every row, a
 block, and `h B_catᵀ` (B scaled per agent) is each row's `scale_a · B_a A_a x`. Nothing is copied per row: the extra
 memory is the concatenated adapters (cached during generation) and `h`, rows × tokens × the summed ranks. Other
 layers (LoRA variants, `modules_to_save`, …), and every layer under DeepSpeed ZeRO-3 (whose parameters are gathered
-only while their own module runs), use PEFT's own mixed-batch path (`adapter_names=` injected per call).
+only while their own module runs), use PEFT's own mixed-batch path (`adapter_names=` injected per call). Several
+adapters cannot be routed under FSDP or ZeRO-3 at all (`check_sharding_routable`).
 
 A row routed to `BASE` goes through the base model alone: that is how the KL reference (the base, shared by every
 agent) is computed. PEFT's own ways to the base (`disable_adapter()`, TRL's `use_adapter(model, None)`) end in
@@ -54,6 +55,24 @@ def missing_peft_internals(model: PeftModel) -> list[str]:
     if "adapter_names" not in parameters and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
         missing.append(f"{type(layer).__name__}.forward(..., adapter_names=...)")
     return missing
+
+
+def check_sharding_routable(num_adapters: int, sharding: str | None) -> None:
+    """Refuse several adapters under a sharding of parameters (`sharding`: "FSDP" or "DeepSpeed ZeRO-3", None for
+    none), naming the reason and what to use instead.
+
+    A sharded parameter is gathered by a collective that every process runs together, module by module. Rows of one
+    micro-batch go to different adapters on different processes (and a process may hold no row of some agent), so
+    the processes would run different adapters' modules, in different orders: the gathers would pair one process's
+    adapter with another's weights, or wait forever. One adapter (`adapter_mode="shared"`) runs the same modules on
+    every process."""
+    if sharding and num_adapters > 1:
+        raise ValueError(
+            f"A team of {num_adapters} adapters cannot train under {sharding}: its parameters are gathered module by "
+            "module by every process together, while each process's rows go through different agents' adapters. Use "
+            "DDP or DeepSpeed ZeRO-1/2 (a 4-bit base and LoRA adapters fit one GPU per process), or one adapter for "
+            "the whole team (`adapter_mode='shared'`)."
+        )
 
 
 def check_peft_internals(model: PeftModel) -> None:
@@ -100,7 +119,8 @@ class AdapterRouter:
 
     def _is_plain_lora(self, layer: LoraLayer) -> bool:
         # Under ZeRO-3 a parameter is gathered only while its own module runs; the batched path reads the adapters'
-        # weights without running `lora_A` / `lora_B`, so it would see empty partitions. PEFT's path runs them.
+        # weights without running `lora_A` / `lora_B`, so it would see empty partitions. PEFT's path runs them (a team
+        # under ZeRO-3 has one adapter: `check_sharding_routable`).
         if is_deepspeed_zero3_enabled():
             return False
         if getattr(layer, "fan_in_fan_out", False) or not all(name in layer.lora_A for name in self.adapter_names):

@@ -43,7 +43,7 @@ from .reward_checks import (
     TeamRewardFunc,
 )
 from .rollout import Rollout, RolloutSettings, default_transition
-from .routing import BASE, AdapterRouter
+from .routing import BASE, AdapterRouter, check_sharding_routable
 from .rows import PER_ROW_LOSS_TYPES, pad_rows, pad_samples, padding_loss_scale
 from .scheduling import resolve_scheduler, scheduled_phases
 from .sharing import TeamSharingMixin
@@ -167,7 +167,11 @@ class TeamTrainer(TeamSharingMixin, CheckpointMixin, TeamMetricsMixin, TeamActio
         self.beta = beta
 
         deepspeed_plugin = self.accelerator.state.deepspeed_plugin
-        if args.num_turns > 1 and (self.is_fsdp_enabled or deepspeed_plugin and deepspeed_plugin.zero_stage == 3):
+        zero3 = deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3
+        check_sharding_routable(
+            len(self.adapter_names), "FSDP" if self.is_fsdp_enabled else "DeepSpeed ZeRO-3" if zero3 else None
+        )
+        if args.num_turns > 1 and (self.is_fsdp_enabled or zero3):
             raise ValueError(
                 f"`num_turns={args.num_turns}` is not supported with FSDP or DeepSpeed ZeRO-3: trees differ between "
                 "processes, so they run different numbers of `generate` calls, which sharded parameters cannot serve. "
