@@ -7,7 +7,7 @@ from trl_marl import MAGRPOConfig, MAGRPOTrainer
 from trl_marl.magrpo_rollout import TreeRollout
 from trl_marl.registry import load_plugin
 from trl_marl.rollout import RolloutSettings, default_transition
-from trl_marl.scheduling import Parallel
+from trl_marl.scheduling import Parallel, scheduled_phases
 
 NAMES = ["ann", "bob", "cy"]
 TASK = "Plan a picnic."
@@ -114,6 +114,8 @@ class Listed(Parallel):
         ([[0], [1], [0]], "agent 0 acts twice"),
         ([[0, 1, 1]], "agent 1 acts twice"),
         ([[0], [2]], r"agent index 2 is not one of the 2 agents \(0-1\)"),
+        ([[0], [True]], r"True is not an agent index \(an integer\)"),
+        ([["critic"]], r"'critic' is not an agent index \(an integer\)"),
         ([], "no agent acts"),
     ],
 )
@@ -125,3 +127,9 @@ def test_a_scheduler_that_lists_an_agent_twice_or_a_missing_one_is_refused_befor
     dataset = [{"prompt": "Say hi."}]
     with pytest.raises(ValueError, match=rf"Scheduler 'listed' .* turn 0 .*: {problem}\. An agent acts at most once"):
         MAGRPOTrainer("no/such-model", reward, args=args, train_dataset=dataset, scheduler=Listed(phases))
+
+
+def test_a_schedule_of_numpy_integers_is_read_as_agent_indices():
+    numpy = pytest.importorskip("numpy")
+    assert scheduled_phases(Listed([list(numpy.arange(2))]), num_agents=2, num_turns=1) == [[[0, 1]]]
+    assert type(scheduled_phases(Listed([numpy.arange(2)]), num_agents=2, num_turns=1)[0][0][0]) is int

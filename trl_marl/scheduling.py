@@ -12,6 +12,7 @@ The built-ins are registered as entry points of the group `trl_marl.schedulers`;
 class) with these two methods.
 """
 
+import operator
 from collections.abc import Sequence
 
 Prompt = str | list[dict]
@@ -103,22 +104,25 @@ def scheduled_phases(scheduler, num_agents: int, num_turns: int) -> list[list[li
     for turn in range(num_turns):
         phases = [list(phase) for phase in scheduler.phases(turn, num_agents)]
         acting = [agent for phase in phases for agent in phase]
-        outside = [agent for agent in acting if not isinstance(agent, int) or not 0 <= agent < num_agents]
+        not_index = [agent for agent in acting if isinstance(agent, bool) or not hasattr(agent, "__index__")]
+        outside = [agent for agent in acting if agent not in not_index and not 0 <= operator.index(agent) < num_agents]
         twice = [agent for index, agent in enumerate(acting) if agent in acting[:index]]
         problem = None
         if not acting:
             problem = "no agent acts"
+        elif not_index:
+            problem = f"{not_index[0]!r} is not an agent index (an integer)"
         elif outside:
-            problem = f"agent index {outside[0]!r} is not one of the {num_agents} agents (0-{num_agents - 1})"
+            problem = f"agent index {int(outside[0])} is not one of the {num_agents} agents (0-{num_agents - 1})"
         elif twice:
-            problem = f"agent {twice[0]} acts twice"
+            problem = f"agent {int(twice[0])} acts twice"
         if problem:
             raise ValueError(
                 f"Scheduler {getattr(scheduler, 'name', type(scheduler).__name__)!r} returned the phases {phases} for "
                 f"turn {turn} of {num_agents} agents: {problem}. An agent acts at most once per turn (its candidates "
                 "from one state form one group); let it answer again at a later turn (`num_turns`)."
             )
-        schedule.append(phases)
+        schedule.append([[operator.index(agent) for agent in phase] for phase in phases])
     return schedule
 
 
