@@ -235,3 +235,15 @@ def test_normalize_then_sum_aggregation_is_rejected(make_config):
     message = error_message(make_config, multi_objective_aggregation="normalize_then_sum")
     assert "`multi_objective_aggregation='normalize_then_sum'`" in message
     assert "'sum_then_normalize'" in message
+
+
+def test_the_best_checkpoint_is_the_one_with_the_best_team_reward_unless_told_otherwise(tmp_path):
+    """transformers ranks checkpoints by the eval loss when no metric is named: GRPO's surrogate loss, not a score."""
+    settings = dict(
+        output_dir=str(tmp_path), agents=["writer", "critic"], eval_strategy="steps", save_strategy="steps"
+    )
+    best = MAGRPOConfig(**settings, load_best_model_at_end=True, use_cpu=True)
+    assert (best.metric_for_best_model, best.greater_is_better) == ("reward", True)
+    named = MAGRPOConfig(**settings, load_best_model_at_end=True, metric_for_best_model="loss", use_cpu=True)
+    assert (named.metric_for_best_model, named.greater_is_better) == ("loss", False)
+    assert MAGRPOConfig(**settings, use_cpu=True).metric_for_best_model is None

@@ -100,7 +100,10 @@ def test_resuming_a_4bit_team_keeps_its_adapters_dtype_and_equals_the_uninterrup
     first.add_callback(StopAt(2))
     first.train()
     resumed = make_trainer(tiny_model_dir, tmp_path / "b", quantization_config=four_bit(), **settings)
+    parameters = {name: p for name, p in resumed.model.named_parameters() if "lora_" in name}
     resumed.train(resume_from_checkpoint=True)
+    # The reloaded values went into the parameters the trainer holds (PEFT's reload makes new ones).
+    assert all(p is parameters[name] for name, p in resumed.model.named_parameters() if "lora_" in name)
 
     assert resumed.state.global_step == 4
     expected, final = adapters(uninterrupted), adapters(resumed)

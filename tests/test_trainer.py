@@ -57,6 +57,7 @@ def randomize_adapters(trainer, seed=0):
 @pytest.mark.parametrize(
     "joint_mode, checkpointing",
     [("aligned", {}), ("cross", {}), ("aligned", {"use_reentrant": True}), ("aligned", {"use_reentrant": False})],
+    ids=["aligned", "cross", "checkpointed-reentrant", "checkpointed-non-reentrant"],
 )
 def test_every_adapter_trains_and_base_stays_frozen(tiny_model_dir, tmp_path, joint_mode, checkpointing):
     overrides = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs=checkpointing) if checkpointing else {}

@@ -237,6 +237,9 @@ class TeamConfig(GRPOConfig, metaclass=_TeamConfigType):
                 f"{self._algorithm}: team rewards are combined as a weighted sum, then baselined per prompt group. "
                 "Use 'sum_then_normalize'."
             )
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            # transformers would rank checkpoints by the eval loss, GRPO's surrogate: it says nothing of the team.
+            self.metric_for_best_model = "reward"
         super().__post_init__()
 
         for field_name in ("num_generations", "num_generations_eval"):

@@ -315,14 +315,20 @@ class TeamTrainer(TeamSharingMixin, CheckpointMixin, TeamMetricsMixin, TeamActio
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         unwrapped = self.accelerator.unwrap_model(model or self.model)
-        dtypes = {name: param.dtype for name, param in unwrapped.named_parameters() if "lora_" in name}
+        kept = {name: param for name, param in unwrapped.named_parameters() if "lora_" in name}
         super()._load_from_checkpoint(resume_from_checkpoint, model=model)
-        # Trainer reloads every adapter with PEFT's `load_adapter`, which upcasts it to float32 (on a 4-bit base the
-        # adapters train in bf16) and leaves only the active adapter trainable; it builds the optimizer afterwards.
-        # Without this, a resumed run would go on in another precision and train a single agent (or a frozen one).
-        for name, param in unwrapped.named_parameters():
-            if name in dtypes and param.dtype != dtypes[name]:
-                param.data = param.data.to(dtypes[name])
+        # Trainer reloads every adapter with PEFT's `load_adapter`, which may replace its parameters with float32 ones
+        # (on a 4-bit base the adapters train in bf16) and leaves only the active adapter trainable. The loaded values
+        # go back into the parameters the optimizer, DDP and the router hold, in their own precision; without this a
+        # resumed run would go on in another precision and train a single agent (or a frozen one), and a `train()`
+        # after the best model was loaded would find the adapters outside its optimizer.
+        with torch.no_grad():
+            for name, loaded in list(unwrapped.named_parameters()):
+                param = kept.get(name)
+                if param is not None and loaded is not param:
+                    param.copy_(loaded)
+                    module, _, attribute = name.rpartition(".")
+                    setattr(unwrapped.get_submodule(module), attribute, param)
         self._set_adapter_trainability(unwrapped)
         self._adapter_parameters = adapter_parameters(unwrapped, self.adapter_names)
 
