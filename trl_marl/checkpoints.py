@@ -1,4 +1,5 @@
-"""Checkpoints that a crash cannot corrupt, and resuming exactly where training stopped (a mixin of the trainers).
+"""Checkpoints that a crash cannot corrupt, and resuming exactly where training stopped: the functions and the sampler
+that `TeamTrainer`'s checkpoint overrides (`train`, `_save_checkpoint`, `_load_rng_state`, `_get_train_sampler`) use.
 
 `transformers.Trainer` writes `checkpoint-N/` file by file and `resume_from_checkpoint=True` takes the highest N, so
 a process killed while writing leaves a folder that looks like the latest checkpoint and cannot be loaded. Here:
@@ -27,7 +28,7 @@ import re
 import torch
 from accelerate.utils import send_to_device
 from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.trainer.utils import RepeatSampler
 
 logger = logging.getLogger("trl_marl")
@@ -95,95 +96,80 @@ class ResumableRepeatSampler(RepeatSampler):
                 torch.randperm(self.num_samples, generator=self.generator)
 
 
-class CheckpointMixin:
-    """Crash-safe checkpoints and exact resume for a `GRPOTrainer` subclass (see the module docstring)."""
+def resumable_sampler(sampler, epoch: int):
+    """TRL's shuffling `RepeatSampler` as a `ResumableRepeatSampler` from `epoch` on; any other sampler as it is."""
+    if type(sampler) is not RepeatSampler or not sampler.shuffle or sampler.seed is None:
+        return sampler
+    return ResumableRepeatSampler(
+        data_source=sampler.data_source,
+        mini_repeat_count=sampler.mini_repeat_count,
+        batch_size=sampler.batch_size,
+        repeat_count=sampler.repeat_count,
+        shuffle=sampler.shuffle,
+        seed=sampler.seed,
+        epoch=epoch,
+    )
 
-    def _get_train_sampler(self, dataset=None):
-        sampler = super()._get_train_sampler(dataset)
-        if type(sampler) is not RepeatSampler or not sampler.shuffle or sampler.seed is None:
-            return sampler
-        return ResumableRepeatSampler(
-            data_source=sampler.data_source,
-            mini_repeat_count=sampler.mini_repeat_count,
-            batch_size=sampler.batch_size,
-            repeat_count=sampler.repeat_count,
-            shuffle=sampler.shuffle,
-            seed=sampler.seed,
-            epoch=getattr(self, "_resumed_epoch", 0),
-        )
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(
-                    f"resume_from_checkpoint=True, but {self.args.output_dir} holds no complete checkpoint (a "
-                    f"`checkpoint-N` folder with {COMPLETE_MARKER}). Train without resuming, or pass the folder of "
-                    "one."
-                )
-            logger.info("Resuming from %s, the latest complete checkpoint.", resume_from_checkpoint)
-        elif resume_from_checkpoint and not is_complete_checkpoint(resume_from_checkpoint):
-            latest = last_complete_checkpoint(os.path.dirname(os.path.abspath(resume_from_checkpoint)))
+def checkpoint_to_resume(resume_from_checkpoint: str | bool | None, output_dir: str) -> str | None:
+    """The checkpoint `train(resume_from_checkpoint=...)` resumes from: the latest complete one of `output_dir` for
+    `True`, a given folder if it is complete, None for none. Raises `ValueError` naming what to pass instead."""
+    if resume_from_checkpoint is True:
+        latest = last_complete_checkpoint(output_dir)
+        if latest is None:
             raise ValueError(
-                f"{resume_from_checkpoint} is not a complete trl_marl checkpoint: it has no {COMPLETE_MARKER}, so its "
-                "writing did not finish (the process stopped while saving it) or it was not written by a trl_marl "
-                f"trainer. The latest complete checkpoint beside it: {latest}. Resume from that one (or pass "
-                "resume_from_checkpoint=True)."
+                f"resume_from_checkpoint=True, but {output_dir} holds no complete checkpoint (a `checkpoint-N` "
+                f"folder with {COMPLETE_MARKER}). Train without resuming, or pass the folder of one."
             )
-        self._resumed_epoch = resumed_epoch(resume_from_checkpoint) if resume_from_checkpoint else 0
-        return super().train(resume_from_checkpoint, *args, **kwargs)
-
-    def _save_checkpoint(self, model, trial) -> None:
-        run_dir = self._get_output_dir(trial=trial)
-        checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        marker = os.path.join(checkpoint, COMPLETE_MARKER)
-        if self.args.should_save and os.path.exists(marker):
-            os.remove(marker)  # the folder is being written again: incomplete until this save finishes
-        self.accelerator.wait_for_everyone()
-        save_total_limit, self.args.save_total_limit = self.args.save_total_limit, None
-        try:
-            super()._save_checkpoint(model, trial)  # with rotation postponed until this checkpoint is complete
-        finally:
-            self.args.save_total_limit = save_total_limit
-        os.makedirs(checkpoint, exist_ok=True)
-        rollout_state = {"step": self._step, "buffered_inputs": self._buffered_inputs}
-        torch.save(
-            rollout_state, os.path.join(checkpoint, ROLLOUT_STATE.format(process=self.accelerator.process_index))
+        logger.info("Resuming from %s, the latest complete checkpoint.", latest)
+        return latest
+    if resume_from_checkpoint and not is_complete_checkpoint(resume_from_checkpoint):
+        latest = last_complete_checkpoint(os.path.dirname(os.path.abspath(resume_from_checkpoint)))
+        raise ValueError(
+            f"{resume_from_checkpoint} is not a complete trl_marl checkpoint: it has no {COMPLETE_MARKER}, so its "
+            "writing did not finish (the process stopped while saving it) or it was not written by a trl_marl "
+            f"trainer. The latest complete checkpoint beside it: {latest}. Resume from that one (or pass "
+            "resume_from_checkpoint=True)."
         )
-        self.accelerator.wait_for_everyone()
-        if self.args.should_save:
-            write_json_atomically(
-                marker, {"global_step": self.state.global_step, "num_processes": self.accelerator.num_processes}
-            )
-            rotate_checkpoints(
-                output_dir=run_dir,
-                save_total_limit=save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,
-            )
-        self.accelerator.wait_for_everyone()
+    return resume_from_checkpoint or None
 
-    def _load_rng_state(self, checkpoint: str | None) -> None:
-        # Trainer calls this once when it resumes, right before the first step; restore the generation buffer there.
-        super()._load_rng_state(checkpoint)
-        if checkpoint is None:
-            return
-        path = os.path.join(checkpoint, ROLLOUT_STATE.format(process=self.accelerator.process_index))
-        with open(os.path.join(checkpoint, COMPLETE_MARKER)) as file:
-            saved_processes = json.load(file).get("num_processes")
-        if not os.path.isfile(path) or saved_processes != self.accelerator.num_processes:
-            logger.warning(
-                "%s has no generation buffer for %d process(es) (it was saved by %s): the first step after resuming "
-                "generates new completions, so the run is not an exact continuation.",
-                checkpoint,
-                self.accelerator.num_processes,
-                saved_processes,
-            )
-            return
-        # Loaded on the host, then moved: under several CPU processes the device is `cpu:0`, which `torch.load` cannot
-        # map storages to.
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        self._step, self._buffered_inputs = (
-            state["step"],
-            send_to_device(state["buffered_inputs"], self.accelerator.device),
+
+def mark_incomplete(checkpoint: str) -> None:
+    """Before a checkpoint folder is written (again): until `mark_complete`, it is incomplete."""
+    marker = os.path.join(checkpoint, COMPLETE_MARKER)
+    if os.path.exists(marker):
+        os.remove(marker)
+
+
+def save_rollout_state(checkpoint: str, process: int, step: int, buffered_inputs) -> None:
+    """This process's generation buffer (GRPO's `_buffered_inputs` and `_step`) into `checkpoint`."""
+    os.makedirs(checkpoint, exist_ok=True)
+    path = os.path.join(checkpoint, ROLLOUT_STATE.format(process=process))
+    torch.save({"step": step, "buffered_inputs": buffered_inputs}, path)
+
+
+def mark_complete(checkpoint: str, global_step: int, num_processes: int) -> None:
+    """Written last, once every process wrote its part: the checkpoint is complete."""
+    content = {"global_step": global_step, "num_processes": num_processes}
+    write_json_atomically(os.path.join(checkpoint, COMPLETE_MARKER), content)
+
+
+def load_rollout_state(checkpoint: str, process: int, num_processes: int, device) -> tuple[int, list] | None:
+    """`(step, buffered_inputs)` this process saved in `checkpoint`, on `device`; None (with a warning: the first
+    step after resuming generates anew) when it has none, or the number of processes changed."""
+    path = os.path.join(checkpoint, ROLLOUT_STATE.format(process=process))
+    with open(os.path.join(checkpoint, COMPLETE_MARKER)) as file:
+        saved_processes = json.load(file).get("num_processes")
+    if not os.path.isfile(path) or saved_processes != num_processes:
+        logger.warning(
+            "%s has no generation buffer for %d process(es) (it was saved by %s): the first step after resuming "
+            "generates new completions, so the run is not an exact continuation.",
+            checkpoint,
+            num_processes,
+            saved_processes,
         )
+        return None
+    # Loaded on the host, then moved: under several CPU processes the device is `cpu:0`, which `torch.load` cannot
+    # map storages to.
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    return state["step"], send_to_device(state["buffered_inputs"], device)

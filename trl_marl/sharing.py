@@ -1,4 +1,5 @@
-"""Saving and sharing the whole team from a trainer (a mixin of `TeamTrainer`).
+"""Saving and sharing the whole team from a trainer: what `TeamTrainer.save_model`, `create_model_card` and
+`_push_from_checkpoint` write.
 
 Every save (`save_model`, each checkpoint, `push_to_hub`) leaves a team that loads on another machine:
 
@@ -24,117 +25,116 @@ from trl.trainer.utils import get_comet_experiment_url, get_trackio_space_url
 
 from .hub import CARD_FILE, copy_team_files, hub_base_model, hub_snapshot_id, make_adapter_configs_portable
 from .metrics import is_training_metric
+from .rollout import RolloutSettings
 from .team import base_model_name, team_spec, write_team_file
 from .team_card import CardContents, team_model_card
 
 
-class TeamSharingMixin:
-    """`save_model`'s team files, the team's model card and the team's pushes for a `TeamTrainer`."""
+def save_team(folder: str | os.PathLike, spec: dict, adapter_names: list[str], card) -> None:
+    """Write `team.json`, make the adapter configs portable and write the team's card, in `folder`, where
+    `save_model` has just saved the adapters and the tokenizer."""
+    write_team_file(folder, spec)
+    make_adapter_configs_portable(folder, adapter_names, spec["base_model"])
+    card.save(Path(folder) / CARD_FILE)
 
-    def _save_team(self, folder: str | os.PathLike) -> None:
-        """Write `team.json`, make the adapter configs portable and write the team's card, in `folder`, where
-        `save_model` has just saved the adapters and the tokenizer."""
-        spec = self._team_spec()
-        write_team_file(folder, spec)
-        make_adapter_configs_portable(folder, self.adapter_names, spec["base_model"])
-        self._team_card(spec, folder).save(Path(folder) / CARD_FILE)
 
-    def _team_spec(self) -> dict:
-        base = self.accelerator.unwrap_model(self.model).get_base_model()
-        used = self.rollout_settings  # the transition and scheduler the rollouts used (fixed at __init__)
-        name = base_model_name(base)
-        name = hub_snapshot_id(name) or name  # a model loaded from its Hub cache snapshot: its repo id, as by id
-        return team_spec(self.args, self.agent_adapters, name, used.transition, used.scheduler, self.task)
+def trained_team_spec(base_model, args, agent_adapters: list[str], rollout_settings: RolloutSettings, task) -> dict:
+    """`team.json`'s content for a trainer's team: its config, adapters, base model (a Hub cache snapshot by its repo
+    id), and the transition and scheduler its rollouts used."""
+    name = base_model_name(base_model)
+    name = hub_snapshot_id(name) or name  # a model loaded from its Hub cache snapshot: its repo id, as by id
+    used = rollout_settings
+    return team_spec(args, agent_adapters, name, used.transition, used.scheduler, task)
 
-    def create_model_card(
-        self, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None
-    ) -> None:
-        """The team's model card in `output_dir/README.md` (TRL's hook, with TRL's arguments)."""
-        if not self.is_world_process_zero():
-            return
-        card = self._team_card(self._team_spec(), self.args.output_dir, model_name, dataset_name, tags)
-        card.save(Path(self.args.output_dir) / CARD_FILE)
 
-    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
-        pushes = self.is_world_process_zero() and self.args.hub_strategy != HubStrategy.END
-        in_progress = getattr(self, "push_in_progress", None)
-        busy = in_progress is not None and not in_progress.is_done()
-        if pushes and (self.args.hub_always_push or not busy):  # as Trainer decides whether this push happens
-            copy_team_files(checkpoint_folder, self.args.output_dir, self.adapter_names)
-        super()._push_from_checkpoint(checkpoint_folder)
+def push_team_files(checkpoint_folder: str, output_dir: str, adapter_names: list[str], args, push_in_progress) -> None:
+    """Before `Trainer._push_from_checkpoint` uploads `output_dir`: copy the checkpoint's adapter folders, `team.json`
+    and card there when Trainer is about to push (it copies only top-level model files itself)."""
+    busy = push_in_progress is not None and not push_in_progress.is_done()
+    if args.hub_strategy != HubStrategy.END and (args.hub_always_push or not busy):
+        copy_team_files(checkpoint_folder, output_dir, adapter_names)
 
-    def _team_card(
-        self,
-        spec: dict,
-        folder: str | os.PathLike,
-        model_name: str | None = None,
-        dataset_name: str | None = None,
-        tags: str | list[str] | None = None,
-    ):
-        hub_model_id = getattr(self, "hub_model_id", None)
-        if model_name is None:
-            model_name = hub_model_id.split("/")[-1] if hub_model_id else Path(self.args.output_dir).name
-        extra_tags = [tags] if isinstance(tags, str) else list(tags or [])
-        contents = CardContents(
-            model_name=model_name,
-            load_from=hub_model_id or folder_name(folder, self.args.output_dir),
-            from_hub=hub_model_id is not None,
-            trainer_name=type(self).__name__,
-            paper=self._paper,
-            base_model_id=hub_base_model(spec["base_model"]),
-            settings=self._card_settings(spec),
-            tags=list(dict.fromkeys([*self._tag_names, *extra_tags])),
-            dataset_name=dataset_name,
-            example=self._card_example(),
-            tracking=_tracking_links(),
-        )
-        contents.metrics_step, contents.metrics = _last_logged(self.state.log_history, eval_=False)
-        _, contents.eval_metrics = _last_logged(self.state.log_history, eval_=True)
-        return team_model_card(spec, contents)
 
-    def _card_settings(self, spec: dict) -> dict:
-        """The training settings the card lists (config field names; None values are left out)."""
-        args = self.args
-        lora = self.accelerator.unwrap_model(self.model).peft_config[self.adapter_names[0]]
-        targets = lora.target_modules
-        return {
-            "algorithm": spec["algorithm"],
-            "task": spec.get("task"),
-            "reward_funcs": self.reward_func_names,
-            "agents": [agent["name"] for agent in spec["agents"]],
-            "frozen_agents": list(args.frozen_agents),
-            "adapter_mode": args.adapter_mode,
-            "num_turns": args.num_turns,
-            "scheduler": spec["scheduler"],
-            "joint_mode": getattr(args, "joint_mode", None),
-            "discount": getattr(args, "discount", None),
-            "team_reward_weight": getattr(args, "team_reward_weight", None),
-            "continuation": getattr(args, "continuation", None),
-            "baseline": args.baseline,
-            "num_generations": args.num_generations,
-            "per_device_train_batch_size": args.per_device_train_batch_size,
-            "gradient_accumulation_steps": args.gradient_accumulation_steps,
-            "learning_rate": args.learning_rate,
-            "global_step": self.state.global_step,
-            "max_steps": args.max_steps if args.max_steps > 0 else None,
-            "num_train_epochs": args.num_train_epochs if args.max_steps <= 0 else None,
-            "max_completion_length": args.max_completion_length,
-            "loss_type": self.loss_type,
-            "beta": self.beta,
-            "lora_r": lora.r,
-            "lora_alpha": lora.lora_alpha,
-            "lora_dropout": lora.lora_dropout,
-            "lora_target_modules": sorted(targets) if isinstance(targets, (set, list)) else targets,
-            "seed": args.seed,
-        }
+def team_card(
+    spec: dict,
+    folder: str | os.PathLike,
+    *,
+    args,
+    state,
+    hub_model_id: str | None,
+    trainer_name: str,
+    paper: dict | None,
+    tag_names: list[str],
+    settings: dict,
+    example: dict | None,
+    model_name: str | None = None,
+    dataset_name: str | None = None,
+    tags: str | list[str] | None = None,
+):
+    """The team's model card for the team saved in `folder` (`team_card.team_model_card`): how to load it (by Hub id
+    once pushed, else the output folder's name), its base, training settings and last logged metrics."""
+    if model_name is None:
+        model_name = hub_model_id.split("/")[-1] if hub_model_id else Path(args.output_dir).name
+    extra_tags = [tags] if isinstance(tags, str) else list(tags or [])
+    contents = CardContents(
+        model_name=model_name,
+        load_from=hub_model_id or folder_name(folder, args.output_dir),
+        from_hub=hub_model_id is not None,
+        trainer_name=trainer_name,
+        paper=paper,
+        base_model_id=hub_base_model(spec["base_model"]),
+        settings=settings,
+        tags=list(dict.fromkeys([*tag_names, *extra_tags])),
+        dataset_name=dataset_name,
+        example=example,
+        tracking=_tracking_links(),
+    )
+    contents.metrics_step, contents.metrics = _last_logged(state.log_history, eval_=False)
+    _, contents.eval_metrics = _last_logged(state.log_history, eval_=True)
+    return team_model_card(spec, contents)
 
-    def _card_example(self) -> dict | None:
-        """The first training row (its prompt and columns), for the card's `Team.run` example."""
-        dataset = self.train_dataset
-        try:
-            return dict(dataset[0]) if dataset is not None and len(dataset) > 0 else None
-        except (TypeError, KeyError, IndexError, NotImplementedError):  # an IterableDataset, or rows without keys
-            return None
+
+def card_settings(spec: dict, args, lora, *, reward_func_names, loss_type: str, beta: float, global_step: int) -> dict:
+    """The training settings the card lists (config field names; None values are left out)."""
+    targets = lora.target_modules
+    return {
+        "algorithm": spec["algorithm"],
+        "task": spec.get("task"),
+        "reward_funcs": reward_func_names,
+        "agents": [agent["name"] for agent in spec["agents"]],
+        "frozen_agents": list(args.frozen_agents),
+        "adapter_mode": args.adapter_mode,
+        "num_turns": args.num_turns,
+        "scheduler": spec["scheduler"],
+        "joint_mode": getattr(args, "joint_mode", None),
+        "discount": getattr(args, "discount", None),
+        "team_reward_weight": getattr(args, "team_reward_weight", None),
+        "continuation": getattr(args, "continuation", None),
+        "baseline": args.baseline,
+        "num_generations": args.num_generations,
+        "per_device_train_batch_size": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "learning_rate": args.learning_rate,
+        "global_step": global_step,
+        "max_steps": args.max_steps if args.max_steps > 0 else None,
+        "num_train_epochs": args.num_train_epochs if args.max_steps <= 0 else None,
+        "max_completion_length": args.max_completion_length,
+        "loss_type": loss_type,
+        "beta": beta,
+        "lora_r": lora.r,
+        "lora_alpha": lora.lora_alpha,
+        "lora_dropout": lora.lora_dropout,
+        "lora_target_modules": sorted(targets) if isinstance(targets, (set, list)) else targets,
+        "seed": args.seed,
+    }
+
+
+def card_example(dataset) -> dict | None:
+    """The first training row (its prompt and columns), for the card's `Team.run` example."""
+    try:
+        return dict(dataset[0]) if dataset is not None and len(dataset) > 0 else None
+    except (TypeError, KeyError, IndexError, NotImplementedError):  # an IterableDataset, or rows without keys
+        return None
 
 
 def folder_name(folder: str | os.PathLike, output_dir: str | os.PathLike) -> str:

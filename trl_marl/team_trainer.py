@@ -16,12 +16,15 @@ Everything else (loss types, clipping, KL to the base, gradient accumulation, lo
 
 import functools
 import logging
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from accelerate.utils import set_seed
 from datasets import Dataset, IterableDataset
 from transformers import PreTrainedTokenizerBase, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import create_model_from_path
@@ -35,8 +38,17 @@ from .agents import (
     check_adapters_train,
     keep_4bit_weights_trainable,
 )
-from .checkpoints import CheckpointMixin
+from .checkpoints import (
+    checkpoint_to_resume,
+    load_rollout_state,
+    mark_complete,
+    mark_incomplete,
+    resumable_sampler,
+    resumed_epoch,
+    save_rollout_state,
+)
 from .config import TeamConfig
+from .hub import CARD_FILE
 from .metrics import TeamMetricsMixin
 from .precision import model_init_kwargs_for
 from .reward_checks import (
@@ -46,7 +58,7 @@ from .rollout import Rollout, RolloutSettings, default_transition
 from .routing import BASE, AdapterRouter, check_sharding_routable
 from .rows import PER_ROW_LOSS_TYPES, pad_rows, pad_samples, padding_loss_scale
 from .scheduling import resolve_scheduler, scheduled_phases
-from .sharing import TeamSharingMixin
+from .sharing import card_example, card_settings, push_team_files, save_team, team_card, trained_team_spec
 from .team_actions import TeamActionsMixin, resolve_team_inputs
 from .vllm_generation import TeamVLLMMixin
 
@@ -55,7 +67,7 @@ logger = logging.getLogger("trl_marl")
 BASE_ROW = -1  # the agent index of a row routed to the base model alone (the KL reference)
 
 
-class TeamTrainer(TeamSharingMixin, CheckpointMixin, TeamMetricsMixin, TeamActionsMixin, TeamVLLMMixin, GRPOTrainer):
+class TeamTrainer(TeamMetricsMixin, TeamActionsMixin, TeamVLLMMixin, GRPOTrainer):
     """What [`MAGRPOTrainer`] and [`ATGRPOTrainer`] share: TRL's [`~trl.GRPOTrainer`] with a team of LoRA agents on
     one base model. A subclass supplies `_rollout` (its algorithm's episodes) and its config class.
 
@@ -82,6 +94,7 @@ class TeamTrainer(TeamSharingMixin, CheckpointMixin, TeamMetricsMixin, TeamActio
     """
 
     _config_class: type[TeamConfig] = TeamConfig
+    _resumed_epoch = 0  # the epoch a resumed `train()` continues in (`_get_train_sampler`)
 
     def __init__(
         self,
@@ -311,7 +324,105 @@ class TeamTrainer(TeamSharingMixin, CheckpointMixin, TeamMetricsMixin, TeamActio
         Checkpoints get the same."""
         super().save_model(output_dir, _internal_call=_internal_call)
         if self.args.should_save:
-            self._save_team(output_dir or self.args.output_dir)
+            folder = output_dir or self.args.output_dir
+            spec = self._team_spec()
+            save_team(folder, spec, self.adapter_names, self._team_card(spec, folder))
+
+    def create_model_card(
+        self, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None
+    ) -> None:
+        """The team's model card in `output_dir/README.md` (TRL's hook, with TRL's arguments)."""
+        if self.is_world_process_zero():
+            card = self._team_card(self._team_spec(), self.args.output_dir, model_name, dataset_name, tags)
+            card.save(Path(self.args.output_dir) / CARD_FILE)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        # Trainer copies only top-level model files into `output_dir` before it uploads it: the team's adapter
+        # folders, `team.json` and card go too.
+        if self.is_world_process_zero():
+            in_progress = getattr(self, "push_in_progress", None)
+            push_team_files(checkpoint_folder, self.args.output_dir, self.adapter_names, self.args, in_progress)
+        super()._push_from_checkpoint(checkpoint_folder)
+
+    def _team_spec(self) -> dict:
+        base = self.accelerator.unwrap_model(self.model).get_base_model()
+        return trained_team_spec(base, self.args, self.agent_adapters, self.rollout_settings, self.task)
+
+    def _team_card(self, spec: dict, folder, model_name=None, dataset_name=None, tags=None):
+        lora = self.accelerator.unwrap_model(self.model).peft_config[self.adapter_names[0]]
+        settings = card_settings(
+            spec,
+            self.args,
+            lora,
+            reward_func_names=self.reward_func_names,
+            loss_type=self.loss_type,
+            beta=self.beta,
+            global_step=self.state.global_step,
+        )
+        return team_card(
+            spec,
+            folder,
+            args=self.args,
+            state=self.state,
+            hub_model_id=getattr(self, "hub_model_id", None),
+            trainer_name=type(self).__name__,
+            paper=self._paper,
+            tag_names=self._tag_names,
+            settings=settings,
+            example=card_example(self.train_dataset),
+            model_name=model_name,
+            dataset_name=dataset_name,
+            tags=tags,
+        )
+
+    # ------------------------------------------------------------------ checkpoints (checkpoints.py)
+
+    def _get_train_sampler(self, dataset=None):
+        # The epoch's order depends on the seed and the epoch only, also in a resumed run.
+        return resumable_sampler(super()._get_train_sampler(dataset), epoch=self._resumed_epoch)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        # `True` is the latest *complete* checkpoint; an incomplete one is refused.
+        resume_from_checkpoint = checkpoint_to_resume(resume_from_checkpoint, self.args.output_dir)
+        self._resumed_epoch = resumed_epoch(resume_from_checkpoint) if resume_from_checkpoint else 0
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        # Complete or ignored: the marker goes last, once every process wrote its part (and its generation buffer);
+        # older checkpoints rotate away only then.
+        run_dir = self._get_output_dir(trial=trial)
+        checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:
+            mark_incomplete(checkpoint)
+        self.accelerator.wait_for_everyone()
+        save_total_limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = save_total_limit
+        save_rollout_state(checkpoint, self.accelerator.process_index, self._step, self._buffered_inputs)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            mark_complete(checkpoint, self.state.global_step, self.accelerator.num_processes)
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+        self.accelerator.wait_for_everyone()
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        # Trainer calls this once when it resumes, right before the first step: the generation buffer comes back here.
+        super()._load_rng_state(checkpoint)
+        if checkpoint is None:
+            return
+        accelerator = self.accelerator
+        state = load_rollout_state(
+            checkpoint, accelerator.process_index, accelerator.num_processes, accelerator.device
+        )
+        if state is not None:
+            self._step, self._buffered_inputs = state
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         unwrapped = self.accelerator.unwrap_model(model or self.model)
