@@ -7,6 +7,7 @@ import textwrap
 
 from .config import MAGRPOConfig
 from .magrpo_rollout import TreeRollout
+from .metrics import log_local_rewards
 from .rollout import Rollout
 from .team_trainer import TeamTrainer
 
@@ -44,5 +45,6 @@ class MAGRPOTrainer(TeamTrainer):
             discount=self.args.discount,
             process_index=self.accelerator.process_index,
         ).run(inputs, **self._rollout_hooks(inputs, num_generations))
-        self._log_local_rewards("train" if self.model.training else "eval", rollout.samples)
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        log_local_rewards(metrics, self.task, self.agent_names, rollout.samples, self.accelerator.num_processes)
         return rollout

@@ -79,7 +79,7 @@ class TeamActionsMixin:
         """One `generate` call for rows of any agents, each row through its agent's adapter.
 
         TRL's `_generate` would gather its metrics over processes, which needs equal row counts; tree turns differ
-        between processes, so generation metrics are logged once per rollout instead (`_log_rollout_metrics`).
+        between processes, so generation metrics are logged once per rollout instead (`metrics.log_rollout_metrics`).
         """
         self._route_rows(agent_index)
         try:

@@ -49,7 +49,7 @@ from .checkpoints import (
 )
 from .config import TeamConfig
 from .hub import CARD_FILE
-from .metrics import TeamMetricsMixin
+from .metrics import log_joint_actions, log_rollout_metrics
 from .precision import model_init_kwargs_for
 from .reward_checks import (
     TeamRewardFunc,
@@ -67,7 +67,7 @@ logger = logging.getLogger("trl_marl")
 BASE_ROW = -1  # the agent index of a row routed to the base model alone (the KL reference)
 
 
-class TeamTrainer(TeamMetricsMixin, TeamActionsMixin, TeamVLLMMixin, GRPOTrainer):
+class TeamTrainer(TeamActionsMixin, TeamVLLMMixin, GRPOTrainer):
     """What [`MAGRPOTrainer`] and [`ATGRPOTrainer`] share: TRL's [`~trl.GRPOTrainer`] with a team of LoRA agents on
     one base model. A subclass supplies `_rollout` (its algorithm's episodes) and its config class.
 
@@ -490,8 +490,28 @@ class TeamTrainer(TeamMetricsMixin, TeamActionsMixin, TeamVLLMMixin, GRPOTrainer
         output["group_index"] = torch.tensor([s.group for s in samples], dtype=torch.long, device=device)
         output.update(self._reference_logps(output, mode))
         output.update(self._importance_sampling_outputs(samples, output, mode))
-        self._log_rollout_metrics(mode, rollout)
-        self._log_joint_actions(mode, rollout.joint_actions)
+        log_rollout_metrics(
+            self._metrics[mode],
+            rollout,
+            agent_names=self.agent_names,
+            reward_func_names=self.reward_func_names,
+            reward_weights=self.reward_weights,
+            eos_and_pad=[*self.eos_token_ids, self._tokenizer.pad_token_id],
+            num_turns=self.args.num_turns,
+            state=self.state,
+            mode=mode,
+            num_processes=self.accelerator.num_processes,
+        )
+        log_joint_actions(
+            self._logs,
+            self._metrics[mode],
+            self._pending_extra_logs,
+            self._pending_metrics,
+            rollout.joint_actions,
+            reward_func_names=self.reward_func_names,
+            num_turns=self.args.num_turns,
+            accelerator=self.accelerator,
+        )
         # Trees differ in size; TRL needs equal micro-batches (train) and equal row counts on every process (its loss
         # gathers per-row metrics). Rows are padded to the largest count over processes, rounded up to a multiple of
         # `steps_per_generation`, with loss-free copies (see `pad_rows`).
