@@ -142,7 +142,7 @@ def for_agent(reward_func: Callable[..., list[float | None]], agent: str) -> Tea
 
 
 # What the trainer passes besides the dataset columns: to team rewards
-# (`team_actions.TeamActionsMixin._score_joint_actions`), to local rewards (`ATGRPOTrainer._local_scores`) and to
+# (`scoring.TeamScoring.score`), to local rewards (`ATGRPOTrainer._local_scores`) and to
 # transitions (`TreeRollout._next_turn`).
 TEAM_REWARD_ARGUMENTS = frozenset(
     {

@@ -3,14 +3,9 @@ transition; reward plugins by name; the dataset columns they read), one `generat
 the team rewards of joint actions.
 """
 
-import asyncio
-import math
 from collections.abc import Callable
 
-import torch
 from accelerate.utils import gather_object
-from trl.extras.profiling import profiling_context
-from trl.trainer.utils import is_async_callable
 
 from .agents import agent_prompt
 from .registry import load_plugin
@@ -21,7 +16,6 @@ from .reward_checks import (
     check_dataset_columns,
     checked_team_reward,
 )
-from .rollout import JointAction
 from .tasks import resolve_task
 
 
@@ -116,44 +110,3 @@ class TeamActionsMixin:
                     "tokens, system prompt and earlier turns included), or lower max_completion_length"
                     + (" or raise vllm_max_model_length." if field == "vllm_max_model_length" else ".")
                 )
-
-    def _score_joint_actions(self, joint_actions: list[JointAction]) -> torch.Tensor:
-        """`(J, F)` team rewards of this process's joint actions (not gathered: processes score different numbers).
-
-        Reward functions get the dataset prompt, each joint action as a mapping agent -> text, and as kwargs the
-        dataset columns, `completion_ids` (agent -> ids), `turn`, `history` (the earlier joint actions of the
-        branch), `state` (AT-GRPO, when the task keeps one) and TRL's `trainer_state`, `log_extra`, `log_metric`.
-        """
-        if not joint_actions:
-            return torch.zeros(0, len(self.reward_funcs))
-        rows = [{**ja.branch.example, "turn": ja.turn, "history": list(ja.branch.history)} for ja in joint_actions]
-        if any(ja.state is not None for ja in joint_actions):  # AT-GRPO with a task that keeps an environment state
-            for row, ja in zip(rows, joint_actions):
-                row["state"] = ja.state
-        columns = [key for key in rows[0] if key not in ("prompt", "completion", "completion_ids")]
-        call = {key: [row[key] for row in rows] for key in columns}
-        call.update(
-            prompts=[row["prompt"] for row in rows],
-            completions=[ja.completions for ja in joint_actions],
-            completion_ids=[ja.completion_ids for ja in joint_actions],
-            trainer_state=self.state,
-            log_extra=self._log_completion_extra,
-            log_metric=self._log_metric,
-        )
-        results = {}
-        pending = []
-        for index, (func, name) in enumerate(zip(self.reward_funcs, self.reward_func_names)):
-            if is_async_callable(func):
-                pending.append((index, func(**call)))
-            else:
-                with profiling_context(self, name):
-                    results[index] = func(**call)
-        if pending:
-
-            async def run_all():
-                return await asyncio.gather(*(coroutine for _, coroutine in pending))
-
-            outputs = asyncio.run_coroutine_threadsafe(run_all(), self.async_loop).result()
-            results.update({index: output for (index, _), output in zip(pending, outputs)})
-        rewards = [[math.nan if r is None else float(r) for r in results[i]] for i in range(len(self.reward_funcs))]
-        return torch.tensor(rewards, dtype=torch.float32).T.reshape(len(joint_actions), -1)

@@ -26,6 +26,7 @@ from datasets import Dataset, IterableDataset
 from transformers import PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import GRPOTrainer
+from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import create_model_from_path
 
@@ -58,6 +59,7 @@ from .rollout import Rollout, RolloutSettings, default_transition
 from .routing import BASE, AdapterRouter, check_sharding_routable
 from .rows import PER_ROW_LOSS_TYPES, pad_rows, pad_samples, padding_loss_scale
 from .scheduling import resolve_scheduler, scheduled_phases
+from .scoring import TeamScoring
 from .sharing import card_example, card_settings, push_team_files, save_team, team_card, trained_team_spec
 from .team_actions import TeamActionsMixin, resolve_team_inputs
 from .vllm_generation import TeamVLLMMixin
@@ -213,6 +215,15 @@ class TeamTrainer(TeamActionsMixin, TeamVLLMMixin, GRPOTrainer):
         cast_frozen_adapters_like_trained(unwrapped, self.trained_adapters)
         self._adapter_parameters = adapter_parameters(unwrapped, self.adapter_names)
         self._rows_agent_index: torch.Tensor | None = None
+        self.scoring = TeamScoring(
+            self.reward_funcs,
+            self.reward_func_names,
+            trainer_state=lambda: self.state,
+            log_extra=self._log_completion_extra,
+            log_metric=self._log_metric,
+            async_loop=getattr(self, "async_loop", None),
+            profile=functools.partial(profiling_context, self),
+        )
         self.rollout_settings = RolloutSettings.from_config(
             args,
             task,
@@ -468,7 +479,7 @@ class TeamTrainer(TeamActionsMixin, TeamVLLMMixin, GRPOTrainer):
         return {
             "first_copy": self.accelerator.process_index * len(inputs),
             "generate": functools.partial(self._generate_team, num_generations=num_generations),
-            "score": self._score_joint_actions,
+            "score": self.scoring.score,
             "gather": self._gather,
         }
 
