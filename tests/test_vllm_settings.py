@@ -14,7 +14,7 @@ from accelerate import Accelerator
 from trl_marl import MAGRPOConfig
 from trl_marl.memory.geometry import largest_call_rows
 from trl_marl.vllm_generation import TeamVLLMGeneration, TeamVLLMMixin, importance_sampling_ratio
-from trl_marl.vllm_serving import check_sharding_served, keep_base_when_sleeping, lora_engine_settings
+from trl_marl.vllm_serving import check_sharding_served, keep_base_when_sleeping, lora_engine_settings, sampling_seed
 
 # two rows of three tokens; the second row's last token is padding
 OLD = torch.tensor([[-1.0, -2.0, -0.5], [-0.2, -0.4, -9.0]])
@@ -86,6 +86,44 @@ def test_the_engine_runs_every_row_of_the_teams_largest_call_at_once(trl_rows, t
         )  # fmt: skip
     assert engine.max_num_seqs == expected
     shutil.rmtree(engine._adapter_dir)
+
+
+def test_each_row_of_each_call_gets_its_own_sampling_seed_and_a_replay_gets_the_same_ones():
+    def engine(seed=0, process=0, generation_kwargs=None):
+        model = SimpleNamespace(training=True)
+        with mock.patch.object(TeamVLLMGeneration, "_init_vllm", lambda self: None):  # no engine: the seeds only
+            built = TeamVLLMGeneration(
+                model, lambda: None, ["writer"], lambda: built.step, ["writer"], 8, seed=seed,
+                accelerator=Accelerator(cpu=True), processing_class=None,
+                generation_kwargs=generation_kwargs,
+            )  # fmt: skip
+        shutil.rmtree(built._adapter_dir)
+        built.accelerator = SimpleNamespace(process_index=process)
+        built.step = 0
+        return built
+
+    def calls(built):
+        """A run's calls: two at step 0 (a tree's two turns), an evaluation at step 1, then two training calls."""
+        seeds = [built.request_seeds(3), built.request_seeds(3)]
+        built.step = 1
+        built.model.training = False
+        seeds.append(built.request_seeds(3))
+        built.model.training = True
+        return seeds + [built.request_seeds(3), built.request_seeds(3)]
+
+    run = calls(engine())
+    every = [seed for call in run for seed in call]
+    assert len(set(every)) == len(every)  # rows, calls, steps and modes all apart
+    assert all(0 <= seed < 2**63 for seed in every)
+    assert calls(engine()) == run  # another run with the same seed
+    assert calls(engine(seed=1))[0][0] != run[0][0]
+    assert calls(engine(process=1))[0][0] != run[0][0]
+    assert calls(engine(generation_kwargs={"seed": 1})) == calls(engine(seed=1))  # TRL's generation_kwargs seed
+    resumed = engine()  # a run resumed at step 1: its first training call is the uninterrupted run's 4th
+    resumed.step = 1
+    assert [resumed.request_seeds(3), resumed.request_seeds(3)] == run[3:]
+    # pinned: the same in every Python process (no salted hash)
+    assert sampling_seed(0, "train", 0, 0, 0, 0) == 4082435210283080842
 
 
 def test_the_largest_call_of_a_magrpo_tree_holds_every_agents_rows_of_the_last_turn(tmp_path):

@@ -285,7 +285,7 @@ def load_team(
     dtype: str | torch.dtype = "auto",
     device_map: Any = None,
     use_vllm: bool = False,
-    vllm_gpu_memory_utilization: float | None = None,
+    vllm_gpu_memory_utilization: float = 0.3,
     vllm_max_model_length: int | None = None,
 ) -> Team:
     """Rebuild a team saved by a trainer's `save_model` on one base model.
@@ -301,8 +301,10 @@ def load_team(
         dtype, device_map: passed to `from_pretrained`.
         use_vllm: generate with a vLLM engine (`SavedTeamEngine`) serving the base once and each saved adapter as
             a LoRA, in the loaded model's dtype (NF4 through vLLM's bitsandbytes on a 4-bit base); `Team.close()`
-            frees it. `vllm_gpu_memory_utilization` (vLLM's default when None) and `vllm_max_model_length` (the
-            model's when None) are passed to it as in training.
+            frees it. `vllm_gpu_memory_utilization` (vLLM's share of the GPU's memory, of the machine's RAM on the
+            CPU; 0.3 by default, as in training: vLLM's own 0.92 leaves a shared machine nothing) and
+            `vllm_max_model_length` (the model's when None) are passed to it as in training. With `do_sample=True`,
+            `torch.manual_seed` makes `run` sample the same tokens again, as with `generate`.
     """
     path = resolve_team_folder(path)
     spec = read_team_file(path)

@@ -11,7 +11,12 @@ changes three things:
 - `sync_weights` sends only the trained adapters (the base never changes), saved in PEFT format under a new name and
   id per version, so that an adapter of an earlier step can never be served; frozen adapters are loaded once;
 - `generate` gives row `i` the `LoRARequest` of the adapter the router sends row `i` to (`AdapterRouter.route`), and
-  rows come back in order.
+  rows come back in order. Each row also gets its own sampling seed (`request_seeds`), from the run's `seed`, the step,
+  the call within the step, the process and the row: sampling is the same in every run with one seed, and a run
+  resumed from a checkpoint samples what the uninterrupted run sampled.
+
+The trainer closes the engine when `train()` returns, so its memory is free for what follows (`load_team(...,
+use_vllm=True)`, another trainer); a later `evaluate()` or `train()` starts it again.
 
 With `vllm_enable_sleep_mode=True` the engine sleeps at level 1 between generations (weights offloaded to CPU memory,
 KV cache freed) where TRL's sleeps at level 2 (weights discarded, merged ones re-sent): the team engine never re-sends
@@ -47,8 +52,14 @@ from .vllm_serving import (
     check_sleep_mode_available,
     check_vllm_installed,
     keep_base_when_sleeping,
+    keep_process_rng,
     lora_engine_settings,
+    naming_the_memory_setting,
+    register_open_engine,
+    sampling_seed,
     shut_down_engine,
+    unregister_open_engine,
+    with_seeds,
 )
 
 
@@ -73,8 +84,12 @@ class TeamVLLMGeneration(VLLMGeneration):
         lora_rank: the largest LoRA rank of the team's adapters (vLLM's `max_lora_rank`).
         team_rows: the rows of the team's largest generation call. TRL sizes vLLM's `max_num_seqs` for one policy's
             prompts; a team call holds every agent's rows, so the engine runs at least this many at once.
+        seed: the run's seed (the trainer's `seed`), from which each request's sampling seed is made
+            (`request_seeds`); a `seed` in `generation_kwargs` takes its place.
         **settings: `VLLMGeneration`'s own arguments (accelerator, processing class, vLLM and sampling settings).
     """
+
+    close_call = "trainer.vllm_generation.close()"
 
     def __init__(
         self,
@@ -85,6 +100,7 @@ class TeamVLLMGeneration(VLLMGeneration):
         trained_adapters: list[str],
         lora_rank: int,
         team_rows: int = 0,
+        seed: int = 0,
         **settings: Any,
     ):
         if settings.get("mode", "colocate") != "colocate":
@@ -98,6 +114,8 @@ class TeamVLLMGeneration(VLLMGeneration):
         self.current_step = current_step
         self.trained_adapters = list(trained_adapters)
         self.lora_rank = lora_rank
+        self.seed = seed
+        self._call: tuple = (None, -1)  # (mode, step) of the latest generation call, and its index within them
         self.version: int | None = None  # the step of the trained adapters the engine serves; None before a sync
         self.lora_requests: dict[str, Any] = {}  # adapter name -> the LoRARequest of its served version
         self._next_lora_id = 1
@@ -116,10 +134,23 @@ class TeamVLLMGeneration(VLLMGeneration):
         settings = lora_engine_settings(len(self.adapter_names), self.lora_rank, self.model.dtype)
 
         def team_llm(**kwargs: Any) -> Any:
-            return keep_base_when_sleeping(LLM(**kwargs, **settings))
+            how_to_set = "a different `vllm_gpu_memory_utilization` in the trainer's config"
+            with naming_the_memory_setting(kwargs.get("gpu_memory_utilization"), how_to_set), keep_process_rng():
+                return keep_base_when_sleeping(LLM(**kwargs, **settings))
 
         with mock.patch.object(vllm_generation, "LLM", team_llm):
             super()._init_vllm()
+        register_open_engine(self)
+
+    def _start_again(self) -> None:
+        """Start the engine again after `close` (the trainer closes it when `train()` returns): every adapter is
+        sent at the next sync."""
+        if getattr(self, "llm", None) is not None:
+            return
+        self._adapter_dir = Path(tempfile.mkdtemp(prefix="trl_marl-vllm-adapters-", dir=_shared_memory_dir()))
+        self.lora_requests = {}
+        self.version = None
+        self._init_vllm()
 
     def sync_weights(self) -> None:
         """Send the trained adapters (all adapters on the first call) to the engine as a new version, unless the
@@ -127,6 +158,7 @@ class TeamVLLMGeneration(VLLMGeneration):
         to wake it."""
         from vllm.lora.request import LoRARequest
 
+        self._start_again()
         if self.enable_sleep_mode and self._llm_weights_sleeping:
             empty_cache()
             self.llm.wake_up(tags=["weights"])
@@ -168,18 +200,41 @@ class TeamVLLMGeneration(VLLMGeneration):
             )
         return [None if adapter == BASE else self.lora_requests[adapter] for adapter in row_adapters]
 
+    def request_seeds(self, num_rows: int) -> list[int]:
+        """The sampling seed of each row of a new generation call: made from the run's seed, the mode (`train` or
+        `eval`) and optimizer step, the index of the call among this mode's calls at this step (a multi-turn tree or
+        AT-GRPO's phases make several), the process and the row. Everything in it is restored when a run resumes from
+        a checkpoint, so the resumed run gives its calls the seeds the uninterrupted run gave them."""
+        key = ("train" if self.model.training else "eval", self.current_step())
+        self._call = (key, self._call[1] + 1 if self._call[0] == key else 0)
+        base = self.generation_kwargs.get("seed")
+        base = self.seed if base is None else base
+        process = self.accelerator.process_index
+        return [sampling_seed(base, *key, self._call[1], process, row) for row in range(num_rows)]
+
     def generate(self, prompts, images, num_generations, profiler=None):
-        """TRL's colocated generation, each row served with its adapter's LoRA."""
-        if self.enable_sleep_mode and self._llm_weights_sleeping:
+        """TRL's colocated generation, each row served with its adapter's LoRA and sampled with its own seed."""
+        self._start_again()
+        if (self.enable_sleep_mode and self._llm_weights_sleeping) or not self.lora_requests:
             self.sync_weights()  # wakes the weights (TRL's generate would, after the requests are built)
         requests = self.row_lora_requests(len(prompts))
+        seeds = self.request_seeds(len(prompts))
         generate = self.llm.generate
-        with mock.patch.object(self.llm, "generate", functools.partial(generate, lora_request=requests)):
+
+        def team_generate(vllm_prompts, sampling_params, **kwargs):
+            if len(vllm_prompts) != len(seeds):
+                raise RuntimeError(f"vLLM got {len(vllm_prompts)} prompts for {len(seeds)} rows.")
+            return generate(
+                vllm_prompts, sampling_params=with_seeds(sampling_params, seeds), lora_request=requests, **kwargs
+            )
+
+        with mock.patch.object(self.llm, "generate", team_generate):
             return super().generate(prompts, images, num_generations, profiler)
 
     def close(self) -> None:
-        """Shut the engine down, free its memory (weights, KV cache) and remove the saved adapter versions. A later
-        trainer can then start an engine of its own in this process."""
+        """Shut the engine down, free its memory (weights, KV cache) and remove the saved adapter versions. Another
+        engine can then start in this process; this one starts again at its next sync or generation."""
+        unregister_open_engine(self)
         if getattr(self, "llm", None) is not None:
             self.llm = None
             shut_down_engine()
@@ -230,9 +285,20 @@ class TeamVLLMMixin:
             trained_adapters=self.trained_adapters,
             lora_rank=max(ranks),
             team_rows=vllm_max_num_seqs(args),
+            seed=args.seed,
         )
         with mock.patch.object(grpo_trainer, "VLLMGeneration", factory):
             yield
+
+    def train(self, *args, **kwargs):
+        """`GRPOTrainer.train`, then the vLLM engine is closed (also when training fails), so its memory is free for
+        what follows in this process (`load_team(..., use_vllm=True)`, another trainer). A later `evaluate()` or
+        `train()` starts it again."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if getattr(self, "use_vllm", False) and getattr(self, "vllm_generation", None) is not None:
+                self.vllm_generation.close()
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model=model)
