@@ -200,7 +200,7 @@ def test_one_generate_call_gives_each_row_its_agents_greedy_output(tiny_model_di
     trainer.model.generate = lambda *a, **k: calls.append(k["input_ids"].size(0)) or unwrapped_generate(*a, **k)
     prompts = [[{"role": "user", "content": p}] for p in PROMPTS[:2]]
     team_prompts = [p for p in prompts for _ in agents]
-    _, team_ids, _ = trainer._generate_team(team_prompts, [0, 1, 2, 0, 1, 2], num_generations=4)
+    _, team_ids, _ = trainer.team_generation.generate(team_prompts, [0, 1, 2, 0, 1, 2], num_generations=4)
     assert calls == [6], "the whole team must be generated in one call"
     assert trainer.router.row_adapters is None, "routing is cleared after the call"
     for index, agent in enumerate(agents):

@@ -13,7 +13,8 @@ from accelerate import Accelerator
 
 from trl_marl import MAGRPOConfig
 from trl_marl.memory.geometry import largest_call_rows
-from trl_marl.vllm_generation import TeamVLLMGeneration, TeamVLLMMixin, importance_sampling_ratio
+from trl_marl.team_generation import TeamGeneration
+from trl_marl.vllm_generation import SamplingCorrection, TeamVLLMGeneration, importance_sampling_ratio
 from trl_marl.vllm_serving import check_sharding_served, keep_base_when_sleeping, lora_engine_settings, sampling_seed
 
 # two rows of three tokens; the second row's last token is padding
@@ -153,42 +154,45 @@ def test_sharded_adapters_are_refused_before_an_engine_starts(plugin):
     check_sharding_served(SimpleNamespace(state=SimpleNamespace(fsdp_plugin=None, deepspeed_plugin=None)))  # DDP
 
 
-class SamplingCorrection(TeamVLLMMixin):
-    """The mixin's correction alone, with TRL's settings as attributes and a one-process gather."""
-
-    use_vllm = True
-    vllm_importance_sampling_mode = "token_truncate"
-    vllm_importance_sampling_clip_min = None
-    vllm_importance_sampling_clip_max = 3.0
-
-    def __init__(self, correct: bool):
-        self.vllm_importance_sampling_correction = correct
-        self.accelerator = SimpleNamespace(gather=lambda tensor: tensor)
-        self._metrics = {"train": defaultdict(list)}
-        self._sampling_logps = {}
-
-
 def test_a_token_vllm_could_not_score_gets_a_ratio_of_one_and_stays_out_of_the_gap_metric():
-    trainer = SamplingCorrection(correct=True)
+    correction = SamplingCorrection("token_truncate", clip_min=None, clip_max=3.0)
     # vLLM reports no log-prob (None) for the second token of the only row
-    trainer._record_sampling_logps([1], [[7, 8]], [[5, 6, 9]], [[-0.5, None, -2.0]])
+    correction.record([1], [[7, 8]], [[5, 6, 9]], [[-0.5, None, -2.0]])
     sample = SimpleNamespace(agent=1, prompt_ids=[7, 8], completion_ids=[5, 6, 9])
     output = {
         "completion_ids": torch.tensor([[5, 6, 9, 0]]),  # padded to the batch's width
         "completion_mask": torch.tensor([[1.0, 1.0, 1.0, 0.0]]),
         "old_per_token_logps": torch.tensor([[-0.4, -1.0, -2.5, 0.0]]),
     }
-    result = trainer._importance_sampling_outputs([sample], output, "train")
+    metrics = defaultdict(list)
+    result = correction.outputs([sample], output, metrics, gather=lambda tensor: tensor)
     torch.testing.assert_close(
         result["importance_sampling_ratio"], torch.tensor([[math.exp(0.1), 1.0, math.exp(-0.5), 1.0]])
     )
     assert math.isnan(result["sampling_per_token_logps"][0, 1])
-    assert trainer._metrics["train"]["sampling/sampling_logp_difference/max"] == [pytest.approx(0.5)]
-    assert trainer._sampling_logps == {}  # used once, then dropped
+    assert metrics["sampling/sampling_logp_difference/max"] == [pytest.approx(0.5)]
+    assert correction.sampling_logps == {}  # used once, then dropped
 
 
-def test_without_the_correction_no_sampling_log_probs_are_kept():
-    trainer = SamplingCorrection(correct=False)
-    trainer._record_sampling_logps([0], [[7]], [[5]], [[-0.5]])
-    assert trainer._sampling_logps == {}
-    assert trainer._importance_sampling_outputs([], {}, "train") == {}
+@pytest.mark.parametrize("correct", [True, False])
+def test_the_team_generation_keeps_vllm_log_probs_only_for_the_correction(correct):
+    """vLLM returns the sampled tokens' log-probs with every call; they are kept (by agent, prompt and completion)
+    only when TRL's importance-sampling correction will read them."""
+    correction = SamplingCorrection("token_truncate", clip_min=None, clip_max=3.0) if correct else None
+    router = SimpleNamespace(route=lambda rows: None)
+    tokenizer = SimpleNamespace(batch_decode=lambda ids, skip_special_tokens: [str(row) for row in ids])
+    generation = TeamGeneration(
+        router,
+        ["left", "right"],
+        ["left", "right"],
+        tokenize=lambda inputs: ([[7]] * len(inputs), None, None),
+        generate_single_turn=lambda prompt_ids, *rest: ([[5], [6]], [[-0.5], [None]]),
+        processing_class=tokenizer,
+        position_limit=(None, "the model's", "max_position_embeddings"),
+        max_completion_length=4,
+        sampling_correction=correction,
+    )
+    assert generation.generate(["p", "q"], [0, 1], num_generations=2) == ([[7], [7]], [[5], [6]], ["[5]", "[6]"])
+    if correct:
+        assert correction.sampling_logps.keys() == {(0, (7,), (5,)), (1, (7,), (6,))}
+        assert math.isnan(correction.sampling_logps[(1, (7,), (6,))][0])

@@ -34,12 +34,19 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from .agents import is_4bit_linear
 
 BASE = "__base__"  # PEFT's name for "no adapter": a row routed here goes through the base model alone
+BASE_ROW = -1  # the agent index of a row routed to the base model alone (the KL reference)
 
 # The PEFT releases the router is tested with (pyproject.toml pins the same range).
 PEFT_TESTED = ">=0.18,<0.22"
 # PEFT internals the router reads: attributes of every `LoraLayer` and methods of `PeftModel`.
 LORA_LAYER_ATTRIBUTES = ("lora_A", "lora_B", "scaling", "lora_dropout", "lora_variant", "lora_bias", "get_base_layer")
 PEFT_MODEL_METHODS = ("set_requires_grad", "set_adapter", "get_base_model")
+
+
+def rows_to_adapters(agent_index: torch.Tensor | Sequence[int], agent_adapters: Sequence[str]) -> list[str]:
+    """The adapter of each row: its agent's (`agent_adapters[i]`), or `BASE` for a row of agent index `BASE_ROW`."""
+    indices = agent_index.tolist() if isinstance(agent_index, torch.Tensor) else agent_index  # one device sync
+    return [agent_adapters[i] if i != BASE_ROW else BASE for i in indices]
 
 
 def missing_peft_internals(model: PeftModel) -> list[str]:

@@ -1,17 +1,21 @@
 """`TeamTrainer`: TRL's `GRPOTrainer` where each prompt is answered by a team of LoRA agents on one base model; the
 base of [`MAGRPOTrainer`] (`magrpo_trainer.py`) and [`ATGRPOTrainer`] (`atgrpo_trainer.py`), which add their rollout.
 
-What is multi-agent, and therefore overridden (docs/design.md, §2):
-- `_generate_and_score_completions`: the subclass's rollout (`_rollout`) of each prompt: agents answer (one `generate`
-  call per phase for the whole team, rows routed to their agent's adapter), joint actions get one team reward,
-  advantages follow the algorithm; the result holds one row per trained agent completion with `agent_index`,
-  `turn_index`, `group_index`, padded with loss-free rows to what TRL's split needs (`rows.pad_rows`).
-- `_get_per_token_logps_and_entropies` / `_compute_loss`: each row's log-probs come from its agent's adapter; the KL
-  reference routes every row to the base.
-- `save_model`: also writes `team.json`, which `trl_marl.load_team` reads, and the team's model card; `push_to_hub`
-  publishes the whole team (`sharing.TeamSharingMixin`).
-- checkpoints (`checkpoints.CheckpointMixin`): complete or ignored, never half-written; resume is exact.
-Everything else (loss types, clipping, KL to the base, gradient accumulation, logging, checkpoints) is TRL's.
+This file is trl_marl's one seam with TRL: every method TRL or transformers calls that trl_marl overrides is here, each
+short, handing off to a collaborator the trainer owns or to functions that take their inputs explicitly. Reading it
+tells what moves when the TRL pin moves (docs/design.md, §10).
+
+- `__init__`: TRL's, run without vLLM and with `beta=0`; then the router, the team's vLLM engine
+  (`vllm_generation.team_vllm_engine`), `TeamGeneration`, `TeamScoring` and the rollout settings.
+- `_generate_and_score_completions`: the subclass's rollout (`_rollout`) with the collaborators' `generate` and
+  `score` as hooks; one row per trained agent completion with `agent_index`, `turn_index`, `group_index`, padded with
+  loss-free rows to what TRL's split needs (`rows.pad_rows`); the team's metrics (`metrics.py`).
+- `_get_per_token_logps_and_entropies`, `_compute_loss`, `compute_loss`, `training_step`, `prediction_step`: each
+  row's log-probs from its agent's adapter (the KL reference from the base), the padding scale, the adapter check.
+- `train`, `_save_checkpoint`, `_load_rng_state`, `_get_train_sampler`, `_load_from_checkpoint`, `_load_best_model`:
+  complete checkpoints, exact resume, every agent's adapter reloaded (`checkpoints.py`).
+- `save_model`, `create_model_card`, `_push_from_checkpoint`: the whole team saved and shared (`sharing.py`).
+Everything else (loss types, clipping, KL to the base, gradient accumulation, logging) is TRL's.
 """
 
 import functools
@@ -21,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from accelerate.utils import set_seed
+from accelerate.utils import gather_object, set_seed
 from datasets import Dataset, IterableDataset
 from transformers import PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
@@ -34,6 +38,7 @@ from .agents import (
     adapter_parameters,
     agent_adapter_names,
     agent_lora_config,
+    agent_prompt,
     attach_agent_adapters,
     cast_frozen_adapters_like_trained,
     check_adapters_train,
@@ -56,20 +61,24 @@ from .reward_checks import (
     TeamRewardFunc,
 )
 from .rollout import Rollout, RolloutSettings, default_transition
-from .routing import BASE, AdapterRouter, check_sharding_routable
+from .routing import BASE_ROW, AdapterRouter, check_sharding_routable
 from .rows import PER_ROW_LOSS_TYPES, pad_rows, pad_samples, padding_loss_scale
 from .scheduling import resolve_scheduler, scheduled_phases
 from .scoring import TeamScoring
 from .sharing import card_example, card_settings, push_team_files, save_team, team_card, trained_team_spec
-from .team_actions import TeamActionsMixin, resolve_team_inputs
-from .vllm_generation import TeamVLLMMixin
+from .team_generation import TeamGeneration, position_limit
+from .team_inputs import resolve_team_inputs
+from .vllm_generation import SamplingCorrection, team_vllm_engine
 
 logger = logging.getLogger("trl_marl")
 
-BASE_ROW = -1  # the agent index of a row routed to the base model alone (the KL reference)
+
+def _agent_input(system_prompts: list[str], use_chat_template: bool, agent: int, prompt):
+    """What agent `agent` is given: its role, then the prompt (the rollouts' `agent_input`)."""
+    return agent_prompt(system_prompts[agent], prompt, use_chat_template)
 
 
-class TeamTrainer(TeamActionsMixin, TeamVLLMMixin, GRPOTrainer):
+class TeamTrainer(GRPOTrainer):
     """What [`MAGRPOTrainer`] and [`ATGRPOTrainer`] share: TRL's [`~trl.GRPOTrainer`] with a team of LoRA agents on
     one base model. A subclass supplies `_rollout` (its algorithm's episodes) and its config class.
 
@@ -162,24 +171,24 @@ class TeamTrainer(TeamActionsMixin, TeamVLLMMixin, GRPOTrainer):
 
         # TRL would clone an adapter named "default" as the KL reference when given a PeftModel with beta != 0; with
         # fresh adapters the base model (adapters disabled) is every agent's reference, which TRL uses when no "ref"
-        # adapter exists. model_init_kwargs were used above; TRL would warn that they are ignored.
-        beta, model_init_kwargs = args.beta, args.model_init_kwargs
-        args.beta, args.model_init_kwargs = 0.0, None
+        # adapter exists. model_init_kwargs were used above; TRL would warn that they are ignored. TRL's own vLLM
+        # engine would serve one policy: the team's engine is built below instead, so TRL's init runs without vLLM.
+        beta, model_init_kwargs, use_vllm = args.beta, args.model_init_kwargs, args.use_vllm
+        args.beta, args.model_init_kwargs, args.use_vllm = 0.0, None, False
         try:
-            with self._team_vllm_backend(model, args):
-                super().__init__(
-                    model=model,
-                    reward_funcs=reward_funcs,
-                    args=args,
-                    train_dataset=train_dataset,
-                    eval_dataset=eval_dataset,
-                    processing_class=processing_class,
-                    callbacks=callbacks,
-                    optimizers=optimizers,
-                )
+            super().__init__(
+                model=model,
+                reward_funcs=reward_funcs,
+                args=args,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                callbacks=callbacks,
+                optimizers=optimizers,
+            )
         finally:
-            args.beta, args.model_init_kwargs = beta, model_init_kwargs
-        self.beta = beta
+            args.beta, args.model_init_kwargs, args.use_vllm = beta, model_init_kwargs, use_vllm
+        self.beta, self.use_vllm = beta, use_vllm
 
         deepspeed_plugin = self.accelerator.state.deepspeed_plugin
         zero3 = deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3
@@ -205,7 +214,7 @@ class TeamTrainer(TeamActionsMixin, TeamVLLMMixin, GRPOTrainer):
             )
         self.num_agents = args.num_agents
         self.baseline = args.baseline
-        self._use_chat_template = getattr(self.processing_class, "chat_template", None) is not None
+        chat = getattr(self.processing_class, "chat_template", None) is not None
         unwrapped = self.accelerator.unwrap_model(self.model)
         # Every forward is routed, a one-adapter team's too: the KL reference goes to the base model through the router
         # (PEFT's `disable_adapter` would change which adapters require grad). One adapter's rows are computed as PEFT
@@ -215,6 +224,37 @@ class TeamTrainer(TeamActionsMixin, TeamVLLMMixin, GRPOTrainer):
         cast_frozen_adapters_like_trained(unwrapped, self.trained_adapters)
         self._adapter_parameters = adapter_parameters(unwrapped, self.adapter_names)
         self._rows_agent_index: torch.Tensor | None = None
+        self.sampling_correction = None
+        if use_vllm:
+            self.vllm_generation = team_vllm_engine(
+                self.model,
+                args,
+                accelerator=self.accelerator,
+                processing_class=self.processing_class,
+                router=self.router,
+                adapter_names=self.adapter_names,
+                trained_adapters=self.trained_adapters,
+                current_step=lambda: self.state.global_step,
+            )
+            self._last_loaded_step = -1  # as TRL: adapters are sent at the first generation of a step
+            if self.vllm_importance_sampling_correction:
+                self.sampling_correction = SamplingCorrection(
+                    self.vllm_importance_sampling_mode,
+                    self.vllm_importance_sampling_clip_min,
+                    self.vllm_importance_sampling_clip_max,
+                )
+        self.team_generation = TeamGeneration(
+            self.router,
+            self.agent_adapters,
+            self.agent_names,
+            # TRL's methods, looked up at each call (as TRL's `_generate` does): a subclass or a test may replace them
+            tokenize=lambda *args: self._tokenize_prompts(*args),
+            generate_single_turn=lambda *args: self._generate_single_turn(*args),
+            processing_class=self.processing_class,
+            position_limit=position_limit(self.model.config, args.vllm_max_model_length if use_vllm else None),
+            max_completion_length=self.max_completion_length,
+            sampling_correction=self.sampling_correction,
+        )
         self.scoring = TeamScoring(
             self.reward_funcs,
             self.reward_func_names,
@@ -231,7 +271,7 @@ class TeamTrainer(TeamActionsMixin, TeamVLLMMixin, GRPOTrainer):
             baseline=self.baseline,
             scale_rewards=self.scale_rewards,
             transition=self.transition,
-            agent_input=self._agent_input,
+            agent_input=functools.partial(_agent_input, [agent["system_prompt"] for agent in args.agents], chat),
             scheduler=self.scheduler,
         )
 
@@ -254,11 +294,6 @@ class TeamTrainer(TeamActionsMixin, TeamVLLMMixin, GRPOTrainer):
 
     # ------------------------------------------------------------------ routing
 
-    def _route_rows(self, agent_index: torch.Tensor | list[int]) -> None:
-        """Route each row to its agent's adapter; a row of agent index `BASE_ROW` (-1) to the base model alone."""
-        indices = agent_index.tolist() if isinstance(agent_index, torch.Tensor) else agent_index  # one device sync
-        self.router.route([self.agent_adapters[i] if i != BASE_ROW else BASE for i in indices])
-
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kwargs
     ):
@@ -276,7 +311,7 @@ class TeamTrainer(TeamActionsMixin, TeamVLLMMixin, GRPOTrainer):
         for start in range(0, input_ids.size(0), batch_size):
             end = start + batch_size
             # The routing stays set after this call: gradient checkpointing replays this forward in the backward.
-            self._route_rows(agent_index[start:end])
+            self.team_generation.route(agent_index[start:end])
             chunk_logps, chunk_entropies, chunk_aux = super()._get_per_token_logps_and_entropies(
                 model, input_ids[start:end], attention_mask[start:end], logits_to_keep, **kwargs
             )
@@ -396,7 +431,13 @@ class TeamTrainer(TeamActionsMixin, TeamVLLMMixin, GRPOTrainer):
         # `True` is the latest *complete* checkpoint; an incomplete one is refused.
         resume_from_checkpoint = checkpoint_to_resume(resume_from_checkpoint, self.args.output_dir)
         self._resumed_epoch = resumed_epoch(resume_from_checkpoint) if resume_from_checkpoint else 0
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            # The vLLM engine's memory is free for what follows (`load_team(..., use_vllm=True)`, another trainer),
+            # also when training failed; a later `evaluate()` or `train()` starts it again.
+            if self.use_vllm:
+                self.vllm_generation.close()
 
     def _save_checkpoint(self, model, trial) -> None:
         # Complete or ignored: the marker goes last, once every process wrote its part (and its generation buffer);
@@ -453,13 +494,16 @@ class TeamTrainer(TeamActionsMixin, TeamVLLMMixin, GRPOTrainer):
                     setattr(unwrapped.get_submodule(module), attribute, param)
         self._set_adapter_trainability(unwrapped)
         self._adapter_parameters = adapter_parameters(unwrapped, self.adapter_names)
+        self._serve_loaded_adapters()
 
     def _load_best_model(self):
         # Trainer looks for one adapter at the checkpoint's root; a team's adapters are in `<adapter>/` folders, which
         # `_load_from_checkpoint` reads (every adapter, in its precision). DeepSpeed and FSDP load their own
         # whole-model state, every adapter included.
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            return super()._load_best_model()
+            super()._load_best_model()
+            self._serve_loaded_adapters()
+            return
         logger.info(
             "Loading every agent's adapter from the best checkpoint, %s (%s = %s).",
             self.state.best_model_checkpoint,
@@ -467,6 +511,13 @@ class TeamTrainer(TeamActionsMixin, TeamVLLMMixin, GRPOTrainer):
             self.state.best_metric,
         )
         self._load_from_checkpoint(self.state.best_model_checkpoint)
+
+    def _serve_loaded_adapters(self) -> None:
+        """Adapters loaded outside an optimizer step (a checkpoint, the best model) are no served version of any step:
+        the vLLM engine is sent them at its next generation."""
+        if self.use_vllm:
+            self.vllm_generation.invalidate()
+            self._last_loaded_step = -1
 
     # ------------------------------------------------------------------ rollout
 
@@ -478,9 +529,9 @@ class TeamTrainer(TeamActionsMixin, TeamVLLMMixin, GRPOTrainer):
         """What every rollout's `run` takes from the trainer: the layout of this process's copies and the model."""
         return {
             "first_copy": self.accelerator.process_index * len(inputs),
-            "generate": functools.partial(self._generate_team, num_generations=num_generations),
+            "generate": functools.partial(self.team_generation.generate, num_generations=num_generations),
             "score": self.scoring.score,
-            "gather": self._gather,
+            "gather": gather_object if self.accelerator.num_processes > 1 else list,
         }
 
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
@@ -500,7 +551,10 @@ class TeamTrainer(TeamActionsMixin, TeamVLLMMixin, GRPOTrainer):
         output["turn_index"] = torch.tensor([s.turn for s in samples], dtype=torch.long, device=device)
         output["group_index"] = torch.tensor([s.group for s in samples], dtype=torch.long, device=device)
         output.update(self._reference_logps(output, mode))
-        output.update(self._importance_sampling_outputs(samples, output, mode))
+        if self.sampling_correction is not None:  # vLLM sampled the rows: TRL's importance-sampling correction
+            output.update(
+                self.sampling_correction.outputs(samples, output, self._metrics[mode], self.accelerator.gather)
+            )
         log_rollout_metrics(
             self._metrics[mode],
             rollout,
@@ -553,7 +607,7 @@ class TeamTrainer(TeamActionsMixin, TeamVLLMMixin, GRPOTrainer):
         """Old log-probs (when generation and optimisation steps are misaligned, as TRL) and, with `beta != 0`, the
         base model's log-probs (every row routed to the base: the shared reference of every agent)."""
         generate_every = self.args.steps_per_generation * self.num_iterations
-        need_old = self.args.gradient_accumulation_steps % generate_every != 0 or self._corrects_vllm_sampling
+        need_old = self.args.gradient_accumulation_steps % generate_every != 0 or self.sampling_correction is not None
         if not need_old and self.beta == 0.0:
             return {}
         input_ids = torch.cat([samples["prompt_ids"], samples["completion_ids"]], dim=1)

@@ -28,8 +28,6 @@ The engine's settings, the checks that refuse what vLLM cannot serve, and `Saved
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
 import shutil
 import tempfile
@@ -41,7 +39,6 @@ from unittest import mock
 import torch
 from trl.generation import vllm_generation
 from trl.generation.vllm_generation import VLLMGeneration, empty_cache
-from trl.trainer import grpo_trainer
 
 from .config import SERVER_MODE_REASON
 from .memory.geometry import VLLM_MAX_NUM_BATCHED_TOKENS, vllm_max_num_seqs
@@ -196,7 +193,7 @@ class TeamVLLMGeneration(VLLMGeneration):
             raise RuntimeError(
                 f"vLLM got {num_rows} prompts but the router routes "
                 f"{'no rows' if row_adapters is None else f'{len(row_adapters)} rows'}: route the rows to their "
-                "adapters (`TeamTrainer._route_rows`) before generating."
+                "adapters (`TeamGeneration.route`) before generating."
             )
         return [None if adapter == BASE else self.lora_requests[adapter] for adapter in row_adapters]
 
@@ -264,100 +261,92 @@ def importance_sampling_ratio(
     return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 
-class TeamVLLMMixin:
-    """What `TeamTrainer` adds for `use_vllm=True`: the team engine in place of TRL's, and the sampler's log-probs of
-    every row carried to TRL's importance-sampling correction."""
+def team_vllm_engine(model: Any, args: Any, *, accelerator: Any, processing_class: Any, router: Any, **team: Any):
+    """The trainer's `TeamVLLMGeneration`, built after `GRPOTrainer.__init__` (which ran with `use_vllm` off, so that
+    it built no engine of its own) with the keywords GRPOTrainer 1.16 gives `VLLMGeneration` (re-read them when the
+    TRL pin moves), plus the team's: `router` (its routing picks each row's adapter), and in `team` the
+    `adapter_names`, `trained_adapters` and `current_step` of `TeamVLLMGeneration`."""
+    if args.loss_type == "vespo" and args.vllm_importance_sampling_correction:
+        if args.vllm_importance_sampling_mode not in ["token_truncate", "token_mask"]:  # as GRPOTrainer checks
+            raise ValueError(
+                "VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or 'token_mask'. "
+                f"Got: {args.vllm_importance_sampling_mode}."
+            )
+    ranks = [config.r for name, config in model.peft_config.items() if name in team["adapter_names"]]
+    return TeamVLLMGeneration(
+        model=model,
+        row_adapters=lambda: router.row_adapters,
+        lora_rank=max(ranks),
+        team_rows=vllm_max_num_seqs(args),
+        seed=args.seed,
+        **team,
+        accelerator=accelerator,
+        processing_class=processing_class,
+        mode=args.vllm_mode,
+        structured_outputs_regex=args.vllm_structured_outputs_regex,
+        server_base_url=args.vllm_server_base_url,
+        server_host=args.vllm_server_host,
+        server_port=args.vllm_server_port,
+        group_port=args.vllm_group_port,
+        server_timeout=args.vllm_server_timeout,
+        tensor_parallel_size=args.vllm_tensor_parallel_size,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        max_model_length=args.vllm_max_model_length,
+        max_num_seqs=args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation,
+        enable_sleep_mode=args.vllm_enable_sleep_mode,
+        model_impl=args.vllm_model_impl,
+        trust_remote_code=args.trust_remote_code,
+        repetition_penalty=args.repetition_penalty,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_completion_length=args.max_completion_length,
+        logprobs=0,  # the sampled tokens' log-probs, for the importance-sampling correction
+        generation_kwargs=args.generation_kwargs,
+    )
 
-    @contextlib.contextmanager
-    def _team_vllm_backend(self, model: Any, args: Any):
-        """While `GRPOTrainer.__init__` runs (with `args.use_vllm`), it builds a `TeamVLLMGeneration` where it would
-        build TRL's engine."""
-        self._sampling_logps: dict[tuple, list[float]] = {}
-        if not args.use_vllm:
-            yield
-            return
-        ranks = [config.r for name, config in model.peft_config.items() if name in self.adapter_names]
-        factory = functools.partial(
-            TeamVLLMGeneration,
-            row_adapters=lambda: self.router.row_adapters,
-            adapter_names=self.adapter_names,
-            current_step=lambda: self.state.global_step,
-            trained_adapters=self.trained_adapters,
-            lora_rank=max(ranks),
-            team_rows=vllm_max_num_seqs(args),
-            seed=args.seed,
-        )
-        with mock.patch.object(grpo_trainer, "VLLMGeneration", factory):
-            yield
 
-    def train(self, *args, **kwargs):
-        """`GRPOTrainer.train`, then the vLLM engine is closed (also when training fails), so its memory is free for
-        what follows in this process (`load_team(..., use_vllm=True)`, another trainer). A later `evaluate()` or
-        `train()` starts it again."""
-        try:
-            return super().train(*args, **kwargs)
-        finally:
-            if getattr(self, "use_vllm", False) and getattr(self, "vllm_generation", None) is not None:
-                self.vllm_generation.close()
+class SamplingCorrection:
+    """vLLM's log-probs of every generated row, carried to TRL's importance-sampling correction: `record` keeps them
+    at generation, `outputs` turns them into TRL's `sampling_per_token_logps` and `importance_sampling_ratio` (and
+    TRL's sampling metrics) when the rows reach the loss.
 
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        super()._load_from_checkpoint(resume_from_checkpoint, model=model)
-        self._serve_loaded_adapters()
+    Args:
+        mode, clip_min, clip_max: TRL's `vllm_importance_sampling_mode` and its clipping bounds.
+    """
 
-    def _load_best_model(self):
-        super()._load_best_model()
-        self._serve_loaded_adapters()
+    def __init__(self, mode: str, clip_min: float | None, clip_max: float | None):
+        self.mode, self.clip_min, self.clip_max = mode, clip_min, clip_max
+        self.sampling_logps: dict[tuple, list[float]] = {}
 
-    def _serve_loaded_adapters(self) -> None:
-        """Adapters loaded from a checkpoint are not the served version of any step: the next generation sends them."""
-        if getattr(self, "use_vllm", False) and getattr(self, "vllm_generation", None) is not None:
-            self.vllm_generation.invalidate()
-            self._last_loaded_step = -1
-
-    @property
-    def _corrects_vllm_sampling(self) -> bool:
-        """Whether TRL's importance-sampling correction applies (vLLM samples, the trainer's model scores)."""
-        return self.use_vllm and self.vllm_importance_sampling_correction
-
-    def _record_sampling_logps(self, agent_index, prompt_ids, completion_ids, logprobs) -> None:
-        """Keep vLLM's log-prob of each generated token, by (agent, prompt, completion), while the correction needs
-        them: equal keys were sampled by the same adapter version from the same prompt, so they have equal log-probs.
-        A token vLLM could not score (None) is kept as NaN."""
-        if not self._corrects_vllm_sampling:
-            return
+    def record(self, agent_index, prompt_ids, completion_ids, logprobs) -> None:
+        """Keep vLLM's log-prob of each generated token, by (agent, prompt, completion): equal keys were sampled by the
+        same adapter version from the same prompt, so they have equal log-probs. A token vLLM could not score (None) is
+        kept as NaN."""
         for agent, prompt, completion, logps in zip(agent_index, prompt_ids, completion_ids, logprobs):
             logps = [math.nan if logp is None else logp for logp in logps]
-            self._sampling_logps[(agent, tuple(prompt), tuple(completion))] = logps
+            self.sampling_logps[(agent, tuple(prompt), tuple(completion))] = logps
 
-    def _importance_sampling_outputs(self, samples: list, output: dict, mode: str) -> dict:
-        """`sampling_per_token_logps` and `importance_sampling_ratio` of the rows, as TRL's loss reads them, and TRL's
-        sampling metrics."""
-        if not self._corrects_vllm_sampling:
-            return {}
+    def outputs(self, samples: list, output: dict, metrics: dict, gather: Callable) -> dict:
+        """`sampling_per_token_logps` and `importance_sampling_ratio` of the rows (`samples`, padded in `output`), as
+        TRL's loss reads them; TRL's sampling metrics into `metrics` (gathered over processes with `gather`)."""
         width = output["completion_ids"].size(1)
-        rows = [self._sampling_logps[(s.agent, tuple(s.prompt_ids), tuple(s.completion_ids))] for s in samples]
-        self._sampling_logps.clear()
+        rows = [self.sampling_logps[(s.agent, tuple(s.prompt_ids), tuple(s.completion_ids))] for s in samples]
+        self.sampling_logps.clear()
         sampling = torch.tensor(
             [logps + [0.0] * (width - len(logps)) for logps in rows], device=output["completion_ids"].device
         )
         mask = output["completion_mask"]
         old = output["old_per_token_logps"]
-        ratio = importance_sampling_ratio(
-            old,
-            sampling,
-            mask,
-            self.vllm_importance_sampling_mode,
-            self.vllm_importance_sampling_clip_min,
-            self.vllm_importance_sampling_clip_max,
-        )
+        ratio = importance_sampling_ratio(old, sampling, mask, self.mode, self.clip_min, self.clip_max)
         delta = torch.abs(old - sampling)[mask.bool()]
         delta = delta[~torch.isnan(delta)]
         flat = ratio.flatten() if ratio.size(1) == 1 else ratio[mask.bool()]
-        gather = self.accelerator.gather
         for name, values in (("sampling_logp_difference", delta), ("importance_sampling_ratio", flat)):
             values = values if values.numel() else torch.zeros(1, device=values.device)
             if name == "importance_sampling_ratio":
-                self._metrics[mode][f"sampling/{name}/min"].append(gather(values.min()).min().item())
-            self._metrics[mode][f"sampling/{name}/mean"].append(gather(values.mean()).mean().item())
-            self._metrics[mode][f"sampling/{name}/max"].append(gather(values.max()).max().item())
+                metrics[f"sampling/{name}/min"].append(gather(values.min()).min().item())
+            metrics[f"sampling/{name}/mean"].append(gather(values.mean()).mean().item())
+            metrics[f"sampling/{name}/max"].append(gather(values.max()).max().item())
         return {"sampling_per_token_logps": sampling, "importance_sampling_ratio": ratio}

@@ -211,7 +211,7 @@ def bench_generate(model_path, s, num_agents):
 
     def routed():  # the trainer's team call: row r * N + a is agent a's answer to prompt r
         agent_index = list(range(num_agents)) * len(prompts)
-        return trainer._generate_team([p for p in prompts for _ in names], agent_index, num_generations=G)[1]
+        return trainer.team_generation.generate([p for p in prompts for _ in names], agent_index, G)[1]
 
     def per_agent():  # one call per agent
         trainer.router.route(None)
@@ -227,7 +227,8 @@ def bench_generate(model_path, s, num_agents):
         return trainer._generate([p for p in prompts for _ in names])[1]
 
     def one_agent_routed():  # an AT-GRPO call: every row is the first agent's (the router's one-adapter path)
-        return trainer._generate_team([p for p in prompts for _ in names], [0] * len(prompts) * num_agents, G)[1]
+        rows = [p for p in prompts for _ in names]
+        return trainer.team_generation.generate(rows, [0] * len(rows), G)[1]
 
     def one_agent_concatenated():  # the same call made to pay every agent's projection and the mask, as before
         route = trainer.router.route

@@ -1,0 +1,98 @@
+"""The team's generation, a collaborator of `TeamTrainer`: one `generate` call for rows of any agents, each row through
+its agent's adapter, after a check that every prompt leaves room for its completion; with vLLM, the sampler's
+log-probs kept for TRL's importance-sampling correction (`vllm_generation.SamplingCorrection`). The rollouts'
+`generate` hook is `TeamGeneration.generate`.
+
+TRL's `_generate` would gather its metrics over processes, which needs equal row counts; tree turns differ between
+processes, so TRL's `_tokenize_prompts` and `_generate_single_turn` are called here, and generation metrics are logged
+once per rollout instead (`metrics.log_rollout_metrics`).
+"""
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .routing import AdapterRouter, rows_to_adapters
+
+
+class TeamGeneration:
+    """Generates rows of any agents in one call.
+
+    Args:
+        router: the model's `AdapterRouter`.
+        agent_adapters: the adapter of each agent (`agent_adapter_names`).
+        agent_names: the agents' names, for errors.
+        tokenize: TRL's `_tokenize_prompts`.
+        generate_single_turn: TRL's `_generate_single_turn` (transformers' `generate` or the vLLM engine).
+        processing_class: the tokenizer, to decode completions.
+        position_limit: `(positions, whose, field)`: the most positions a prompt and its completion may take, whose
+            limit it is and the field that sets it; `(None, ..)` for no limit.
+        max_completion_length: the longest completion.
+        sampling_correction: keeps vLLM's log-probs of each row when TRL's correction applies (None without vLLM).
+    """
+
+    def __init__(
+        self,
+        router: AdapterRouter,
+        agent_adapters: Sequence[str],
+        agent_names: Sequence[str],
+        *,
+        tokenize: Callable,
+        generate_single_turn: Callable,
+        processing_class,
+        position_limit: tuple[int | None, str, str],
+        max_completion_length: int,
+        sampling_correction=None,
+    ):
+        self.router, self.agent_adapters, self.agent_names = router, list(agent_adapters), list(agent_names)
+        self.tokenize, self.generate_single_turn = tokenize, generate_single_turn
+        self.processing_class = processing_class
+        self.position_limit, self.max_completion_length = position_limit, max_completion_length
+        self.sampling_correction = sampling_correction
+
+    def route(self, agent_index: torch.Tensor | Sequence[int]) -> None:
+        """Route each row to its agent's adapter (`routing.rows_to_adapters`; `BASE_ROW` to the base model alone)."""
+        self.router.route(rows_to_adapters(agent_index, self.agent_adapters))
+
+    def generate(self, model_inputs: list, agent_index: list[int], num_generations: int):
+        """Per row: prompt ids, completion ids and text, each row generated through its agent's adapter."""
+        self.route(agent_index)
+        try:
+            prompt_ids, images, multimodal_fields = self.tokenize(model_inputs)
+            self.check_prompt_lengths(prompt_ids, agent_index)
+            completion_ids, logprobs = self.generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations
+            )
+        finally:
+            self.router.route(None)
+        if logprobs is not None and self.sampling_correction is not None:  # vLLM's
+            self.sampling_correction.record(agent_index, prompt_ids, completion_ids, logprobs)
+        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        return [list(ids) for ids in prompt_ids], completion_ids, texts
+
+    def check_prompt_lengths(self, prompt_ids: list[list[int]], agent_index: list[int]) -> None:
+        """A prompt that leaves no room for `max_completion_length` new tokens within the model's positions is an
+        error naming the agent and quoting the prompt's end, before anything is generated or trained."""
+        limit, owner, field = self.position_limit
+        if not limit:
+            return
+        room = limit - self.max_completion_length
+        for ids, agent in zip(prompt_ids, agent_index):
+            if len(ids) > room:
+                tail = self.processing_class.decode(ids[-40:], skip_special_tokens=True)
+                raise ValueError(
+                    f"Agent '{self.agent_names[agent]}' got a prompt of {len(ids)} tokens; with "
+                    f"max_completion_length={self.max_completion_length} it exceeds {owner} {limit} positions "
+                    f"({field}). The prompt ends: ...{tail!r}. Filter out such rows (prompts of at most {room} "
+                    "tokens, system prompt and earlier turns included), or lower max_completion_length"
+                    + (" or raise vllm_max_model_length." if field == "vllm_max_model_length" else ".")
+                )
+
+
+def position_limit(model_config, vllm_max_model_length: int | None) -> tuple[int | None, str, str]:
+    """`(positions, whose, field)` a prompt and its completion must fit in: the model's `max_position_embeddings`, or
+    vLLM's `vllm_max_model_length` when that is smaller."""
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if vllm_max_model_length and (not limit or vllm_max_model_length < limit):
+        return vllm_max_model_length, "vLLM's", "vllm_max_model_length"
+    return limit, "the model's", "max_position_embeddings"
