@@ -15,7 +15,7 @@ from trl_marl import MAGRPOConfig
 from trl_marl.memory.geometry import largest_call_rows
 from trl_marl.team_generation import TeamGeneration
 from trl_marl.vllm_generation import SamplingCorrection, TeamVLLMGeneration, importance_sampling_ratio
-from trl_marl.vllm_serving import check_sharding_served, keep_base_when_sleeping, lora_engine_settings, sampling_seed
+from trl_marl.vllm_serving import TeamLLM, check_sharding_served, lora_engine_settings, sampling_seed
 
 # two rows of three tokens; the second row's last token is padding
 OLD = torch.tensor([[-1.0, -2.0, -0.5], [-0.2, -0.4, -9.0]])
@@ -59,7 +59,7 @@ def test_the_team_engine_sleeps_at_level_1_whatever_level_it_is_asked_for():
         def sleep(self, level=1, mode="abort"):
             self.calls.append((level, mode))
 
-    engine = keep_base_when_sleeping(Engine())
+    engine = TeamLLM(Engine())  # the calls are the wrapped engine's
     engine.sleep(level=2)  # what TRL's colocate engine asks: it would discard the base, which is never re-sent
     engine.sleep(level=2, mode="wait")
     engine.sleep()

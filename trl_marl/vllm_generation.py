@@ -22,6 +22,10 @@ With `vllm_enable_sleep_mode=True` the engine sleeps at level 1 between generati
 KV cache freed) where TRL's sleeps at level 2 (weights discarded, merged ones re-sent): the team engine never re-sends
 the base, so it must keep it.
 
+TRL builds its engine inside `_init_vllm` and gives no seam for the team's settings, so `TeamVLLMGeneration` overrides
+`_init_vllm` and builds the engine itself (a mirror of TRL 1.16's colocate branch), as a `vllm_serving.TeamLLM`: vLLM's
+`LLM` with level-1 sleep and a `generate` that serves each row of TRL's call with its LoRA and seed.
+
 The engine's settings, the checks that refuse what vLLM cannot serve, and `SavedTeamEngine` (a saved team for
 `load_team(...).run`) are in `vllm_serving.py`.
 """
@@ -29,34 +33,31 @@ The engine's settings, the checks that refuse what vLLM cannot serve, and `Saved
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
-from trl.generation import vllm_generation
 from trl.generation.vllm_generation import VLLMGeneration, empty_cache
+from trl.trainer.utils import ensure_master_addr_port
 
 from .config import SERVER_MODE_REASON
 from .memory.geometry import VLLM_MAX_NUM_BATCHED_TOKENS, vllm_max_num_seqs
 from .routing import BASE
 from .vllm_serving import (
+    bitsandbytes_quantization,
     check_quantization_served,
     check_sharding_served,
     check_sleep_mode_available,
     check_vllm_installed,
-    keep_base_when_sleeping,
-    keep_process_rng,
-    lora_engine_settings,
-    naming_the_memory_setting,
     register_open_engine,
     sampling_seed,
     shut_down_engine,
+    start_team_llm,
     unregister_open_engine,
-    with_seeds,
 )
 
 
@@ -102,6 +103,11 @@ class TeamVLLMGeneration(VLLMGeneration):
     ):
         if settings.get("mode", "colocate") != "colocate":
             raise ValueError(SERVER_MODE_REASON)
+        if settings.get("tensor_parallel_size", 1) != 1:
+            raise ValueError(
+                "`vllm_tensor_parallel_size` must be 1 with `use_vllm`: TRL's tensor-parallel generation gathers the "
+                "prompts of several processes into one call, while each process's rows carry their own adapters."
+            )
         check_sharding_served(settings.get("accelerator"))
         if "max_num_seqs" in settings:
             team_rows = min(team_rows, VLLM_MAX_NUM_BATCHED_TOKENS)  # vLLM refuses more sequences than tokens a step
@@ -120,23 +126,49 @@ class TeamVLLMGeneration(VLLMGeneration):
         super().__init__(model=model, **settings)
 
     def _init_vllm(self) -> None:
-        """TRL's colocate engine, built with LoRA serving for every adapter, in the model's dtype, and sleeping at
-        level 1 (`keep_base_when_sleeping`)."""
-        check_vllm_installed()
-        from vllm import LLM
+        """TRL's colocate engine, built here with LoRA serving for every adapter, in the model's dtype, as a
+        `TeamLLM` (level-1 sleep, each row's LoRA and seed).
 
+        An override, not a call of TRL's: `VLLMGeneration._init_vllm` builds vLLM's `LLM` itself and gives no seam to
+        add the team's settings. It mirrors TRL 1.16's colocate branch of `_init_vllm` (the environment vLLM's
+        external launcher reads, the bitsandbytes detection, the `LLM` arguments, the first sleep, the barrier):
+        re-read it when the TRL pin moves. Server mode is refused in `__init__`, tensor parallelism by the config and
+        `__init__` (so TRL's tensor-parallel subgroups are not needed)."""
+        check_vllm_installed()
         if self.enable_sleep_mode:
             check_sleep_mode_available()
-        check_quantization_served(getattr(self.model, "is_loaded_in_4bit", False))
-        settings = lora_engine_settings(len(self.adapter_names), self.lora_rank, self.model.dtype)
-
-        def team_llm(**kwargs: Any) -> Any:
-            how_to_set = "a different `vllm_gpu_memory_utilization` in the trainer's config"
-            with naming_the_memory_setting(kwargs.get("gpu_memory_utilization"), how_to_set), keep_process_rng():
-                return keep_base_when_sleeping(LLM(**kwargs, **settings))
-
-        with mock.patch.object(vllm_generation, "LLM", team_llm):
-            super()._init_vllm()
+        quantization = bitsandbytes_quantization(self.model)
+        check_quantization_served(quantization == "bitsandbytes" or getattr(self.model, "is_loaded_in_4bit", False))
+        accelerator = self.accelerator
+        # vLLM's external launcher reads the process's place from the environment, as TRL sets it
+        os.environ["RANK"] = str(accelerator.process_index)
+        os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)
+        os.environ["WORLD_SIZE"] = str(accelerator.num_processes)
+        ensure_master_addr_port()
+        self.llm = start_team_llm(
+            len(self.adapter_names),
+            self.lora_rank,
+            self.model.dtype,
+            "a different `vllm_gpu_memory_utilization` in the trainer's config",
+            model=self.model.name_or_path,
+            tensor_parallel_size=self.tensor_parallel_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            max_model_len=self.max_model_length,
+            max_num_seqs=self.max_num_seqs,
+            enable_sleep_mode=self.enable_sleep_mode,
+            model_impl=self.model_impl,
+            distributed_executor_backend="external_launcher",
+            seed=accelerator.process_index // self.tensor_parallel_size,  # TRL's (the size is 1)
+            max_num_batched_tokens=VLLM_MAX_NUM_BATCHED_TOKENS,  # TRL's 4096
+            logprobs_mode="processed_logprobs",  # temperature and the other logit settings apply to the log-probs
+            quantization=quantization,
+            trust_remote_code=self.trust_remote_code,
+        )
+        if self.enable_sleep_mode:
+            self.llm.sleep()  # level 1 (TRL's level 2 would discard the base, which is never re-sent)
+        self._llm_weights_sleeping = self.enable_sleep_mode  # the next `sync_weights` wakes them
+        # TRL's: vLLM loads the weights in each process; the processes wait for each other before training on
+        accelerator.wait_for_everyone()
         register_open_engine(self)
 
     def _start_again(self) -> None:
@@ -214,19 +246,8 @@ class TeamVLLMGeneration(VLLMGeneration):
         self._start_again()
         if (self.enable_sleep_mode and self._llm_weights_sleeping) or not self.lora_requests:
             self.sync_weights()  # wakes the weights (TRL's generate would, after the requests are built)
-        requests = self.row_lora_requests(len(prompts))
-        seeds = self.request_seeds(len(prompts))
-        generate = self.llm.generate
-
-        def team_generate(vllm_prompts, sampling_params, **kwargs):
-            if len(vllm_prompts) != len(seeds):
-                raise RuntimeError(f"vLLM got {len(vllm_prompts)} prompts for {len(seeds)} rows.")
-            return generate(
-                vllm_prompts, sampling_params=with_seeds(sampling_params, seeds), lora_request=requests, **kwargs
-            )
-
-        with mock.patch.object(self.llm, "generate", team_generate):
-            return super().generate(prompts, images, num_generations, profiler)
+        with self.llm.serving(self.row_lora_requests(len(prompts)), self.request_seeds(len(prompts))):
+            return super().generate(prompts, images, num_generations, profiler)  # its `llm.generate` serves the rows
 
     def close(self) -> None:
         """Shut the engine down, free its memory (weights, KV cache) and remove the saved adapter versions. Another

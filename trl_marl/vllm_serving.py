@@ -1,6 +1,7 @@
 """Building and shutting down vLLM engines that serve a team: the LoRA settings of an engine, the checks that refuse
-what vLLM cannot serve (with what to do instead), level-1 sleep, each request's own sampling seed, the start that
-names what to change when vLLM cannot start, and `SavedTeamEngine`, which serves a team saved by `save_model` for
+what vLLM cannot serve (with what to do instead), each request's own sampling seed, `TeamLLM` (vLLM's `LLM` with
+level-1 sleep and each row's LoRA and seed), the start that names what to change when vLLM cannot start
+(`start_team_llm`), and `SavedTeamEngine`, which serves a team saved by `save_model` for
 `load_team(..., use_vllm=True)`. The trainer's engine is `vllm_generation.TeamVLLMGeneration`."""
 
 from __future__ import annotations
@@ -33,19 +34,6 @@ def lora_engine_settings(num_adapters: int, lora_rank: int, dtype: torch.dtype |
         "max_lora_rank": vllm_lora_rank(lora_rank),
         "dtype": str(dtype).removeprefix("torch."),
     }
-
-
-def keep_base_when_sleeping(llm: Any) -> Any:
-    """Make `llm.sleep` sleep at level 1 whatever level it is asked for. TRL's colocate engine sleeps at level 2,
-    which discards the weights because TRL re-sends merged weights at every wake-up; the team engine is sent adapters
-    only, so its base must survive the sleep: level 1 offloads the weights to CPU memory and frees the KV cache."""
-    sleep = llm.sleep
-
-    def sleep_keeping_the_base(level: int = 1, **kwargs: Any) -> None:
-        sleep(level=1, **kwargs)
-
-    llm.sleep = sleep_keeping_the_base
-    return llm
 
 
 def sampling_seed(*keys: Any) -> int:
@@ -81,6 +69,85 @@ def keep_process_rng() -> Iterator[None]:
     finally:
         random.setstate(python)
         np.random.set_state(numpy_state)
+
+
+class TeamLLM:
+    """vLLM's `LLM` serving a team. It holds the engine (`vllm_llm`) and answers every attribute but its own with the
+    engine's; what it changes:
+
+    - `sleep` sleeps at level 1 whatever level it is asked for. TRL's colocate engine sleeps at level 2, which
+      discards the weights because TRL re-sends merged weights at every wake-up; the team engine is sent adapters only,
+      so its base must survive the sleep: level 1 offloads the weights to CPU memory and frees the KV cache.
+    - `generate`, inside `serving(lora_requests, seeds)`, serves row `i` of the call with the `i`-th LoRA request and
+      samples it with the `i`-th seed (`with_seeds`): TRL's `generate` calls the engine with its prompts and one
+      `SamplingParams`, and the team's rows are set around that call. Outside `serving` it is vLLM's `generate`.
+    """
+
+    def __init__(self, vllm_llm: Any):
+        self.vllm_llm = vllm_llm
+        self._rows: tuple[list[Any], list[int]] | None = None  # the LoRA requests and seeds of the call being served
+
+    def __getattr__(self, name: str) -> Any:
+        vllm_llm = self.__dict__.get("vllm_llm")  # not `self.vllm_llm`: unset while copied or unpickled
+        if vllm_llm is None:
+            raise AttributeError(name)
+        return getattr(vllm_llm, name)
+
+    def sleep(self, level: int = 1, **kwargs: Any) -> None:
+        """vLLM's `sleep` at level 1, whatever `level` is asked for (TRL asks for 2)."""
+        self.vllm_llm.sleep(level=1, **kwargs)
+
+    @contextlib.contextmanager
+    def serving(self, lora_requests: list[Any], seeds: list[int]) -> Iterator[None]:
+        """While inside, `generate` serves row `i` with `lora_requests[i]` (None: the base model) and `seeds[i]`."""
+        self._rows = (list(lora_requests), list(seeds))
+        try:
+            yield
+        finally:
+            self._rows = None
+
+    def generate(self, prompts: Any, sampling_params: Any = None, **kwargs: Any) -> Any:
+        """vLLM's `generate`, each row with its own LoRA request and seed inside `serving`."""
+        if self._rows is None:
+            return self.vllm_llm.generate(prompts, sampling_params, **kwargs)
+        lora_requests, seeds = self._rows
+        if len(prompts) != len(seeds):
+            raise RuntimeError(f"vLLM got {len(prompts)} prompts for {len(seeds)} rows.")
+        return self.vllm_llm.generate(
+            prompts, sampling_params=with_seeds(sampling_params, seeds), lora_request=lora_requests, **kwargs
+        )
+
+
+def start_team_llm(
+    num_adapters: int, lora_rank: int, dtype: torch.dtype | str, how_to_set: str, **settings: Any
+) -> TeamLLM:
+    """Start vLLM's `LLM` with `settings`, serving `num_adapters` LoRA adapters of rank at most `lora_rank` in `dtype`
+    (`lora_engine_settings`), as a `TeamLLM`. The process's random generators are kept (`keep_process_rng`); a start
+    that fails for lack of memory, or beside another open engine, says what to change (`naming_the_memory_setting`,
+    `how_to_set`: where `vllm_gpu_memory_utilization` is passed)."""
+    from vllm import LLM
+
+    lora = lora_engine_settings(num_adapters, lora_rank, dtype)
+    with naming_the_memory_setting(settings.get("gpu_memory_utilization"), how_to_set), keep_process_rng():
+        return TeamLLM(LLM(**settings, **lora))
+
+
+def bitsandbytes_quantization(model: Any) -> str | None:
+    """The `quantization` vLLM loads `model`'s base with, detected as TRL 1.16's colocate engine detects it:
+    `"bitsandbytes"` where the model has bitsandbytes 4-bit layers, else None; a model with bitsandbytes 8-bit layers
+    is refused (vLLM has no in-flight 8-bit quantization)."""
+    from transformers import is_bitsandbytes_available
+
+    if not is_bitsandbytes_available():
+        return None
+    import bitsandbytes as bnb
+
+    for _, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            return "bitsandbytes"
+        if isinstance(module, bnb.nn.Linear8bitLt):
+            raise ValueError("vLLM does not support in-flight 8-bit quantization.")
+    return None
 
 
 # The team engines of this process that are started and not closed, for the error of a start that fails beside them.
@@ -229,14 +296,12 @@ class SavedTeamEngine:
         **settings: Any,
     ):
         check_vllm_installed()
-        from vllm import LLM
         from vllm.lora.request import LoRARequest
 
         check_quantization_served(settings.get("quantization") == "bitsandbytes")
-        lora = lora_engine_settings(len(adapter_folders), lora_rank, dtype)
+        settings = {key: value for key, value in settings.items() if value is not None}
         how_to_set = "`load_team(..., vllm_gpu_memory_utilization=...)`"
-        with naming_the_memory_setting(settings.get("gpu_memory_utilization"), how_to_set), keep_process_rng():
-            self.llm = LLM(model=base_model, **lora, **{k: v for k, v in settings.items() if v is not None})
+        self.llm = start_team_llm(len(adapter_folders), lora_rank, dtype, how_to_set, model=base_model, **settings)
         register_open_engine(self)
         self.lora_requests = {
             name: LoRARequest(name, index, str(folder))
