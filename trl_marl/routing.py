@@ -21,8 +21,10 @@ When every row goes to the same adapter (AT-GRPO's `generate` calls under a sequ
 only that adapter's LoRA projection is computed, as PEFT computes it, with no concatenation and no mask.
 """
 
+import functools
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import peft
 import torch
@@ -109,12 +111,17 @@ class AdapterRouter:
         self._single: int | None = None  # the one index every row shares, if they do
         self._masks: dict[tuple, torch.Tensor] = {}  # (ranks, device, dtype) -> (rows, summed ranks) block mask
         self._weight_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # kept while no grad is taken
+        self._tensor_routing: TensorRouting | None = None  # built at the first `tensor_routing` call
         self._handles = []
+        self._plain_layers: list[LoraLayer] = []
+        self._other_layers: list[torch.nn.Module] = []
         for module in model.modules():
             if isinstance(module, LoraLayer) and self._is_plain_lora(module):
+                self._plain_layers.append(module)
                 self._handles.append(module.register_forward_pre_hook(self._base_only, with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._add_routed_lora))
             elif isinstance(module, (LoraLayer, AuxiliaryTrainingWrapper)):
+                self._other_layers.append(module)
                 self._handles.append(module.register_forward_pre_hook(self._inject_adapter_names, with_kwargs=True))
                 if isinstance(module, LoraLayer) and is_4bit_linear(module.get_base_layer()):
                     # PEFT's 4-bit layer clones the base output before adding LoRA deltas in its single-adapter path
@@ -211,11 +218,50 @@ class AdapterRouter:
             x = module.lora_dropout[name](args[0].to(lora_a.weight.dtype))
             return (output + lora_b(lora_a(x)) * module.scaling[name]).to(output.dtype)
         lora_a, lora_b = self._concatenated(module)
-        x = module.lora_dropout[self.adapter_names[0]](args[0]).to(lora_a.dtype)
-        hidden = x @ lora_a.T  # (rows, ..., Σr): every agent's projection of every row
-        mask = self._mask(module, hidden.device, hidden.dtype)
-        hidden = hidden * mask.view(mask.shape[0], *([1] * (hidden.dim() - 2)), mask.shape[1])
-        return output + (hidden @ lora_b.T).to(output.dtype)
+        x = module.lora_dropout[self.adapter_names[0]](args[0])
+        mask = self._mask(module, lora_a.device, lora_a.dtype)
+        return output + routed_lora_delta(x, lora_a, lora_b, mask).to(output.dtype)
+
+    # -- routing as tensors, for a captured decode step
+
+    def tensor_routing_unsupported(self) -> str | None:
+        """Why this model's routing cannot be held in tensors (`tensor_routing`), or None when it can: every LoRA
+        layer must take the batched path, and none may be merged into its base."""
+        if self._other_layers:
+            return (
+                f"{type(self._other_layers[0]).__name__} layers (LoRA variants, biases, modules_to_save, differing "
+                "dropouts) route through PEFT's per-row Python path"
+            )
+        if any(layer.merged for layer in self._plain_layers):
+            return "an adapter is merged into the base weights"
+        return None
+
+    @contextmanager
+    def tensor_routing(self, row_adapters: Sequence[str]) -> Iterator[None]:
+        """Route the rows of the forwards inside the block through forwards that read the routing from tensors only.
+
+        Each plain LoRA layer's forward becomes its base layer plus `routed_lora_delta`, whose matrices and masks
+        live in buffers allocated once and refreshed in place at each entry (the adapters may have trained since), so
+        a decode step captured inside one block (`torch.compile`, CUDA graphs) replays in the next with new weights
+        and rows and no recompilation: nothing in it is a Python list of rows, a hook or a tensor made per call. The
+        hooks of the ordinary routing are idle inside the block. Rows past `len(row_adapters)` of a batch, and rows
+        routed to `BASE`, get no LoRA delta. Unsupported models raise (`tensor_routing_unsupported`)."""
+        reason = self.tensor_routing_unsupported()
+        if reason:
+            raise ValueError(f"This team's routing cannot be captured: {reason}.")
+        unknown = set(row_adapters) - {*self.adapter_names, BASE}
+        if unknown:
+            raise ValueError(f"Cannot route rows to adapters {sorted(unknown)}; known: {self.adapter_names}.")
+        if self._tensor_routing is None:
+            self._tensor_routing = TensorRouting(self._plain_layers, self.adapter_names)
+        previous = self.row_adapters
+        self.route(None)
+        self._tensor_routing.refresh([self.adapter_names.index(n) if n != BASE else -1 for n in row_adapters])
+        try:
+            with self._tensor_routing.installed():
+                yield
+        finally:
+            self.route(previous)
 
     # -- PEFT's mixed-batch path
 
@@ -235,3 +281,88 @@ class AdapterRouter:
             handle.remove()
         self._handles = []
         self.route(None)
+
+
+def routed_lora_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's own agent's LoRA delta, `scale_a · B_a A_a x`, for a batch of every agent's rows.
+
+    Args:
+        x: `(rows, ..., in)`, the layer's input (after LoRA dropout).
+        lora_a: `(Σr, in)`, the agents' A matrices concatenated along the rank.
+        lora_b: `(out, Σr)`, their B matrices, each scaled by its agent's LoRA scaling.
+        mask: `(rows, Σr)`: 1 on the rank block of each row's agent, 0 elsewhere (0 everywhere: the base alone).
+            Rows past the mask's are not allowed; a mask with more rows than `x` is used for its first rows.
+    """
+    hidden = x.to(lora_a.dtype) @ lora_a.T  # (rows, ..., Σr): every agent's projection of every row
+    mask = mask[: hidden.shape[0]]
+    hidden = hidden * mask.view(mask.shape[0], *([1] * (hidden.dim() - 2)), mask.shape[1])
+    return hidden @ lora_b.T
+
+
+class TensorRouting:
+    """The buffers of `AdapterRouter.tensor_routing`: per plain LoRA layer, the concatenated A and scaled B; per rank
+    layout, a `(rows, Σr)` mask (grown, never shrunk, when a call has more rows); and per layer a forward callable made
+    once, so that what a captured step reads has the same identity and addresses at every call.
+
+    Args:
+        layers: the router's plain LoRA layers.
+        adapter_names: the adapters, in the router's order.
+    """
+
+    def __init__(self, layers: Sequence[LoraLayer], adapter_names: Sequence[str]):
+        self.layers, self.adapter_names = list(layers), list(adapter_names)
+        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.masks: dict[tuple, torch.Tensor] = {}
+        self.forwards: dict[int, functools.partial] = {}
+
+    def refresh(self, row_index: list[int]) -> None:
+        """Copy the adapters' current weights into the buffers and route row `i` to adapter `row_index[i]` (-1: the
+        base alone; so are rows past `len(row_index)`)."""
+        for layer in self.layers:
+            lora_a = torch.cat([layer.lora_A[name].weight.detach() for name in self.adapter_names])
+            lora_b = torch.cat(
+                [layer.lora_B[name].weight.detach() * layer.scaling[name] for name in self.adapter_names], dim=1
+            )
+            ranks = tuple(layer.r[name] for name in self.adapter_names)
+            mask = self._mask(ranks, len(row_index), lora_a)
+            buffers = self.weights.get(id(layer))
+            if buffers is None or buffers[0].shape != lora_a.shape or buffers[0].dtype != lora_a.dtype:
+                buffers = self.weights[id(layer)] = (lora_a, lora_b)
+                for buffer in buffers:
+                    torch._dynamo.mark_static_address(buffer)  # CUDA graphs read it in place, never copy it
+            else:
+                buffers[0].copy_(lora_a)
+                buffers[1].copy_(lora_b)
+            forward = self.forwards.get(id(layer))
+            if forward is None or forward.args[1] is not buffers[0] or forward.args[3] is not mask:
+                self.forwards[id(layer)] = functools.partial(_tensor_routed_forward, layer, *buffers, mask)
+        for (ranks, _, _), mask in self.masks.items():
+            block_of_column = torch.tensor([block for block, rank in enumerate(ranks) for _ in range(rank)])
+            rows = torch.tensor(row_index + [-1] * (mask.shape[0] - len(row_index)))
+            mask.copy_((rows[:, None] == block_of_column[None, :]).to(mask.dtype))
+
+    def _mask(self, ranks: tuple[int, ...], rows: int, like: torch.Tensor) -> torch.Tensor:
+        """The mask of a rank layout, grown (a new tensor) when a call has more rows than it."""
+        key = (ranks, like.device, like.dtype)
+        mask = self.masks.get(key)
+        if mask is None or mask.shape[0] < rows:
+            mask = self.masks[key] = torch.zeros(rows, sum(ranks), device=like.device, dtype=like.dtype)
+            torch._dynamo.mark_static_address(mask)
+        return mask
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        """Each layer's forward is its tensor-routed one inside the block."""
+        for layer in self.layers:
+            layer.forward = self.forwards[id(layer)]
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                del layer.forward
+
+
+def _tensor_routed_forward(layer: LoraLayer, lora_a, lora_b, mask, x, *args, **kwargs):
+    output = layer.base_layer(x, *args, **kwargs)
+    x = layer.lora_dropout[next(iter(layer.lora_dropout))](x)
+    return output + routed_lora_delta(x, lora_a, lora_b, mask).to(output.dtype)

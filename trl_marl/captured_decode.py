@@ -1,0 +1,256 @@
+"""The team's decode step captured once and replayed: transformers' `generate` with a static KV cache, the one-token
+forward compiled (`torch.compile`; on CUDA with CUDA graphs, `mode="reduce-overhead"`), and the routing to each row's
+adapter held in tensors (`routing.AdapterRouter.tensor_routing`).
+
+Eager `generate` with LoRA on every linear is bound by kernel launches and Python: on an H100 a decode step of a 135M
+model took 21 ms for the base alone and 55 ms routed to 2 agents, flat from 16 to 64 rows. A captured step launches
+one graph. `CapturedDecoder.generate` keeps `generate`'s preparation (generation config, special tokens, logits
+processors, stopping criteria: sampling settings keep their meaning) and hands it a decoding loop of its own
+(`custom_generate`, transformers' public hook for one): the prompt's prefill runs eagerly, then each token is one call
+of the compiled step on fixed shapes. Shapes are bucketed so a handful of graphs serve every call: a batch is padded
+with rows that go through the base alone (`ROW_BUCKETS`), and the cache is sized up to a multiple of
+`CACHE_LENGTH_STEP`. One cache per shape is kept and reset between calls, so a replay reads and writes the same
+memory each time; its rows never reach the next call (the reset zeroes it, and the attention never reads past a row's
+own positions).
+
+A 4-bit (bitsandbytes) base compiles too (transformers' own auto-compile declines it; bitsandbytes' 4-bit matmul is a
+registered torch op). Where compiling is not possible or not wanted, the same loop runs the step eagerly on the
+static cache (`path="static"`).
+"""
+
+import logging
+import math
+from collections import OrderedDict
+
+import torch
+from transformers import GenerationConfig, StaticCache
+
+from .routing import BASE, AdapterRouter
+
+logger = logging.getLogger(__name__)
+
+# A batch is padded up to the next of these row counts (past the last, to a multiple of it), the cache up to a multiple
+# of `CACHE_LENGTH_STEP` positions: each (rows, length) pair is one compiled graph.
+ROW_BUCKETS = (8, 16, 32, 64, 128, 256)
+CACHE_LENGTH_STEP = 256
+# Caches kept for reuse, one per shape (the least recently used is dropped past this number).
+MAX_KEPT_CACHES = 4
+# The decoding loop checks whether every row has finished every this many tokens (each check waits for the device).
+STOP_CHECK_INTERVAL = 8
+
+PATHS = ("cuda-graphs", "compiled", "static")
+
+
+def bucket_rows(rows: int) -> int:
+    """The row count a batch of `rows` is padded to."""
+    for bucket in ROW_BUCKETS:
+        if rows <= bucket:
+            return bucket
+    return math.ceil(rows / ROW_BUCKETS[-1]) * ROW_BUCKETS[-1]
+
+
+def bucket_length(positions: int) -> int:
+    """The cache length a call needing `positions` positions (prompt and completion) gets."""
+    return math.ceil(positions / CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
+
+
+def default_path(device: torch.device) -> str | None:
+    """The path used when none is asked for: CUDA graphs on a CUDA device; elsewhere None (eager `generate`), since
+    compiling costs minutes on a few CPU cores and the CPU step is not launch-bound (docs/benchmarks.md, decode)."""
+    return "cuda-graphs" if device.type == "cuda" else None
+
+
+def choose_path(requested: bool | None, device: torch.device) -> str | None:
+    """The decode path for a `captured_decode` setting (None: `default_path`; True: captured, with CUDA graphs where
+    the device has them, compiled elsewhere; False: eager `generate`)."""
+    if requested is None:
+        return default_path(device)
+    if not requested:
+        return None
+    return "cuda-graphs" if device.type == "cuda" else "compiled"
+
+
+class CapturedDecoder:
+    """Generates for a model (a `PeftModel` with its `AdapterRouter`, or any causal LM) with a captured decode step.
+
+    Args:
+        model: the model `generate` is called on.
+        router: the model's router, whose current routing (`AdapterRouter.route`) each call follows; None for a model
+            without one (a single PEFT adapter or none: then the forward is the model's own).
+        path: "cuda-graphs" (compiled with `mode="reduce-overhead"`), "compiled" (`torch.compile`'s default mode) or
+            "static" (the same loop, the step eager).
+    """
+
+    def __init__(self, model, router: AdapterRouter | None = None, *, path: str = "cuda-graphs"):
+        if path not in PATHS:
+            raise ValueError(f"Unknown decode path {path!r}; choose one of {PATHS}.")
+        if router is not None and (reason := router.tensor_routing_unsupported()):
+            raise ValueError(f"This team's decode step cannot be captured: {reason}. Set `captured_decode=False`.")
+        self.model, self.router, self.path = model, router, path
+        self._caches: OrderedDict[tuple[int, int], StaticCache] = OrderedDict()
+        self._real_rows = 0
+        if path == "static":
+            self._step = self._forward_step
+        else:
+            mode = "reduce-overhead" if path == "cuda-graphs" else None
+            self._step = torch.compile(self._forward_step, mode=mode)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        generation_config: GenerationConfig | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """`model.generate(input_ids=..., attention_mask=..., generation_config=..., **kwargs)` (left-padded prompts,
+        `max_new_tokens` set), each row through the adapter the router gives it: `(rows, prompt + new tokens)`."""
+        config = GenerationConfig.from_dict({**(generation_config or GenerationConfig()).to_dict(), **kwargs})
+        if config.max_new_tokens is None:
+            raise ValueError("CapturedDecoder.generate needs `max_new_tokens` (it sizes the static cache).")
+        config.cache_implementation = None  # the decoder brings its own cache
+        rows, width = input_ids.shape
+        padded_rows = bucket_rows(rows)
+        extra = padded_rows - rows
+        if extra:  # copies of the last row, routed to the base alone and finished from the start
+            input_ids = torch.cat([input_ids, input_ids[-1:].expand(extra, -1)])
+            attention_mask = torch.cat([attention_mask, attention_mask[-1:].expand(extra, -1)])
+        cache = self._cache(padded_rows, bucket_length(width + config.max_new_tokens))
+        self._real_rows = rows
+        generate = lambda: self.model.generate(  # noqa: E731
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=config,
+            custom_generate=self._decode,
+            cache=cache,
+        )
+        if self.router is not None and self.router.row_adapters is not None:
+            with self.router.tensor_routing(self.router.row_adapters + [BASE] * extra):
+                output = generate()
+        else:
+            output = generate()
+        return output[:rows]
+
+    def _cache(self, rows: int, length: int) -> StaticCache:
+        key = (rows, length)
+        if key in self._caches:
+            self._caches.move_to_end(key)
+            cache = self._caches[key]
+            cache.reset()
+            return cache
+        if len(self._caches) >= MAX_KEPT_CACHES:
+            self._caches.popitem(last=False)
+        cache = self._caches[key] = StaticCache(config=self.model.config.get_text_config(decoder=True), max_cache_len=length)
+        return cache
+
+    def _forward_step(self, model, input_ids, position_ids, cache_position, attention_mask, cache) -> torch.Tensor:
+        """One token per row through the model: its logits, `(rows, vocabulary)`."""
+        output = model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            cache_position=cache_position,
+            attention_mask=attention_mask,
+            cache=cache,
+            use_cache=True,
+        )
+        return output.logits[:, -1]
+
+    def _decode(
+        self,
+        model,
+        input_ids: torch.Tensor,
+        logits_processor,
+        stopping_criteria,
+        generation_config: GenerationConfig,
+        synced_gpus: bool = False,
+        streamer=None,
+        **model_kwargs,
+    ) -> torch.Tensor:
+        """The decoding loop `generate` runs (`custom_generate`), as its own `_sample` does but on fixed shapes: the
+        prefill eager, each later token one call of the captured step."""
+        if synced_gpus or streamer is not None:
+            raise ValueError("The captured decode step does not serve synced GPUs (ZeRO-3, FSDP) or streamers.")
+        cache = model_kwargs["cache"]
+        prompt_mask = model_kwargs["attention_mask"]
+        rows, width = input_ids.shape
+        device = input_ids.device
+        # The mask covers the whole cache from the start, so every step's has one shape: past the prompt every
+        # position is a generated token (the causal mask hides those not yet written).
+        attention_mask = prompt_mask.new_ones(rows, cache.get_max_length())
+        attention_mask[:, :width] = prompt_mask
+        position_ids = (prompt_mask.long().cumsum(-1) - 1).masked_fill(prompt_mask == 0, 0)  # as `generate`'s
+        cache_positions = torch.arange(cache.get_max_length(), device=device)
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache_position=cache_positions[:width],
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        position_ids = position_ids[:, -1:]
+
+        pad_token_id = generation_config._pad_token_tensor
+        has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
+        unfinished = torch.zeros(rows, dtype=torch.long, device=device)
+        unfinished[: self._real_rows] = 1
+        all_finished_at = []  # per token: whether every row had finished (device tensors, read once at the end)
+        max_new_tokens = generation_config.max_length - width
+        for token_index in range(max_new_tokens):
+            scores = logits_processor(input_ids, logits.to(copy=True, dtype=torch.float32))
+            if generation_config.do_sample:
+                next_tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            else:
+                next_tokens = torch.argmax(scores, dim=-1)
+            if has_eos_stopping_criteria and pad_token_id is not None:
+                next_tokens = next_tokens * unfinished + pad_token_id * (1 - unfinished)
+            input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+            unfinished = unfinished & ~stopping_criteria(input_ids, scores)
+            all_finished_at.append(unfinished.max() == 0)
+            if token_index + 1 == max_new_tokens:
+                break
+            if (token_index + 1) % STOP_CHECK_INTERVAL == 0 and bool(all_finished_at[-1]):
+                break
+            position_ids = position_ids + 1
+            if self.path == "cuda-graphs":
+                torch.compiler.cudagraph_mark_step_begin()
+            logits = self._step(
+                model,
+                next_tokens[:, None],
+                position_ids,
+                cache_positions[width + token_index : width + token_index + 1],
+                attention_mask,
+                cache,
+            ).clone()  # a CUDA graph's output is overwritten by its next replay
+        # Drop the tokens generated after every row had finished (the stop is checked only every few tokens).
+        finished = torch.stack(all_finished_at).tolist()
+        generated = finished.index(True) + 1 if True in finished else len(finished)
+        return input_ids[:, : width + generated]
+
+
+def captured_decoder(model, router: AdapterRouter | None, requested: bool | None) -> CapturedDecoder | None:
+    """The decoder for a `captured_decode` setting on the model's device, or None for eager `generate`. Asked for
+    explicitly (True) on a model it cannot serve, it raises; chosen by default, it logs why and returns None."""
+    path = choose_path(requested, next(model.parameters()).device)
+    if path is None:
+        return None
+    try:
+        return CapturedDecoder(model, router, path=path)
+    except ValueError as error:
+        if requested:
+            raise
+        logger.info("Eager generate: %s", error)
+        return None
+
+
+def describe(decoder: CapturedDecoder | None) -> str:
+    """The decode path in use, in words (for logs and `gpu_check`)."""
+    if decoder is None:
+        return "eager generate"
+    return {
+        "cuda-graphs": "captured decode step (static cache, torch.compile with CUDA graphs)",
+        "compiled": "compiled decode step (static cache, torch.compile)",
+        "static": "static-cache decode loop (eager step)",
+    }[decoder.path]
+
