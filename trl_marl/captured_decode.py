@@ -18,6 +18,7 @@ registered torch op). Where compiling is not possible or not wanted, the same lo
 static cache (`path="static"`).
 """
 
+import copy
 import logging
 import math
 from collections import OrderedDict
@@ -105,24 +106,28 @@ class CapturedDecoder:
     ) -> torch.Tensor:
         """`model.generate(input_ids=..., attention_mask=..., generation_config=..., **kwargs)` (left-padded prompts,
         `max_new_tokens` set), each row through the adapter the router gives it: `(rows, prompt + new tokens)`."""
-        config = GenerationConfig.from_dict({**(generation_config or GenerationConfig()).to_dict(), **kwargs})
-        if config.max_new_tokens is None:
+        max_new_tokens = kwargs.get("max_new_tokens") or getattr(generation_config, "max_new_tokens", None)
+        if max_new_tokens is None:
             raise ValueError("CapturedDecoder.generate needs `max_new_tokens` (it sizes the static cache).")
-        config.cache_implementation = None  # the decoder brings its own cache
+        if generation_config is not None and generation_config.cache_implementation is not None:
+            generation_config = copy.deepcopy(generation_config)  # the decoder brings its own cache
+            generation_config.cache_implementation = None
+        kwargs.pop("cache_implementation", None)
         rows, width = input_ids.shape
         padded_rows = bucket_rows(rows)
         extra = padded_rows - rows
         if extra:  # copies of the last row, routed to the base alone and finished from the start
             input_ids = torch.cat([input_ids, input_ids[-1:].expand(extra, -1)])
             attention_mask = torch.cat([attention_mask, attention_mask[-1:].expand(extra, -1)])
-        cache = self._cache(padded_rows, bucket_length(width + config.max_new_tokens))
+        cache = self._cache(padded_rows, bucket_length(width + max_new_tokens))
         self._real_rows = rows
         generate = lambda: self.model.generate(  # noqa: E731
             input_ids=input_ids,
             attention_mask=attention_mask,
-            generation_config=config,
+            generation_config=generation_config,
             custom_generate=self._decode,
             cache=cache,
+            **kwargs,
         )
         if self.router is not None and self.router.row_adapters is not None:
             with self.router.tensor_routing(self.router.row_adapters + [BASE] * extra):
@@ -140,7 +145,9 @@ class CapturedDecoder:
             return cache
         if len(self._caches) >= MAX_KEPT_CACHES:
             self._caches.popitem(last=False)
-        cache = self._caches[key] = StaticCache(config=self.model.config.get_text_config(decoder=True), max_cache_len=length)
+        cache = self._caches[key] = StaticCache(
+            config=self.model.config.get_text_config(decoder=True), max_cache_len=length
+        )
         return cache
 
     def _forward_step(self, model, input_ids, position_ids, cache_position, attention_mask, cache) -> torch.Tensor:
@@ -171,14 +178,18 @@ class CapturedDecoder:
         if synced_gpus or streamer is not None:
             raise ValueError("The captured decode step does not serve synced GPUs (ZeRO-3, FSDP) or streamers.")
         cache = model_kwargs["cache"]
-        prompt_mask = model_kwargs["attention_mask"]
         rows, width = input_ids.shape
         device = input_ids.device
+        prompt_mask = model_kwargs.get("attention_mask")  # `generate` drops a mask without padding
+        if prompt_mask is None:
+            prompt_mask = torch.ones_like(input_ids)
         # The mask covers the whole cache from the start, so every step's has one shape: past the prompt every
         # position is a generated token (the causal mask hides those not yet written).
         attention_mask = prompt_mask.new_ones(rows, cache.get_max_length())
         attention_mask[:, :width] = prompt_mask
-        position_ids = (prompt_mask.long().cumsum(-1) - 1).masked_fill(prompt_mask == 0, 0)  # as `generate`'s
+        position_ids = model_kwargs.get("position_ids")
+        if position_ids is None:  # as `generate` makes them
+            position_ids = (prompt_mask.long().cumsum(-1) - 1).masked_fill(prompt_mask == 0, 0)
         cache_positions = torch.arange(cache.get_max_length(), device=device)
         logits = model(
             input_ids=input_ids,
@@ -253,4 +264,3 @@ def describe(decoder: CapturedDecoder | None) -> str:
         "compiled": "compiled decode step (static cache, torch.compile)",
         "static": "static-cache decode loop (eager step)",
     }[decoder.path]
-

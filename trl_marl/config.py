@@ -92,6 +92,15 @@ class TeamConfig(GRPOConfig, metaclass=_TeamConfigType):
             Agents that act but do not train: their completions are generated and scored, and carry no loss. With
             `adapter_mode="per_agent"` their adapters stay exactly as loaded.
 
+        > Parameters that control generation
+
+        captured_decode (`bool` or `None`, *optional*, defaults to `None`):
+            Generate with the captured decode step (`trl_marl.captured_decode`): a static KV cache, the routing to each
+            row's adapter held in tensors, and the one-token forward compiled, replayed as CUDA graphs on a GPU.
+            `None`: on for CUDA devices, off elsewhere (on a few CPU cores compiling costs more than it saves);
+            `True`: on (on a CPU, compiled without graphs); `False`: transformers' eager `generate`. Without vLLM
+            only.
+
         > Differences from `GRPOConfig`'s defaults
 
         bf16 (`bool` or `None`, *optional*, defaults to `None`):
@@ -167,6 +176,15 @@ class TeamConfig(GRPOConfig, metaclass=_TeamConfigType):
         metadata={"help": "Agents that act but do not train (their adapters stay as loaded)."},
     )
 
+    # Parameters that control generation
+    captured_decode: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Generate with a static KV cache and a compiled one-token step (CUDA graphs on a GPU). None: on "
+            "for CUDA devices, off elsewhere; True: on; False: eager generate. Without vLLM only."
+        },
+    )
+
     def __post_init__(self):
         if not self._trainer:
             raise TypeError("TeamConfig is the base the two configs share: use MAGRPOConfig or ATGRPOConfig.")
@@ -209,6 +227,15 @@ class TeamConfig(GRPOConfig, metaclass=_TeamConfigType):
             raise ValueError(
                 f"`num_generations` must be at least 2 (got {self.num_generations!r}): advantages compare the joint "
                 "actions sampled for one prompt, so each agent needs at least two completions per prompt."
+            )
+        if self.captured_decode not in (None, True, False):
+            raise ValueError(
+                f"`captured_decode` must be True, False or None (by device), got {self.captured_decode!r}."
+            )
+        if self.captured_decode and self.use_vllm:
+            raise ValueError(
+                "`captured_decode=True` and `use_vllm=True` both choose how to generate: vLLM serves the team's "
+                "adapters itself. Set one of them."
             )
         if self.use_vllm and self.vllm_mode != "colocate":
             raise ValueError(SERVER_MODE_REASON)

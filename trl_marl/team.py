@@ -28,6 +28,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from .agents import agent_prompt, keep_4bit_weights_trainable
+from .captured_decode import captured_decoder
 from .config import ATGRPOConfig
 from .default_model import DEFAULT_MODEL_ID, default_model_path, is_default_model
 from .hub import TEAM_FILE, resolve_team_folder
@@ -99,7 +100,8 @@ class TeamRun:
 
 class Team:
     """A trained team on one base model: `run(prompt)` plays one episode (greedy by default), every agent's rows in
-    one generation call per turn, each through its own adapter: transformers' routed `generate`, or with `engine` (a
+    one generation call per turn, each through its own adapter: transformers' routed `generate` (through the captured
+    decode step where `captured_decode` chooses it, `trl_marl.captured_decode`), or with `engine` (a
     `SavedTeamEngine`, `load_team(..., use_vllm=True)`) one vLLM call with one LoRA request per row."""
 
     def __init__(
@@ -111,6 +113,7 @@ class Team:
         scheduler: Any,
         task: Any = None,
         engine: Any = None,
+        captured_decode: bool | None = None,
     ):
         self.model, self.tokenizer, self.spec, self.transition = model, tokenizer, spec, transition
         self.scheduler = scheduler
@@ -125,6 +128,7 @@ class Team:
             self.router = None
             model.set_adapter(adapters[0])
         self._adapters = adapters
+        self.decoder = captured_decoder(model, self.router, captured_decode) if engine is None else None
         self._use_chat_template = getattr(tokenizer, "chat_template", None) is not None
 
     def run(
@@ -215,8 +219,9 @@ class Team:
             )
             if self.router is not None:
                 self.router.route(adapters)
+            generate = self.decoder.generate if self.decoder is not None else self.model.generate
             try:
-                output = self.model.generate(
+                output = generate(
                     input_ids=input_ids,
                     attention_mask=attention_mask,
                     max_new_tokens=max_new_tokens,
@@ -287,6 +292,7 @@ def load_team(
     use_vllm: bool = False,
     vllm_gpu_memory_utilization: float = 0.3,
     vllm_max_model_length: int | None = None,
+    captured_decode: bool | None = None,
 ) -> Team:
     """Rebuild a team saved by a trainer's `save_model` on one base model.
 
@@ -305,6 +311,8 @@ def load_team(
             CPU; 0.3 by default, as in training: vLLM's own 0.92 leaves a shared machine nothing) and
             `vllm_max_model_length` (the model's when None) are passed to it as in training. With `do_sample=True`,
             `torch.manual_seed` makes `run` sample the same tokens again, as with `generate`.
+        captured_decode: without vLLM, generate through the captured decode step (`trl_marl.captured_decode`): None
+            chooses by device (on for CUDA), True forces it, False is eager `generate`.
     """
     path = resolve_team_folder(path)
     spec = read_team_file(path)
@@ -371,4 +379,4 @@ def load_team(
             max_model_len=vllm_max_model_length,
             quantization="bitsandbytes" if quantization_config is not None else None,
         )
-    return Team(model, tokenizer, spec, transition, scheduler, task, engine)
+    return Team(model, tokenizer, spec, transition, scheduler, task, engine, captured_decode)

@@ -11,7 +11,11 @@ once per rollout instead (`metrics.log_rollout_metrics`).
 from collections.abc import Callable, Sequence
 
 import torch
+from trl.extras.profiling import profiling_context
+from trl.models.utils import unwrap_model_for_generation
+from trl.trainer.utils import pad
 
+from .captured_decode import CapturedDecoder
 from .routing import AdapterRouter, rows_to_adapters
 
 
@@ -96,3 +100,42 @@ def position_limit(model_config, vllm_max_model_length: int | None) -> tuple[int
     if vllm_max_model_length and (not limit or vllm_max_model_length < limit):
         return vllm_max_model_length, "vLLM's", "vllm_max_model_length"
     return limit, "the model's", "max_position_embeddings"
+
+
+def captured_single_turn(
+    trainer, decoder: CapturedDecoder, prompt_ids: list[list[int]]
+) -> tuple[list[list[int]], None]:
+    """TRL's `_generate_single_turn` for text without vLLM (its transformers branch: left-padded prompts, the model
+    unwrapped for generation, completions cut after their first EOS), with `decoder.generate` in place of the model's
+    `generate`: `(completion ids per row, None)`. Re-read when the TRL pin moves."""
+    pad_to = trainer.pad_to_multiple_of
+    prompts = [torch.tensor(ids) for ids in prompt_ids]
+    input_ids = pad(
+        prompts, padding_value=trainer._tokenizer.pad_token_id, padding_side="left", pad_to_multiple_of=pad_to
+    )
+    attention_mask = pad(
+        [torch.ones_like(ids) for ids in prompts], padding_value=0, padding_side="left", pad_to_multiple_of=pad_to
+    )
+    device = trainer.accelerator.device
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    with (
+        profiling_context(trainer, "transformers.generate"),
+        unwrap_model_for_generation(
+            trainer.model_wrapped,
+            trainer.accelerator,
+            gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
+            generation_kwargs=trainer.generation_kwargs,
+            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs,
+        ),
+        torch.no_grad(),
+    ):
+        output = decoder.generate(input_ids, attention_mask, trainer.generation_config)
+    completion_ids = output[:, input_ids.size(1) :]
+    return completions_through_eos(completion_ids, trainer.eos_token_ids), None
+
+
+def completions_through_eos(completion_ids: torch.Tensor, eos_token_ids: Sequence[int]) -> list[list[int]]:
+    """Each row's tokens up to and including its first EOS (all of them when it has none)."""
+    is_eos = torch.isin(completion_ids, torch.tensor(list(eos_token_ids), device=completion_ids.device))
+    length = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, completion_ids.size(1))
+    return [row[:n].tolist() for row, n in zip(completion_ids.cpu(), length.tolist(), strict=True)]

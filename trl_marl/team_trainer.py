@@ -44,6 +44,7 @@ from .agents import (
     check_adapters_train,
     keep_4bit_weights_trainable,
 )
+from .captured_decode import captured_decoder
 from .checkpoints import (
     checkpoint_to_resume,
     load_rollout_state,
@@ -66,7 +67,7 @@ from .rows import PER_ROW_LOSS_TYPES, pad_rows, pad_samples, padding_loss_scale
 from .scheduling import resolve_scheduler, scheduled_phases
 from .scoring import TeamScoring
 from .sharing import card_example, card_settings, push_team_files, save_team, team_card, trained_team_spec
-from .team_generation import TeamGeneration, position_limit
+from .team_generation import TeamGeneration, captured_single_turn, position_limit
 from .team_inputs import resolve_team_inputs
 from .vllm_generation import SamplingCorrection, team_vllm_engine
 
@@ -225,6 +226,18 @@ class TeamTrainer(GRPOTrainer):
         self._adapter_parameters = adapter_parameters(unwrapped, self.adapter_names)
         self._rows_agent_index: torch.Tensor | None = None
         self.sampling_correction = None
+        # Without vLLM, the team's decode step is captured (`captured_decode`): not under sharded parameters, which
+        # are gathered module by module while the step runs.
+        sharded = self.is_fsdp_enabled or zero3
+        if args.captured_decode and (sharded or self._is_vlm):
+            raise ValueError(
+                "`captured_decode=True` is not supported with FSDP or DeepSpeed ZeRO-3 (parameters gathered module by "
+                "module) or a vision-language model. Leave it None or False."
+            )
+        use_captured = not (use_vllm or sharded or self._is_vlm)
+        self.captured_decoder = (
+            captured_decoder(unwrapped, self.router, args.captured_decode) if use_captured else None
+        )
         if use_vllm:
             self.vllm_generation = team_vllm_engine(
                 self.model,
@@ -291,6 +304,15 @@ class TeamTrainer(GRPOTrainer):
         check_adapters_train(
             self._adapter_parameters, self.agent_names, self.agent_adapters, self.trained_adapters, optimizer
         )
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """TRL's, except that text generated without vLLM goes through the team's captured decode step
+        (`captured_decode`)."""
+        if self.captured_decoder is None or images is not None or multimodal_fields:
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        return captured_single_turn(self, self.captured_decoder, prompt_ids)
 
     # ------------------------------------------------------------------ routing
 

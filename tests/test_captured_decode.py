@@ -1,0 +1,325 @@
+"""The captured decode step (`trl_marl.captured_decode`): the same tokens as eager `generate`, for routed teams of 1, 2
+and 4 agents, a 4-bit base and the trainer; caches and graphs reused across calls without leaking rows.
+
+Compiling costs ~10 s per shape on 2 CPU cores: the default run proves the mechanism on tiny models (the "static"
+path, the same loop with an eager step, where compiling adds nothing to what is checked); the compiled path and the
+default model's equality checks are in the slow set.
+"""
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig, get_peft_model
+from tiny_run import TINY_RUN
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from trl_marl import MAGRPOConfig, MAGRPOTrainer
+from trl_marl.agents import keep_4bit_weights_trainable
+from trl_marl.captured_decode import CapturedDecoder, bucket_length, bucket_rows, captured_decoder, choose_path
+from trl_marl.routing import BASE, AdapterRouter
+
+NAMES = ["a", "b", "c", "d"]
+
+
+def tiny_base(vocab: int = 128) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_team(agents: int):
+    """A tiny random Llama with `agents` LoRA adapters whose B is random (so every agent differs from the base)."""
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    team = get_peft_model(tiny_base(), lora, adapter_name=NAMES[0])
+    for name in NAMES[1:agents]:
+        team.add_adapter(name, lora)
+    return team
+
+
+def left_padded(rows: int, width: int, seed: int, vocab: int = 128):
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, vocab, (rows, width), generator=generator)
+    attention_mask = torch.ones(rows, width, dtype=torch.long)
+    for row in range(rows):
+        padding = int(torch.randint(0, width - 1, (1,), generator=generator))
+        input_ids[row, :padding] = 0
+        attention_mask[row, :padding] = 0
+    return input_ids, attention_mask
+
+
+def generate_both(team, router, decoder, adapters, input_ids, attention_mask, **settings):
+    settings = {"max_new_tokens": 10, "pad_token_id": 0, "eos_token_id": 5, **settings}
+    outputs = []
+    for generate in (team.generate, decoder.generate):
+        if router is not None:
+            router.route(adapters)
+        try:
+            with torch.no_grad():
+                outputs.append(generate(input_ids=input_ids, attention_mask=attention_mask, **settings))
+        finally:
+            if router is not None:
+                router.route(None)
+    return outputs
+
+
+@pytest.mark.parametrize("agents", [1, 2, 4])
+def test_greedy_tokens_equal_eager_generate_for_routed_teams(agents):
+    team = tiny_team(agents)
+    router = AdapterRouter(team, NAMES[:agents]) if agents > 1 else None
+    decoder = CapturedDecoder(team, router, path="static")
+    input_ids, attention_mask = left_padded(6, 9, seed=agents)
+    adapters = [NAMES[row % agents] for row in range(6)]
+    eager, captured = generate_both(team, router, decoder, adapters, input_ids, attention_mask, do_sample=False)
+    assert eager.shape == captured.shape
+    assert torch.equal(eager, captured)
+    # The agents really differ: the same rows through one agent's adapter give other tokens.
+    if agents > 1:
+        eager_one, _ = generate_both(team, router, decoder, ["a"] * 6, input_ids, attention_mask, do_sample=False)
+        assert not torch.equal(eager_one, eager)
+
+
+def test_rows_routed_to_the_base_and_generation_settings_keep_their_meaning():
+    team = tiny_team(2)
+    router = AdapterRouter(team, NAMES[:2])
+    decoder = CapturedDecoder(team, router, path="static")
+    input_ids, attention_mask = left_padded(5, 7, seed=11)
+    adapters = ["a", BASE, "b", "b", BASE]
+    # Greedy under a repetition penalty and a minimum length: processors of generate's own preparation.
+    settings = {"do_sample": False, "repetition_penalty": 1.7, "min_new_tokens": 6, "max_new_tokens": 12}
+    eager, captured = generate_both(team, router, decoder, adapters, input_ids, attention_mask, **settings)
+    assert torch.equal(eager, captured)
+    # Top-k of one is greedy, whatever the temperature.
+    sampled = {**settings, "do_sample": True, "top_k": 1, "temperature": 0.7}
+    _, top1 = generate_both(team, router, decoder, adapters, input_ids, attention_mask, **sampled)
+    assert torch.equal(top1, eager)
+
+
+def test_eos_ends_each_row_and_the_call_stops_when_every_row_has():
+    team = tiny_team(2)
+    router = AdapterRouter(team, NAMES[:2])
+    decoder = CapturedDecoder(team, router, path="static")
+    input_ids, attention_mask = left_padded(2, 6, seed=3)
+    adapters = ["a", "b"]
+    eager, _ = generate_both(
+        team, router, decoder, adapters, input_ids, attention_mask, do_sample=False, max_new_tokens=40
+    )
+    # Make a token both rows emit, at different steps, the end of sequence: the rows stop apart, then the call stops.
+    first_at = [{int(token): step for step, token in reversed(list(enumerate(row[6:])))} for row in eager]
+    eos = min(set(first_at[0]) & set(first_at[1]), key=lambda token: max(first_at[0][token], first_at[1][token]))
+    eager, captured = generate_both(
+        team,
+        router,
+        decoder,
+        adapters,
+        input_ids,
+        attention_mask,
+        do_sample=False,
+        eos_token_id=eos,
+        max_new_tokens=40,
+    )
+    assert torch.equal(eager, captured)
+    assert captured.shape[1] == 6 + max(first_at[0][eos], first_at[1][eos]) + 1  # stopped with the last row to finish
+    for row, steps in zip(captured, first_at):
+        assert row[6 + steps[eos]] == eos and (row[6 + steps[eos] + 1 :] == 0).all()  # then padding
+
+
+def test_sampling_with_a_fixed_seed_is_reproducible_and_seeds_differ():
+    team = tiny_team(2)
+    router = AdapterRouter(team, NAMES[:2])
+    decoder = CapturedDecoder(team, router, path="static")
+    input_ids, attention_mask = left_padded(6, 8, seed=5)
+
+    def sample(seed):
+        torch.manual_seed(seed)
+        router.route(["a", "b"] * 3)
+        try:
+            return decoder.generate(input_ids, attention_mask, max_new_tokens=12, do_sample=True, pad_token_id=0)
+        finally:
+            router.route(None)
+
+    assert torch.equal(sample(0), sample(0))
+    assert not torch.equal(sample(0), sample(1))
+
+
+def test_a_reused_cache_and_graph_never_leak_one_calls_rows_into_the_next():
+    team = tiny_team(4)
+    router = AdapterRouter(team, NAMES)
+    first_rows, second_rows = left_padded(5, 9, seed=1), left_padded(7, 6, seed=2)
+    first_adapters, second_adapters = ["a", "b", "c", "d", "a"], ["d", "d", "c", BASE, "b", "a", "a"]
+
+    def call(decoder, rows, adapters):
+        router.route(adapters)
+        try:
+            return decoder.generate(*rows, max_new_tokens=9, do_sample=False, pad_token_id=0)
+        finally:
+            router.route(None)
+
+    reused = CapturedDecoder(team, router, path="static")
+    first, second = call(reused, first_rows, first_adapters), call(reused, second_rows, second_adapters)
+    assert len(reused._caches) == 1  # both calls ran on the one cache of their shape (8 rows, 256 positions)
+    assert torch.equal(first, call(CapturedDecoder(team, router, path="static"), first_rows, first_adapters))
+    assert torch.equal(second, call(CapturedDecoder(team, router, path="static"), second_rows, second_adapters))
+
+
+def test_adapters_trained_between_calls_are_read_anew():
+    team = tiny_team(2)
+    router = AdapterRouter(team, NAMES[:2])
+    decoder = CapturedDecoder(team, router, path="static")
+    rows = left_padded(4, 6, seed=8)
+    before = generate_both(team, router, decoder, ["a", "b"] * 2, *rows, do_sample=False)[1]
+    with torch.no_grad():
+        for name, parameter in team.named_parameters():
+            if "lora_B.b" in name:
+                parameter.mul_(-3.0)  # an optimizer step, in place
+    eager, captured = generate_both(team, router, decoder, ["a", "b"] * 2, *rows, do_sample=False)
+    assert torch.equal(eager, captured)
+    assert not torch.equal(captured[1::2], before[1::2])  # agent b's rows changed with its adapter
+    assert torch.equal(captured[0::2], before[0::2])  # agent a's did not
+
+
+def test_shapes_are_bucketed_so_a_handful_of_graphs_serve_every_call():
+    assert [bucket_rows(n) for n in (1, 8, 9, 16, 33, 64, 65, 256, 257)] == [8, 8, 16, 16, 64, 64, 128, 256, 512]
+    assert [bucket_length(n) for n in (1, 256, 257, 700)] == [256, 256, 512, 768]
+
+
+def test_the_path_is_chosen_by_device_and_off_with_one_flag():
+    assert choose_path(None, torch.device("cuda")) == "cuda-graphs"
+    assert choose_path(None, torch.device("cpu")) is None
+    assert choose_path(True, torch.device("cpu")) == "compiled"
+    assert choose_path(True, torch.device("cuda")) == "cuda-graphs"
+    assert choose_path(False, torch.device("cuda")) is None
+
+
+def test_a_team_whose_routing_cannot_be_captured_is_refused_when_asked_and_falls_back_otherwise():
+    team = tiny_team(1)
+    team.add_adapter("dora", LoraConfig(r=4, target_modules="all-linear", use_dora=True))
+    router = AdapterRouter(team, ["a", "dora"])
+    with pytest.raises(ValueError, match="cannot be captured.*PEFT's per-row Python path.*captured_decode=False"):
+        captured_decoder(team, router, True)
+    assert captured_decoder(team, router, None) is None  # the CPU default: eager, nothing to refuse
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        CapturedDecoder(team, None, path="static").generate(*left_padded(2, 4, seed=0))
+
+
+@pytest.mark.parametrize("path", ["static", pytest.param("compiled", marks=pytest.mark.slow)])
+def test_a_4bit_base_decodes_the_same_tokens_captured(tmp_path, path):
+    pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    tiny_base().save_pretrained(tmp_path)
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+    base = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantization)
+    team = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"), adapter_name="a")
+    team.add_adapter("b", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    keep_4bit_weights_trainable(team)  # as the trainer and load_team do: bitsandbytes' kernel of training
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in team.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    router = AdapterRouter(team, ["a", "b"])
+    decoder = CapturedDecoder(team, router, path="static")
+    eager, captured = generate_both(
+        team, router, decoder, ["a", "b", "b"], *left_padded(3, 6, seed=4), do_sample=False
+    )
+    assert torch.equal(eager, captured)
+
+
+def trainer_run(model_dir, tmp_path, captured_decode):
+    prompts = [[{"role": "user", "content": p}] for p in ["Name a colour.", "Name a fruit.", "Say hi.", "Count."]]
+    args = MAGRPOConfig(
+        output_dir=str(tmp_path / f"out-{captured_decode}"),
+        agents=["writer", "checker"],
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=2,
+        captured_decode=captured_decode,
+        **TINY_RUN,
+        seed=3,
+    )
+    reward = lambda prompts, completions, **kw: [len(c["writer"]) - len(c["checker"]) / 2 for c in completions]  # noqa: E731
+    trainer = MAGRPOTrainer(model_dir, reward, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in trainer.model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+    initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+    trainer.train()
+    return trainer, {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}, initial
+
+
+def assert_trained_alike(captured_adapters, eager_adapters, initial):
+    assert captured_adapters.keys() == eager_adapters.keys() == initial.keys()
+    for name, value in captured_adapters.items():
+        assert torch.equal(value, eager_adapters[name]), name
+    for agent in ("writer", "checker"):
+        assert any(
+            not torch.equal(value, initial[name]) for name, value in captured_adapters.items() if f".{agent}." in name
+        ), f"{agent}'s adapter did not train"
+
+
+@pytest.mark.slow
+def test_the_trainer_on_the_compiled_path_trains_exactly_as_on_eager_generate(tiny_model_dir, tmp_path):
+    captured, captured_adapters, initial = trainer_run(tiny_model_dir, tmp_path, True)
+    eager, eager_adapters, _ = trainer_run(tiny_model_dir, tmp_path, False)
+    assert captured.captured_decoder is not None and captured.captured_decoder.path == "compiled"
+    assert captured.captured_decoder._caches  # it generated
+    assert eager.captured_decoder is None
+    assert_trained_alike(captured_adapters, eager_adapters, initial)
+
+
+def test_the_trainer_uses_the_decoder_it_chose(tiny_model_dir, tmp_path, monkeypatch):
+    """The seam: without vLLM, the trainer's generation goes through its decoder (here the static path, fast on the
+    CPU) and trains every adapter exactly as eager `generate` does: 8 rows per call fill their bucket, so sampling
+    draws the same numbers on both paths, from the same probabilities."""
+    monkeypatch.setattr("trl_marl.captured_decode.choose_path", lambda requested, device: "static")
+    captured, captured_adapters, initial = trainer_run(tiny_model_dir, tmp_path, None)
+    monkeypatch.undo()
+    eager, eager_adapters, _ = trainer_run(tiny_model_dir, tmp_path, False)
+    assert captured.captured_decoder.path == "static" and captured.captured_decoder._caches
+    assert_trained_alike(captured_adapters, eager_adapters, initial)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agents", [1, 2, 4])
+def test_the_default_model_decodes_the_same_greedy_tokens_compiled(default_model_dir, agents):
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    team = get_peft_model(model, lora, adapter_name="a")
+    for name in NAMES[1:agents]:
+        team.add_adapter(name, lora)
+    router = AdapterRouter(team, NAMES[:agents]) if agents > 1 else None
+    decoder = CapturedDecoder(team, router, path="compiled")
+    questions = ["Name a colour.", "What is 2 + 3?", "Say hello to Ada.", "Name a river.", "Count to four."]
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in questions
+    ]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, padding_side="left")
+    adapters = [NAMES[row % agents] for row in range(len(texts))]
+    eager, captured = generate_both(
+        team,
+        router,
+        decoder,
+        adapters,
+        batch["input_ids"],
+        batch["attention_mask"],
+        do_sample=False,
+        max_new_tokens=24,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    assert torch.equal(eager, captured)
