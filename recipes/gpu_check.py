@@ -5,9 +5,11 @@
 
 It reports the device (name, memory, compute capability), bf16/fp16 support and the precision trl_marl picks,
 bitsandbytes 4-bit on CUDA, SDPA and flash-attention, the memory planner's prediction for a paper recipe against this
-GPU's free memory, and then trains two agents for two steps on the embedded default model (a 4-bit base on a GPU, a
-float32 one on the CPU) with KL to the base on: step time, peak memory, and whether every agent's adapter moved. On a
-machine without a CUDA GPU, each GPU-only check says that it was skipped and why.
+GPU's free memory, the decode path the team generates with (`captured_decode`'s choice for this device: its ms per
+decode step against eager `generate`, and whether their greedy tokens are equal), and then trains two agents for two
+steps on the embedded default model (a 4-bit base on a GPU, a float32 one on the CPU) with KL to the base on: step
+time, peak memory, and whether every agent's adapter moved. On a machine without a CUDA GPU, each GPU-only check says
+that it was skipped and why.
 """
 
 import argparse
@@ -23,13 +25,18 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import TrainerCallback
+from transformers import AutoTokenizer, TrainerCallback
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, default_model_path
+from trl_marl.captured_decode import CapturedDecoder, captured_decoder, describe
 from trl_marl.cli import estimate_config
 from trl_marl.precision import default_mixed_precision, four_bit_config, half_precision_dtype
+from trl_marl.routing import AdapterRouter
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "benchmarks"))
+from bench_decode import load, measure, prompts, with_adapters  # noqa: E402
+
 GIB = 1024**3
 NO_GPU = "no CUDA GPU on this machine"
 
@@ -109,6 +116,26 @@ def plan_check(recipe: str, model_config: str):
     if estimate.peak > free:
         return "failed", f"{predicted} > {free / GIB:.1f} GiB free: lower the batch or the lengths (docs/memory.md)"
     return "ok", f"{predicted} <= {free / GIB:.1f} GiB free"
+
+
+def decode_check(report: Report):
+    """The team's decode path on this device (the default of `captured_decode`), timed against eager `generate` on
+    2 agents × 8 rows of the default model, greedy. Where the default is eager (a CPU), the static-cache loop of the
+    captured path, with an eager step, is what gets compared."""
+    on_gpu = torch.cuda.is_available()
+    model, names = with_adapters(load("4bit" if on_gpu else "fp32", "cuda" if on_gpu else "cpu"), 2)
+    router = AdapterRouter(model, names)
+    chosen = captured_decoder(model, router, None)
+    decoder = chosen or CapturedDecoder(model, router, path="static")
+    input_ids, attention_mask = prompts(AutoTokenizer.from_pretrained(default_model_path()), 8, model.device)
+    figures = measure(model, decoder, router, [names[row % 2] for row in range(8)], input_ids, attention_mask, 16, 3)
+    report.facts["decode"] = {"path": describe(chosen), "compared": describe(decoder), **figures}
+    detail = (
+        f"in use: {describe(chosen)}; eager generate {figures['eager_ms']:.1f} ms per decode step, "
+        f"{describe(decoder)} {figures['captured_ms']:.1f} ms ({figures['speedup']}x), greedy tokens equal: "
+        f"{figures['equal']}"
+    )
+    return ("ok" if figures["equal"] else "failed"), detail
 
 
 class StepTimes(TrainerCallback):
@@ -202,6 +229,7 @@ def main() -> int:
     report.run("bitsandbytes 4-bit on CUDA", four_bit_check)
     report.run("attention", attention_check)
     report.run("memory plan", lambda: plan_check(arguments.recipe, arguments.model_config))
+    report.run("decode step", lambda: decode_check(report))
     report.run("team training", lambda: training_check(report, arguments.steps))
 
     failed = report.failed

@@ -24,6 +24,9 @@ def test_gpu_check_reports_skipped_gpu_checks_and_a_team_that_trains_on_the_cpu(
         assert checks[name]["status"] == "skipped" and "no CUDA GPU" in checks[name]["detail"], checks[name]
     assert "predicted peak" in checks["memory plan"]["detail"]  # the planner ran; only the comparison was skipped
     assert checks["precision"]["status"] == "ok" and "float32" in checks["precision"]["detail"]
+    assert checks["decode step"]["status"] == "ok", checks["decode step"]
+    assert report["decode"]["path"] == "eager generate" and report["decode"]["equal"] is True  # the CPU default
+    assert report["decode"]["eager_ms"] > 0 and report["decode"]["captured_ms"] > 0
     assert checks["team training"]["status"] == "ok"
     assert report["training"]["adapters_moved"] == {"concise": True, "detailed": True}
     assert len(report["training"]["step_seconds"]) == 2

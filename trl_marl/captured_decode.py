@@ -21,7 +21,6 @@ static cache (`path="static"`).
 import copy
 import logging
 import math
-from collections import OrderedDict
 
 import torch
 from transformers import GenerationConfig, StaticCache
@@ -34,8 +33,6 @@ logger = logging.getLogger(__name__)
 # of `CACHE_LENGTH_STEP` positions: each (rows, length) pair is one compiled graph.
 ROW_BUCKETS = (8, 16, 32, 64, 128, 256)
 CACHE_LENGTH_STEP = 256
-# Caches kept for reuse, one per shape (the least recently used is dropped past this number).
-MAX_KEPT_CACHES = 4
 # The decoding loop checks whether every row has finished every this many tokens (each check waits for the device).
 STOP_CHECK_INTERVAL = 8
 
@@ -88,7 +85,7 @@ class CapturedDecoder:
         if router is not None and (reason := router.tensor_routing_unsupported()):
             raise ValueError(f"This team's decode step cannot be captured: {reason}. Set `captured_decode=False`.")
         self.model, self.router, self.path = model, router, path
-        self._caches: OrderedDict[tuple[int, int], StaticCache] = OrderedDict()
+        self._caches: dict[int, StaticCache] = {}  # per row bucket
         self._real_rows = 0
         if path == "static":
             self._step = self._forward_step
@@ -137,17 +134,15 @@ class CapturedDecoder:
         return output[:rows]
 
     def _cache(self, rows: int, length: int) -> StaticCache:
-        key = (rows, length)
-        if key in self._caches:
-            self._caches.move_to_end(key)
-            cache = self._caches[key]
+        """The cache of a row bucket, kept for the decoder's life so that a captured step always reads and writes the
+        same memory: one per row bucket, as long as the longest call it has served (a longer call replaces it)."""
+        cache = self._caches.get(rows)
+        if cache is not None and cache.get_max_length() >= length:
             cache.reset()
             return cache
-        if len(self._caches) >= MAX_KEPT_CACHES:
-            self._caches.popitem(last=False)
-        cache = self._caches[key] = StaticCache(
-            config=self.model.config.get_text_config(decoder=True), max_cache_len=length
-        )
+        length = max(length, cache.get_max_length() if cache is not None else 0)
+        config = self.model.config.get_text_config(decoder=True)
+        cache = self._caches[rows] = StaticCache(config=config, max_cache_len=length)
         return cache
 
     def _forward_step(self, model, input_ids, position_ids, cache_position, attention_mask, cache) -> torch.Tensor:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .dtypes import byte_widths
-from .generation import GenerationTerms, largest_generation
+from .generation import GenerationTerms, captured_call, captured_decode_bytes, largest_generation
 from .geometry import GenerateCall, rollout_geometry, vllm_max_num_seqs
 from .shape import lora_parameters, model_shape, parameter_count, targeted_linears
 from .training import (
@@ -39,9 +39,11 @@ ALLOCATOR_SLACK = 0.10
 class MemoryEstimate:
     """A predicted memory breakdown, in bytes. `peak` = the static part + the larger phase + `overhead`.
 
-    Static: `base_weights`, `adapters`, `optimizer_states`. Training phase: `gradients`, `saved_activations`
-    (checkpoints or all layers, router weights, autocast weight copies), and the larger of `log_prob_head` and
-    `backward_working_set`. Generation phase: `kv_cache`, `routed_lora_weights`, and the larger of
+    Static: `base_weights`, `adapters`, `optimizer_states`, and with the captured decode step `captured_decode` (its
+    static caches, the router's adapter copies and the graph pool, held for the run). Training phase: `gradients`,
+    `saved_activations` (checkpoints or all layers, router weights, autocast weight copies), and the larger of
+    `log_prob_head` and `backward_working_set`. Generation phase: `kv_cache`, `routed_lora_weights` (0 with the
+    captured decode step: they are its static memory), and the larger of
     `prefill_working_set` and `generation_logits`.
 
     With `use_vllm`, `vllm` holds the colocated engine's terms and the generation phase is 0 (vLLM generates, not the
@@ -62,12 +64,13 @@ class MemoryEstimate:
     prefill_working_set: int
     generation_logits: int
     overhead: int
+    captured_decode: int = 0
     details: dict[str, Any] = field(default_factory=dict)
     vllm: EngineTerms | None = None
 
     @property
     def static(self) -> int:
-        return self.base_weights + self.adapters + self.optimizer_states
+        return self.base_weights + self.adapters + self.optimizer_states + self.captured_decode
 
     @property
     def training_phase(self) -> int:
@@ -129,6 +132,11 @@ class MemoryEstimate:
             ("base weights", self.base_weights),
             ("LoRA adapters", self.adapters),
             ("optimizer states", self.optimizer_states),
+            *(
+                [("captured decode: caches, adapter copies, graphs", self.captured_decode)]
+                if self.captured_decode
+                else []
+            ),
             ("= static", self.static),
             ("training: gradients", self.gradients),
             ("training: saved activations", self.saved_activations),
@@ -245,10 +253,19 @@ def estimate_memory(
     # newer transformers 5 releases name it `activation_checkpointing` (TRL 1.16's `gradient_checkpointing` mirrors it)
     checkpointing = bool(getattr(config, "activation_checkpointing", getattr(config, "gradient_checkpointing", False)))
 
-    # Generation phase: the largest `generate` call.
+    # Generation phase: the largest `generate` call; with the captured decode step (`captured_decode`: by default on a
+    # GPU), on its bucketed shapes, and the decoder's own buffers are static.
     sorted_sampling = config.top_p < 1.0 or (config.top_k or 0) > 0
     completion = config.max_completion_length
-    generation = largest_generation(shape, calls, completion, dtypes, targets, rank, adapters, sorted_sampling)
+    requested = getattr(config, "captured_decode", None)
+    captured = not config.use_vllm and (device == "cuda" if requested is None else bool(requested))
+    decoded_calls, captured_buffers = calls, 0
+    if captured:
+        decoded_calls = [captured_call(call, completion) for call in calls]
+        captured_buffers = captured_decode_bytes(shape, decoded_calls, completion, dtypes, targets, rank, adapters)
+    generation = largest_generation(shape, decoded_calls, completion, dtypes, targets, rank, adapters, sorted_sampling)
+    if captured:  # the decoder's caches and adapter copies are counted as static
+        generation = generation._replace(kv_cache=0, routed_lora_weights=0)
     base_weights = base_weight_bytes(shape, dtypes.model, load_in_4bit)
     engine = None
     if config.use_vllm:  # vLLM generates: no generation phase in the trainer; its engine loads the base unquantized
@@ -280,6 +297,7 @@ def estimate_memory(
         backward_working_set=backward_working_set_bytes(shape, layer, rows * seq_len, checkpointing),
         **generation._asdict(),
         overhead=0,
+        captured_decode=captured_buffers,
         details={
             "parameters": parameter_count(shape),
             "4-bit": load_in_4bit,
@@ -289,6 +307,7 @@ def estimate_memory(
             "training rows per micro-batch": rows,
             "training sequence length": seq_len,
             "gradient checkpointing": checkpointing,
+            "captured decode": captured,
             "largest generate call (rows x prompt)": _longest_call(calls, completion),
         },
         vllm=engine,

@@ -3,12 +3,19 @@ and C new tokens each.
 
 `kv_cache_bytes` + `routed_lora_weight_bytes` + the larger of `prefill_working_set_bytes` and
 `generation_logits_bytes` (`GenerationTerms.total`).
+
+With the captured decode step (`trl_marl.captured_decode`), each call's rows and length are rounded up to their
+buckets (`captured_call`), and what the decoder holds for the whole run, its static caches, the router's copy of every
+adapter and the CUDA graphs' pool, is static memory (`captured_decode_bytes`): the call's own terms are then its
+prefill working set and its logits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
+from ..captured_decode import bucket_length, bucket_rows
 from .dtypes import ByteWidths
 from .geometry import GenerateCall
 from .shape import ModelShape, layer_lora_parameters
@@ -33,6 +40,40 @@ def routed_lora_weight_bytes(
     if adapters <= 1:
         return 0
     return adapters * shape.num_layers * layer_lora_parameters(shape, rank, targets) * adapter_width
+
+
+def captured_call(call: GenerateCall, completion_length: int) -> GenerateCall:
+    """The call as the captured decode step runs it: `bucket_rows(R)` rows, and a cache of
+    `bucket_length(P_t + C)` positions (the prompt length made up to it; the prefill itself stays P_t long, which
+    this overstates only for the prefill's working set)."""
+    length = bucket_length(call.prompt_length + completion_length)
+    return dataclasses.replace(call, rows=bucket_rows(call.rows), prompt_length=length - completion_length)
+
+
+def captured_decode_bytes(
+    shape: ModelShape,
+    calls: list[GenerateCall],
+    completion_length: int,
+    dtypes: ByteWidths,
+    targets: list[str],
+    rank: int,
+    adapters: int,
+) -> int:
+    """What the captured decode step holds for the whole run, for `calls` as it runs them (`captured_call`):
+
+    - its static caches, one per row bucket R_b, as long as the longest call of that bucket:
+      `Σ_buckets kv_cache_bytes(R_b, max(P_t + C))`;
+    - the router's copy of every adapter, concatenated, `N·L·r·Σ_targeted(in + out)·b_a` (one adapter too);
+    - the graph pool of the one-token step for the largest bucket's R rows, its logits and one layer's working set:
+      `R·(V·b_m + 2·h·b_m + 4·h + 4·n_h·d·b_m + 3·I·b_m)`."""
+    longest: dict[int, int] = {}
+    for call in calls:
+        longest[call.rows] = max(longest.get(call.rows, 0), call.prompt_length + completion_length)
+    caches = sum(kv_cache_bytes(shape, rows, length, dtypes.model) for rows, length in longest.items())
+    copies = adapters * shape.num_layers * layer_lora_parameters(shape, rank, targets) * dtypes.adapter
+    h, heads_dim, b_m = shape.hidden_size, shape.num_heads * shape.head_dim, dtypes.model
+    layer = 2 * h * b_m + 4 * h + 4 * heads_dim * b_m + 3 * shape.intermediate_size * b_m
+    return caches + copies + max(longest) * (shape.vocab_size * b_m + layer)
 
 
 def prefill_working_set_bytes(shape: ModelShape, rows: int, prompt_length: int, model_bytes: int) -> int:
