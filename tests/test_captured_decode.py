@@ -15,7 +15,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer
 from trl_marl.agents import keep_4bit_weights_trainable
-from trl_marl.captured_decode import CapturedDecoder, bucket_length, bucket_rows, captured_decoder, choose_path
+from trl_marl.captured_decode import (
+    CapturedDecoder,
+    bucket_length,
+    bucket_rows,
+    captured_decoder,
+    choose_path,
+    describe,
+)
 from trl_marl.routing import BASE, AdapterRouter
 
 NAMES = ["a", "b", "c", "d"]
@@ -275,7 +282,8 @@ def test_the_trainer_on_the_compiled_path_trains_exactly_as_on_eager_generate(ti
     captured, captured_adapters, initial = trainer_run(tiny_model_dir, tmp_path, True)
     eager, eager_adapters, _ = trainer_run(tiny_model_dir, tmp_path, False)
     assert captured.captured_decoder is not None and captured.captured_decoder.path == "compiled"
-    assert captured.captured_decoder._caches  # it generated
+    assert captured.router._tensor_routing is not None  # it generated through the captured step
+    assert not captured.captured_decoder._caches  # released when each rollout ended
     assert eager.captured_decoder is None
     assert_trained_alike(captured_adapters, eager_adapters, initial)
 
@@ -288,7 +296,8 @@ def test_the_trainer_uses_the_decoder_it_chose(tiny_model_dir, tmp_path, monkeyp
     captured, captured_adapters, initial = trainer_run(tiny_model_dir, tmp_path, None)
     monkeypatch.undo()
     eager, eager_adapters, _ = trainer_run(tiny_model_dir, tmp_path, False)
-    assert captured.captured_decoder.path == "static" and captured.captured_decoder._caches
+    assert captured.captured_decoder.path == "static" and captured.router._tensor_routing is not None
+    assert not captured.captured_decoder._caches  # released when each rollout ended: training has the memory
     assert_trained_alike(captured_adapters, eager_adapters, initial)
 
 
@@ -323,3 +332,28 @@ def test_the_default_model_decodes_the_same_greedy_tokens_compiled(default_model
         eos_token_id=tokenizer.eos_token_id,
     )
     assert torch.equal(eager, captured)
+
+
+def test_a_failing_captured_step_falls_back_to_eager_generate_by_default_and_raises_when_asked_for(caplog):
+    """The default (`captured_decode=None`) must not break a run on a device or model where capturing fails: the
+    failure is logged once and sampling goes on eagerly; `captured_decode=True` raises it."""
+    team = tiny_team(2)
+    router = AdapterRouter(team, NAMES[:2])
+    rows = left_padded(3, 6, seed=9)
+
+    def failing_step(*args):
+        raise RuntimeError("CUDA graph capture failed")  # what an untried device may answer
+
+    for fall_back in (True, False):
+        decoder = CapturedDecoder(team, router, path="static", fall_back=fall_back)
+        decoder._step = failing_step
+        if not fall_back:
+            with pytest.raises(RuntimeError, match="capture failed"):
+                generate_both(team, router, decoder, ["a", "b", "a"], *rows, do_sample=False)
+            continue
+        with caplog.at_level("WARNING", logger="trl_marl.captured_decode"):
+            eager, fell_back = generate_both(team, router, decoder, ["a", "b", "a"], *rows, do_sample=False)
+        assert torch.equal(eager, fell_back)  # routed as ever: each row through its agent's adapter
+        assert "captured decode step failed (RuntimeError: CUDA graph capture failed)" in caplog.text
+        assert describe(decoder).startswith("eager generate (the captured step failed")
+        assert torch.equal(generate_both(team, router, decoder, ["a", "b", "a"], *rows, do_sample=False)[1], eager)

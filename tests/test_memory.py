@@ -179,30 +179,36 @@ def test_kv_cache_and_router_weights_by_hand(default_model_dir, tmp_path):
     assert estimate.adapters == 2 * per_row * 4 and estimate.optimizer_states == 2 * estimate.adapters
 
 
-def test_the_captured_decode_steps_buffers_by_hand_are_static_on_a_gpu_and_absent_when_off(
-    default_model_dir, tmp_path
-):
+def test_the_captured_decode_steps_memory_by_hand_on_a_gpu_and_none_of_it_when_off(default_model_dir, tmp_path):
     model_config = AutoConfig.from_pretrained(default_model_dir)
-    config = team_config(tmp_path, num_generations=4, per_device_train_batch_size=4, max_completion_length=32)
-    gpu = estimate_memory(config, model_config, prompt_length=40, device="cuda")  # `captured_decode=None`: on
-    # One call of 8 rows (bucket 8) needing 40 + 32 positions (bucket 256): its cache is kept for the run.
-    cache = 2 * 30 * 3 * 64 * 4 * 8 * 256  # 2·L·n_kv·d·b_m·R_b·length
+    settings = dict(num_generations=4, per_device_train_batch_size=4, max_completion_length=32)
+    gpu = estimate_memory(team_config(tmp_path, **settings), model_config, prompt_length=40, device="cuda")  # on
+    # One call of 8 rows (bucket 8) needing 40 + 32 positions (bucket 256): its cache lives through the rollout.
+    assert gpu.kv_cache == 2 * 30 * 3 * 64 * 4 * 8 * 256  # 2·L·n_kv·d·b_m·R_b·length
     copies = 2 * 30 * 16 * (1152 + 768 + 768 + 1152 + 3 * 2112) * 4  # N·L·Σ r·(in + out)·b_a
     pool = 8 * (49152 * 4 + 2 * 576 * 4 + 4 * 576 + 4 * 9 * 64 * 4 + 3 * 1536 * 4)  # R·(V·b_m + one layer)
-    assert gpu.captured_decode == cache + copies + pool
-    assert gpu.kv_cache == 0 and gpu.routed_lora_weights == 0  # counted as static, not per call
+    assert gpu.captured_decode == copies + pool and gpu.routed_lora_weights == 0  # static, for the whole run
     assert gpu.static == gpu.base_weights + gpu.adapters + gpu.optimizer_states + gpu.captured_decode
-    assert "captured decode: caches, adapter copies, graphs" in gpu.table()
+    assert "captured decode: adapter copies, graph pool" in gpu.table()
     eager = estimate_memory(
-        team_config(
-            tmp_path, num_generations=4, per_device_train_batch_size=4, max_completion_length=32, captured_decode=False
-        ),
-        model_config,
-        prompt_length=40,
-        device="cuda",
+        team_config(tmp_path, **settings, captured_decode=False), model_config, prompt_length=40, device="cuda"
     )
     assert eager.captured_decode == 0 and eager.kv_cache == 2 * 30 * 3 * 64 * 4 * 8 * (40 + 32)
-    assert estimate_memory(config, model_config, prompt_length=40, device="cpu").captured_decode == 0  # CPU default
+    assert eager.routed_lora_weights == copies
+    cpu = estimate_memory(team_config(tmp_path, **settings), model_config, prompt_length=40, device="cpu")
+    assert cpu.captured_decode == 0  # off by default on the CPU
+
+
+def test_the_captured_decode_steps_caches_add_up_over_row_buckets():
+    from trl_marl.memory import GenerateCall, captured_call, captured_kv_cache_bytes, kv_cache_bytes, model_shape
+
+    shape = model_shape(AutoConfig.for_model("llama", num_hidden_layers=2, hidden_size=64, num_attention_heads=4))
+    calls = [GenerateCall(4, 100), GenerateCall(16, 200), GenerateCall(8, 400)]
+    bucketed = [captured_call(call, 50) for call in calls]
+    assert [(c.rows, c.prompt_length + 50) for c in bucketed] == [(8, 256), (16, 256), (8, 512)]
+    # Rows 4 and 8 share the 8-row bucket, whose cache grows to the longer call; the 16-row bucket has its own.
+    expected = kv_cache_bytes(shape, 8, 512, 2) + kv_cache_bytes(shape, 16, 256, 2)
+    assert captured_kv_cache_bytes(shape, bucketed, 50, 2) == expected
 
 
 def test_4bit_adapters_are_bf16_and_the_gpu_adds_the_cuda_context(default_model_dir, tmp_path):

@@ -9,9 +9,11 @@ processors, stopping criteria: sampling settings keep their meaning) and hands i
 (`custom_generate`, transformers' public hook for one): the prompt's prefill runs eagerly, then each token is one call
 of the compiled step on fixed shapes. Shapes are bucketed so a handful of graphs serve every call: a batch is padded
 with rows that go through the base alone (`ROW_BUCKETS`), and the cache is sized up to a multiple of
-`CACHE_LENGTH_STEP`. One cache per shape is kept and reset between calls, so a replay reads and writes the same
-memory each time; its rows never reach the next call (the reset zeroes it, and the attention never reads past a row's
-own positions).
+`CACHE_LENGTH_STEP`. One cache per row bucket (as long as the longest call it served) is kept and reset between calls,
+so a replay reads and writes the same memory each time; its rows never reach the next call (the reset zeroes it, and
+the attention never reads past a row's own positions). The trainer `release`s the caches when a rollout ends, so
+training gets that memory back (the next rollout's caches of the same sizes most likely reuse the same blocks of the
+CUDA caching allocator; where they do not, the graphs are recorded again).
 
 A 4-bit (bitsandbytes) base compiles too (transformers' own auto-compile declines it; bitsandbytes' 4-bit matmul is a
 registered torch op). Where compiling is not possible or not wanted, the same loop runs the step eagerly on the
@@ -19,6 +21,7 @@ static cache (`path="static"`).
 """
 
 import copy
+import inspect
 import logging
 import math
 
@@ -77,14 +80,22 @@ class CapturedDecoder:
             without one (a single PEFT adapter or none: then the forward is the model's own).
         path: "cuda-graphs" (compiled with `mode="reduce-overhead"`), "compiled" (`torch.compile`'s default mode) or
             "static" (the same loop, the step eager).
+        fall_back: when the captured step fails, log it and generate with eager `generate` from then on (the
+            default path's behaviour: `captured_decode=None`), instead of raising.
     """
 
-    def __init__(self, model, router: AdapterRouter | None = None, *, path: str = "cuda-graphs"):
+    def __init__(
+        self, model, router: AdapterRouter | None = None, *, path: str = "cuda-graphs", fall_back: bool = False
+    ):
         if path not in PATHS:
             raise ValueError(f"Unknown decode path {path!r}; choose one of {PATHS}.")
         if router is not None and (reason := router.tensor_routing_unsupported()):
             raise ValueError(f"This team's decode step cannot be captured: {reason}. Set `captured_decode=False`.")
-        self.model, self.router, self.path = model, router, path
+        self.model, self.router, self.path, self.fall_back = model, router, path, fall_back
+        self.failure: str | None = None  # why the captured step failed, once it has (with `fall_back`)
+        # transformers 5.24 calls the cache keyword `cache`; earlier 5.x releases `past_key_values`
+        forward = model.get_base_model().forward if hasattr(model, "get_base_model") else model.forward
+        self.cache_keyword = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
         self._caches: dict[int, StaticCache] = {}  # per row bucket
         self._real_rows = 0
         if path == "static":
@@ -102,14 +113,36 @@ class CapturedDecoder:
         **kwargs,
     ) -> torch.Tensor:
         """`model.generate(input_ids=..., attention_mask=..., generation_config=..., **kwargs)` (left-padded prompts,
-        `max_new_tokens` set), each row through the adapter the router gives it: `(rows, prompt + new tokens)`."""
+        `max_new_tokens` set), each row through the adapter the router gives it: `(rows, prompt + new tokens)`.
+
+        With `fall_back`, a captured step that fails (compiling or capturing on an untried device or model) is logged
+        once, and this call and every later one go through eager `generate`; without it the error is raised."""
         max_new_tokens = kwargs.get("max_new_tokens") or getattr(generation_config, "max_new_tokens", None)
         if max_new_tokens is None:
             raise ValueError("CapturedDecoder.generate needs `max_new_tokens` (it sizes the static cache).")
+        if self.failure is None:
+            try:
+                return self._generate(input_ids, attention_mask, generation_config, max_new_tokens, kwargs)
+            except Exception as error:
+                if not self.fall_back or isinstance(error, ValueError):
+                    raise
+                self.failure = f"{type(error).__name__}: {error}"
+                logger.warning(
+                    "The captured decode step failed (%s); this run samples with eager `generate`. Set "
+                    "`captured_decode=True` to see the error raised, or False to skip the attempt.",
+                    self.failure,
+                )
+        return self.model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config, **kwargs
+        )
+
+    def _generate(
+        self, input_ids, attention_mask, generation_config, max_new_tokens: int, kwargs: dict
+    ) -> torch.Tensor:
         if generation_config is not None and generation_config.cache_implementation is not None:
             generation_config = copy.deepcopy(generation_config)  # the decoder brings its own cache
             generation_config.cache_implementation = None
-        kwargs.pop("cache_implementation", None)
+        kwargs = {key: value for key, value in kwargs.items() if key != "cache_implementation"}
         rows, width = input_ids.shape
         padded_rows = bucket_rows(rows)
         extra = padded_rows - rows
@@ -123,7 +156,7 @@ class CapturedDecoder:
             attention_mask=attention_mask,
             generation_config=generation_config,
             custom_generate=self._decode,
-            cache=cache,
+            **{self.cache_keyword: cache},
             **kwargs,
         )
         if self.router is not None and self.router.row_adapters is not None:
@@ -134,8 +167,8 @@ class CapturedDecoder:
         return output[:rows]
 
     def _cache(self, rows: int, length: int) -> StaticCache:
-        """The cache of a row bucket, kept for the decoder's life so that a captured step always reads and writes the
-        same memory: one per row bucket, as long as the longest call it has served (a longer call replaces it)."""
+        """The cache of a row bucket, kept until `release` so that a captured step reads and writes the same memory
+        at every call: one per row bucket, as long as the longest call it has served (a longer call replaces it)."""
         cache = self._caches.get(rows)
         if cache is not None and cache.get_max_length() >= length:
             cache.reset()
@@ -145,6 +178,10 @@ class CapturedDecoder:
         cache = self._caches[rows] = StaticCache(config=config, max_cache_len=length)
         return cache
 
+    def release(self) -> None:
+        """Free the caches (the trainer calls this when a rollout ends); the next call allocates them again."""
+        self._caches.clear()
+
     def _forward_step(self, model, input_ids, position_ids, cache_position, attention_mask, cache) -> torch.Tensor:
         """One token per row through the model: its logits, `(rows, vocabulary)`."""
         output = model(
@@ -152,8 +189,8 @@ class CapturedDecoder:
             position_ids=position_ids,
             cache_position=cache_position,
             attention_mask=attention_mask,
-            cache=cache,
             use_cache=True,
+            **{self.cache_keyword: cache},
         )
         return output.logits[:, -1]
 
@@ -172,7 +209,7 @@ class CapturedDecoder:
         prefill eager, each later token one call of the captured step."""
         if synced_gpus or streamer is not None:
             raise ValueError("The captured decode step does not serve synced GPUs (ZeRO-3, FSDP) or streamers.")
-        cache = model_kwargs["cache"]
+        cache = model_kwargs[self.cache_keyword]
         rows, width = input_ids.shape
         device = input_ids.device
         prompt_mask = model_kwargs.get("attention_mask")  # `generate` drops a mask without padding
@@ -191,9 +228,9 @@ class CapturedDecoder:
             attention_mask=attention_mask,
             position_ids=position_ids,
             cache_position=cache_positions[:width],
-            cache=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{self.cache_keyword: cache},
         ).logits[:, -1]
         position_ids = position_ids[:, -1:]
 
@@ -237,12 +274,13 @@ class CapturedDecoder:
 
 def captured_decoder(model, router: AdapterRouter | None, requested: bool | None) -> CapturedDecoder | None:
     """The decoder for a `captured_decode` setting on the model's device, or None for eager `generate`. Asked for
-    explicitly (True) on a model it cannot serve, it raises; chosen by default, it logs why and returns None."""
+    explicitly (True) on a model it cannot serve, it raises; chosen by default, it logs why and returns None, and a
+    step that fails later falls back to eager `generate` with a warning (`CapturedDecoder.fall_back`)."""
     path = choose_path(requested, next(model.parameters()).device)
     if path is None:
         return None
     try:
-        return CapturedDecoder(model, router, path=path)
+        return CapturedDecoder(model, router, path=path, fall_back=requested is None)
     except ValueError as error:
         if requested:
             raise
@@ -254,6 +292,8 @@ def describe(decoder: CapturedDecoder | None) -> str:
     """The decode path in use, in words (for logs and `gpu_check`)."""
     if decoder is None:
         return "eager generate"
+    if decoder.failure is not None:
+        return f"eager generate (the captured step failed: {decoder.failure})"
     return {
         "cuda-graphs": "captured decode step (static cache, torch.compile with CUDA graphs)",
         "compiled": "compiled decode step (static cache, torch.compile)",

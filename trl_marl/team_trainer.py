@@ -560,6 +560,8 @@ class TeamTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         rollout = self._rollout(inputs, num_generations)
+        if self.captured_decoder is not None:
+            self.captured_decoder.release()  # the static caches' memory goes back to training
         # Frozen agents' completions were scored (and are logged) but carry no loss. A process left without a trained
         # row keeps one frozen row, made loss-free below, for TRL's split.
         samples = [s for s in rollout.samples if s.agent in self.trained_agents] or rollout.samples[:1]

@@ -60,13 +60,17 @@ def with_adapters(model, agents: int):
 
 
 def prompts(tokenizer, rows: int, device):
-    text = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True
+    )
     ids = tokenizer([text] * rows, return_tensors="pt")
     # Rows of different lengths, left-padded, as a team's prompts are.
     for row in range(rows):
         cut = row % 4
         if cut:
-            ids["input_ids"][row] = torch.cat([torch.full((cut,), tokenizer.pad_token_id), ids["input_ids"][row, :-cut]])
+            ids["input_ids"][row] = torch.cat(
+                [torch.full((cut,), tokenizer.pad_token_id), ids["input_ids"][row, :-cut]]
+            )
             ids["attention_mask"][row, :cut] = 0
     return ids["input_ids"].to(device), ids["attention_mask"].to(device)
 
@@ -137,7 +141,12 @@ def main():
     print(f"decode path {path} on {gpu or 'cpu'}; ms per decode step (T={tokens}), best of {args.repeats}")
     for precision in precisions:
         for rows in rows_list:
-            for label, agents in (("base", 0), ("one PEFT adapter", 1), ("routed 2 agents", 2), ("routed 4 agents", 4)):
+            for label, agents in (
+                ("base", 0),
+                ("one PEFT adapter", 1),
+                ("routed 2 agents", 2),
+                ("routed 4 agents", 4),
+            ):
                 model = load(precision, device)
                 router, adapters = None, None
                 if agents:
@@ -161,7 +170,9 @@ def main():
                 if device == "cuda":
                     torch.cuda.empty_cache()
                 torch._dynamo.reset()
-    output = Path(args.output or Path(__file__).parent / "results" / f"bench_decode{'_quick' if args.quick else ''}.json")
+    output = Path(
+        args.output or Path(__file__).parent / "results" / f"bench_decode{'_quick' if args.quick else ''}.json"
+    )
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"wrote {output}")

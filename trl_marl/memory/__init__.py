@@ -19,7 +19,9 @@ One function per term, its formula in its docstring:
   `training_layer_bytes` = `layer_activation_bytes` + `routed_activation_bytes` + `autocast_weight_copy_bytes`), and
   the larger of `log_prob_head_bytes` and `backward_working_set_bytes`;
 - generation phase (`generation.py`), for the largest `generate` call: `kv_cache_bytes`, `routed_lora_weight_bytes`,
-  and the larger of `prefill_working_set_bytes` and `generation_logits_bytes`;
+  and the larger of `prefill_working_set_bytes` and `generation_logits_bytes`; with the captured decode step, the
+  calls bucketed (`captured_call`), every row bucket's cache (`captured_kv_cache_bytes`) and, static,
+  `captured_decode_bytes`;
 - `overhead_bytes` (GPU only: the CUDA context and the allocator's slack), and `estimate_memory`, which sums them
   (`estimate.py`);
 - with `use_vllm` (`vllm_engine.py`), no generation phase in the trainer: the colocated engine's pool
@@ -47,6 +49,9 @@ from .generation import (
     SAMPLING_BYTES_PER_ENTRY,
     SORT_BYTES_PER_ENTRY,
     GenerationTerms,
+    captured_call,
+    captured_decode_bytes,
+    captured_kv_cache_bytes,
     generation_logits_bytes,
     generation_terms,
     kv_cache_bytes,
@@ -185,4 +190,7 @@ __all__ = [
     "visible_answers",
     "vllm_lora_rank",
     "vllm_max_num_seqs",
+    "captured_call",
+    "captured_decode_bytes",
+    "captured_kv_cache_bytes",
 ]

@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .dtypes import byte_widths
-from .generation import GenerationTerms, captured_call, captured_decode_bytes, largest_generation
+from .generation import (
+    GenerationTerms,
+    captured_call,
+    captured_decode_bytes,
+    captured_kv_cache_bytes,
+    largest_generation,
+)
 from .geometry import GenerateCall, rollout_geometry, vllm_max_num_seqs
 from .shape import lora_parameters, model_shape, parameter_count, targeted_linears
 from .training import (
@@ -39,12 +45,12 @@ ALLOCATOR_SLACK = 0.10
 class MemoryEstimate:
     """A predicted memory breakdown, in bytes. `peak` = the static part + the larger phase + `overhead`.
 
-    Static: `base_weights`, `adapters`, `optimizer_states`, and with the captured decode step `captured_decode` (its
-    static caches, the router's adapter copies and the graph pool, held for the run). Training phase: `gradients`,
+    Static: `base_weights`, `adapters`, `optimizer_states`, and with the captured decode step `captured_decode` (the
+    router's adapter copies and the graph pool, held for the run). Training phase: `gradients`,
     `saved_activations` (checkpoints or all layers, router weights, autocast weight copies), and the larger of
-    `log_prob_head` and `backward_working_set`. Generation phase: `kv_cache`, `routed_lora_weights` (0 with the
-    captured decode step: they are its static memory), and the larger of
-    `prefill_working_set` and `generation_logits`.
+    `log_prob_head` and `backward_working_set`. Generation phase: `kv_cache` (with the captured decode step,
+    every row bucket's static cache), `routed_lora_weights` (0 with the captured decode step: static), and the larger
+    of `prefill_working_set` and `generation_logits`.
 
     With `use_vllm`, `vllm` holds the colocated engine's terms and the generation phase is 0 (vLLM generates, not the
     trainer): `peak` is the trainer's, and the engine's pool, a share of the card, comes beside it (`process_peak`,
@@ -132,11 +138,7 @@ class MemoryEstimate:
             ("base weights", self.base_weights),
             ("LoRA adapters", self.adapters),
             ("optimizer states", self.optimizer_states),
-            *(
-                [("captured decode: caches, adapter copies, graphs", self.captured_decode)]
-                if self.captured_decode
-                else []
-            ),
+            *([("captured decode: adapter copies, graph pool", self.captured_decode)] if self.captured_decode else []),
             ("= static", self.static),
             ("training: gradients", self.gradients),
             ("training: saved activations", self.saved_activations),
@@ -262,10 +264,14 @@ def estimate_memory(
     decoded_calls, captured_buffers = calls, 0
     if captured:
         decoded_calls = [captured_call(call, completion) for call in calls]
-        captured_buffers = captured_decode_bytes(shape, decoded_calls, completion, dtypes, targets, rank, adapters)
+        largest_rows = max(call.rows for call in decoded_calls)
+        captured_buffers = captured_decode_bytes(
+            shape, targets, rank, adapters, dtypes.adapter, largest_rows, dtypes.model
+        )
     generation = largest_generation(shape, decoded_calls, completion, dtypes, targets, rank, adapters, sorted_sampling)
-    if captured:  # the decoder's caches and adapter copies are counted as static
-        generation = generation._replace(kv_cache=0, routed_lora_weights=0)
+    if captured:  # every row bucket's cache, kept through the rollout; the adapter copies are static
+        kv_cache = captured_kv_cache_bytes(shape, decoded_calls, completion, dtypes.model)
+        generation = generation._replace(kv_cache=kv_cache, routed_lora_weights=0)
     base_weights = base_weight_bytes(shape, dtypes.model, load_in_4bit)
     engine = None
     if config.use_vllm:  # vLLM generates: no generation phase in the trainer; its engine loads the base unquantized

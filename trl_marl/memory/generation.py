@@ -5,9 +5,9 @@ and C new tokens each.
 `generation_logits_bytes` (`GenerationTerms.total`).
 
 With the captured decode step (`trl_marl.captured_decode`), each call's rows and length are rounded up to their
-buckets (`captured_call`), and what the decoder holds for the whole run, its static caches, the router's copy of every
-adapter and the CUDA graphs' pool, is static memory (`captured_decode_bytes`): the call's own terms are then its
-prefill working set and its logits.
+buckets (`captured_call`); its static caches, one per row bucket, live until the rollout ends
+(`captured_kv_cache_bytes`, the generation phase's KV cache), and what the decoder holds for the whole run, the
+router's copy of every adapter and the CUDA graphs' pool, is static memory (`captured_decode_bytes`).
 """
 
 from __future__ import annotations
@@ -50,30 +50,29 @@ def captured_call(call: GenerateCall, completion_length: int) -> GenerateCall:
     return dataclasses.replace(call, rows=bucket_rows(call.rows), prompt_length=length - completion_length)
 
 
-def captured_decode_bytes(
-    shape: ModelShape,
-    calls: list[GenerateCall],
-    completion_length: int,
-    dtypes: ByteWidths,
-    targets: list[str],
-    rank: int,
-    adapters: int,
+def captured_kv_cache_bytes(
+    shape: ModelShape, calls: list[GenerateCall], completion_length: int, model_bytes: int
 ) -> int:
-    """What the captured decode step holds for the whole run, for `calls` as it runs them (`captured_call`):
-
-    - its static caches, one per row bucket R_b, as long as the longest call of that bucket:
-      `Σ_buckets kv_cache_bytes(R_b, max(P_t + C))`;
-    - the router's copy of every adapter, concatenated, `N·L·r·Σ_targeted(in + out)·b_a` (one adapter too);
-    - the graph pool of the one-token step for the largest bucket's R rows, its logits and one layer's working set:
-      `R·(V·b_m + 2·h·b_m + 4·h + 4·n_h·d·b_m + 3·I·b_m)`."""
+    """The captured decode step's static caches during a rollout, for `calls` as it runs them (`captured_call`): one
+    per row bucket R_b, as long as the longest call of that bucket, kept until the rollout ends:
+    `Σ_buckets kv_cache_bytes(R_b, max(P_t + C))`."""
     longest: dict[int, int] = {}
     for call in calls:
         longest[call.rows] = max(longest.get(call.rows, 0), call.prompt_length + completion_length)
-    caches = sum(kv_cache_bytes(shape, rows, length, dtypes.model) for rows, length in longest.items())
-    copies = adapters * shape.num_layers * layer_lora_parameters(shape, rank, targets) * dtypes.adapter
-    h, heads_dim, b_m = shape.hidden_size, shape.num_heads * shape.head_dim, dtypes.model
-    layer = 2 * h * b_m + 4 * h + 4 * heads_dim * b_m + 3 * shape.intermediate_size * b_m
-    return caches + copies + max(longest) * (shape.vocab_size * b_m + layer)
+    return sum(kv_cache_bytes(shape, rows, length, model_bytes) for rows, length in longest.items())
+
+
+def captured_decode_bytes(
+    shape: ModelShape, targets: list[str], rank: int, adapters: int, adapter_width: int, rows: int, model_bytes: int
+) -> int:
+    """What the captured decode step holds for the whole run: the router's copy of every adapter, concatenated,
+    `N·L·r·Σ_targeted(in + out)·b_a` (one adapter too), and the graph pool of the one-token step for the largest
+    bucket's R = `rows` rows, its logits and one layer's working set:
+    `R·(V·b_m + 2·h·b_m + 4·h + 4·n_h·d·b_m + 3·I·b_m)`."""
+    copies = adapters * shape.num_layers * layer_lora_parameters(shape, rank, targets) * adapter_width
+    h, heads_dim = shape.hidden_size, shape.num_heads * shape.head_dim
+    layer = 2 * h * model_bytes + 4 * h + 4 * heads_dim * model_bytes + 3 * shape.intermediate_size * model_bytes
+    return copies + rows * (shape.vocab_size * model_bytes + layer)
 
 
 def prefill_working_set_bytes(shape: ModelShape, rows: int, prompt_length: int, model_bytes: int) -> int:
