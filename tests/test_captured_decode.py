@@ -357,3 +357,83 @@ def test_a_failing_captured_step_falls_back_to_eager_generate_by_default_and_rai
         assert "captured decode step failed (RuntimeError: CUDA graph capture failed)" in caplog.text
         assert describe(decoder).startswith("eager generate (the captured step failed")
         assert torch.equal(generate_both(team, router, decoder, ["a", "b", "a"], *rows, do_sample=False)[1], eager)
+
+
+def test_calls_the_loop_does_not_serve_go_eager_by_default_and_are_refused_when_asked_for():
+    team = tiny_team(2)
+    router = AdapterRouter(team, NAMES[:2])
+    rows = left_padded(3, 6, seed=2)
+    for settings, named in (
+        ({"num_return_sequences": 2, "do_sample": True}, "num_return_sequences=2"),
+        ({"num_beams": 2}, "num_beams=2"),
+    ):
+        strict = CapturedDecoder(team, router, path="static")
+        router.route(["a", "b", "b"])
+        with pytest.raises(ValueError, match=f"cannot serve this call: `{named}`.*captured_decode=False"):
+            strict.generate(*rows, max_new_tokens=5, **settings)
+        router.route(None)
+    # By default such a call is eager `generate`'s own (here beams: deterministic), and the decoder stays captured.
+    # (Beams with rows routed to several adapters fail in eager `generate` too: PEFT's routing does not follow the
+    # beams, so this runs on PEFT's active adapter, without the router.)
+    lenient = CapturedDecoder(team, None, path="static", fall_back=True)
+    eager, served = generate_both(team, None, lenient, None, *rows, num_beams=2)
+    assert torch.equal(eager, served) and lenient.failure is None
+    lenient = CapturedDecoder(team, router, path="static", fall_back=True)
+    # Disabled adapters: the captured forwards would add LoRA deltas that eager `generate` leaves out.
+    with team.disable_adapter():
+        eager, served = generate_both(team, router, lenient, ["a", "b", "b"], *rows, do_sample=False)
+        assert torch.equal(eager, served)
+        with pytest.raises(ValueError, match=r"disabled \(`disable_adapter\(\)`\)"):
+            generate_both(team, router, CapturedDecoder(team, router, path="static"), ["a", "b", "b"], *rows)
+
+
+def test_a_model_whose_generation_config_names_a_cache_implementation_still_decodes_captured():
+    team = tiny_team(2)
+    team.get_base_model().generation_config.cache_implementation = "static"  # as some checkpoints ship it
+    router = AdapterRouter(team, NAMES[:2])
+    decoder = CapturedDecoder(team, router, path="static")
+    eager, captured = generate_both(team, router, decoder, ["a", "b"], *left_padded(2, 5, seed=1), do_sample=False)
+    assert torch.equal(eager, captured)
+    assert team.get_base_model().generation_config.cache_implementation == "static"  # given back
+
+
+def test_stop_strings_end_rows_as_in_eager_generate_which_serves_them(tiny_model_dir):
+    """`generate` does not hand a custom decoding loop the tokenizer that stop strings need: such calls are eager
+    `generate`'s, by default, and refused by name when the captured step is asked for."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+    team = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), lora, adapter_name="a")
+    team.add_adapter("b", lora)
+    router = AdapterRouter(team, ["a", "b"])
+    batch = tokenizer(["Say one word.", "Name a colour."], return_tensors="pt", padding=True, padding_side="left")
+    settings = {"do_sample": False, "max_new_tokens": 30, "pad_token_id": tokenizer.pad_token_id}
+    decoder = CapturedDecoder(team, router, path="static", fall_back=True)
+    free, _ = generate_both(team, router, decoder, ["a", "b"], **batch, **settings)
+    # A stop string taken from what row 0 generates at its fourth token: it must end there, as in eager generate.
+    stop = tokenizer.decode(free[0, batch["input_ids"].shape[1] + 3 : batch["input_ids"].shape[1] + 4])
+    stopping = {**settings, "stop_strings": [stop], "tokenizer": tokenizer}
+    eager, captured = generate_both(team, router, decoder, ["a", "b"], **batch, **stopping)
+    width, pad = batch["input_ids"].shape[1], tokenizer.pad_token_id
+    assert torch.equal(eager, captured)
+    assert (captured[0, width + 4 :] == pad).all() and not (free[0, width + 4 :] == pad).all()  # row 0 stopped
+    assert decoder.failure is None
+    with pytest.raises(ValueError, match="`stop_strings=.*` is not served"):
+        generate_both(team, router, CapturedDecoder(team, router, path="static"), ["a", "b"], **batch, **stopping)
+
+
+def test_a_call_that_is_wrong_in_itself_raises_and_leaves_the_decoder_captured():
+    team = tiny_team(2)
+    router = AdapterRouter(team, NAMES[:2])
+    decoder = CapturedDecoder(team, router, path="static", fall_back=True)
+    input_ids, attention_mask = left_padded(3, 5, seed=3)
+    router.route(["a", "b"])
+    with pytest.raises(ValueError, match="routes 2 rows but the call has 3"):  # eager generate refuses it too
+        decoder.generate(input_ids, attention_mask, max_new_tokens=4)
+    router.route(None)
+    out_of_vocabulary = input_ids.clone()
+    out_of_vocabulary[0, -1] = 10_000  # eager generate fails on it too: the call's own error
+    with pytest.raises(IndexError):
+        generate_both(team, router, decoder, ["a", "b", "a"], out_of_vocabulary, attention_mask, do_sample=False)
+    assert decoder.failure is None
+    eager, captured = generate_both(team, router, decoder, ["a", "b", "a"], input_ids, attention_mask, do_sample=False)
+    assert torch.equal(eager, captured)

@@ -26,6 +26,9 @@ def test_gpu_check_reports_skipped_gpu_checks_and_a_team_that_trains_on_the_cpu(
     assert checks["precision"]["status"] == "ok" and "float32" in checks["precision"]["detail"]
     assert checks["decode step"]["status"] == "ok", checks["decode step"]
     assert report["decode"]["path"] == "eager generate" and report["decode"]["equal"] is True  # the CPU default
+    assert (
+        report["decode"]["equal_rows"] == 8 and "greedy tokens equal in 8 of 8 rows" in checks["decode step"]["detail"]
+    )
     assert report["decode"]["eager_ms"] > 0 and report["decode"]["captured_ms"] > 0
     assert checks["team training"]["status"] == "ok"
     assert report["training"]["adapters_moved"] == {"concise": True, "detailed": True}

@@ -21,6 +21,7 @@ static cache (`path="static"`).
 """
 
 import copy
+import functools
 import inspect
 import logging
 import math
@@ -40,6 +41,19 @@ CACHE_LENGTH_STEP = 256
 STOP_CHECK_INTERVAL = 8
 
 PATHS = ("cuda-graphs", "compiled", "static")
+# `generate` options the decoding loop does not serve, with the value under which they change nothing.
+# (Stop strings: `generate` does not hand a `custom_generate` loop the tokenizer their criteria need.)
+UNSERVED_OPTIONS = {
+    "num_beams": 1,
+    "num_return_sequences": 1,
+    "return_dict_in_generate": False,
+    "streamer": None,
+    "stop_strings": None,
+}
+# Compiles allowed for the decode step: one per shape (row bucket × cache length), per mode (train / eval), and per
+# set of routed forwards (a new router, a grown mask). torch's default of 8 per function would leave a long run, or a
+# process with several trainers, silently uncompiled.
+RECOMPILE_LIMIT = 64
 
 
 def bucket_rows(rows: int) -> int:
@@ -94,7 +108,8 @@ class CapturedDecoder:
         self.model, self.router, self.path, self.fall_back = model, router, path, fall_back
         self.failure: str | None = None  # why the captured step failed, once it has (with `fall_back`)
         # transformers 5.24 calls the cache keyword `cache`; earlier 5.x releases `past_key_values`
-        forward = model.get_base_model().forward if hasattr(model, "get_base_model") else model.forward
+        self._generation_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+        forward = self._generation_model.forward
         self.cache_keyword = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
         self._caches: dict[int, StaticCache] = {}  # per row bucket
         self._real_rows = 0
@@ -115,26 +130,66 @@ class CapturedDecoder:
         """`model.generate(input_ids=..., attention_mask=..., generation_config=..., **kwargs)` (left-padded prompts,
         `max_new_tokens` set), each row through the adapter the router gives it: `(rows, prompt + new tokens)`.
 
-        With `fall_back`, a captured step that fails (compiling or capturing on an untried device or model) is logged
-        once, and this call and every later one go through eager `generate`; without it the error is raised."""
+        A call the captured step does not serve (`unserved`: beams, several sequences per prompt, a dict output, a
+        streamer; adapters disabled or merged) goes through eager `generate` with `fall_back`, and raises without it.
+        With `fall_back`, a captured step that fails (compiling or capturing on an untried device or model) is logged,
+        and this call and every later one go through eager `generate`; an error that eager `generate` raises too is
+        the call's own, and is raised. Out of memory is always raised."""
         max_new_tokens = kwargs.get("max_new_tokens") or getattr(generation_config, "max_new_tokens", None)
         if max_new_tokens is None:
             raise ValueError("CapturedDecoder.generate needs `max_new_tokens` (it sizes the static cache).")
-        if self.failure is None:
-            try:
-                return self._generate(input_ids, attention_mask, generation_config, max_new_tokens, kwargs)
-            except Exception as error:
-                if not self.fall_back or isinstance(error, ValueError):
-                    raise
-                self.failure = f"{type(error).__name__}: {error}"
-                logger.warning(
-                    "The captured decode step failed (%s); this run samples with eager `generate`. Set "
-                    "`captured_decode=True` to see the error raised, or False to skip the attempt.",
-                    self.failure,
-                )
-        return self.model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config, **kwargs
+        routed = self.router.row_adapters if self.router is not None else None
+        if routed is not None and len(routed) != input_ids.shape[0]:
+            raise ValueError(
+                f"The router routes {len(routed)} rows but the call has {input_ids.shape[0]}: route one adapter per "
+                "row (`AdapterRouter.route`)."
+            )
+        eager = functools.partial(
+            self.model.generate,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=generation_config,
+            **kwargs,
         )
+        if self.failure is not None:
+            return eager()
+        reason = self.unserved(generation_config, kwargs)
+        if reason is not None:
+            if not self.fall_back:
+                raise ValueError(
+                    f"The captured decode step cannot serve this call: {reason}. Set `captured_decode=False`, or "
+                    "leave it None (such calls then go through eager `generate`)."
+                )
+            logger.info("This call goes through eager generate: %s.", reason)
+            return eager()
+        try:
+            return self._generate(input_ids, attention_mask, generation_config, max_new_tokens, kwargs)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:
+            if not self.fall_back:
+                raise
+            output = eager()  # raises too when the error was the call's own
+            self.failure = f"{type(error).__name__}: {error}"
+            logger.warning(
+                "The captured decode step failed (%s); this run samples with eager `generate`. Set "
+                "`captured_decode=True` to see the error raised, or False to skip the attempt.",
+                self.failure,
+            )
+            return output
+
+    def unserved(self, generation_config: GenerationConfig | None, kwargs: dict) -> str | None:
+        """Why the captured step cannot serve a call with these settings (they fall back to the model's own
+        `generation_config`), or None."""
+        for name, neutral in UNSERVED_OPTIONS.items():
+            value = kwargs.get(name, getattr(generation_config, name, None))
+            if value is None:
+                value = getattr(self._generation_model.generation_config, name, None)
+            if value is not None and value != neutral:
+                return f"`{name}={value!r}` is not served by the captured decode loop"
+        if self.router is not None:
+            return self.router.tensor_routing_unsupported()
+        return None
 
     def _generate(
         self, input_ids, attention_mask, generation_config, max_new_tokens: int, kwargs: dict
@@ -159,11 +214,18 @@ class CapturedDecoder:
             **{self.cache_keyword: cache},
             **kwargs,
         )
-        if self.router is not None and self.router.row_adapters is not None:
-            with self.router.tensor_routing(self.router.row_adapters + [BASE] * extra):
+        # The model's own generation config may name a cache implementation (a checkpoint's `generation_config.json`),
+        # which `generate` would take beside the decoder's cache and refuse.
+        model_config = self._generation_model.generation_config
+        model_cache_implementation, model_config.cache_implementation = model_config.cache_implementation, None
+        try:
+            if self.router is not None and self.router.row_adapters is not None:
+                with self.router.tensor_routing(self.router.row_adapters + [BASE] * extra):
+                    output = generate()
+            else:
                 output = generate()
-        else:
-            output = generate()
+        finally:
+            model_config.cache_implementation = model_cache_implementation
         return output[:rows]
 
     def _cache(self, rows: int, length: int) -> StaticCache:
@@ -207,6 +269,29 @@ class CapturedDecoder:
     ) -> torch.Tensor:
         """The decoding loop `generate` runs (`custom_generate`), as its own `_sample` does but on fixed shapes: the
         prefill eager, each later token one call of the captured step."""
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return self._decode_loop(
+                model,
+                input_ids,
+                logits_processor,
+                stopping_criteria,
+                generation_config,
+                synced_gpus,
+                streamer,
+                **model_kwargs,
+            )
+
+    def _decode_loop(
+        self,
+        model,
+        input_ids,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        synced_gpus,
+        streamer,
+        **model_kwargs,
+    ) -> torch.Tensor:
         if synced_gpus or streamer is not None:
             raise ValueError("The captured decode step does not serve synced GPUs (ZeRO-3, FSDP) or streamers.")
         cache = model_kwargs[self.cache_keyword]

@@ -226,7 +226,7 @@ class AdapterRouter:
 
     def tensor_routing_unsupported(self) -> str | None:
         """Why this model's routing cannot be held in tensors (`tensor_routing`), or None when it can: every LoRA
-        layer must take the batched path, and none may be merged into its base."""
+        layer must take the batched path, and none may be merged into its base or disabled."""
         if self._other_layers:
             return (
                 f"{type(self._other_layers[0]).__name__} layers (LoRA variants, biases, modules_to_save, differing "
@@ -234,6 +234,8 @@ class AdapterRouter:
             )
         if any(layer.merged for layer in self._plain_layers):
             return "an adapter is merged into the base weights"
+        if any(layer.disable_adapters for layer in self._plain_layers):
+            return "the adapters are disabled (`disable_adapter()`)"
         return None
 
     @contextmanager
@@ -326,7 +328,9 @@ class TensorRouting:
             ranks = tuple(layer.r[name] for name in self.adapter_names)
             mask = self._mask(ranks, len(row_index), lora_a)
             buffers = self.weights.get(id(layer))
-            if buffers is None or buffers[0].shape != lora_a.shape or buffers[0].dtype != lora_a.dtype:
+            if buffers is None or any(
+                getattr(buffers[0], key) != getattr(lora_a, key) for key in ("shape", "dtype", "device")
+            ):
                 buffers = self.weights[id(layer)] = (lora_a, lora_b)
                 for buffer in buffers:
                     torch._dynamo.mark_static_address(buffer)  # CUDA graphs read it in place, never copy it

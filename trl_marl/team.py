@@ -246,10 +246,13 @@ class Team:
         return list(dict.fromkeys([*eos, self.tokenizer.eos_token_id]))
 
     def close(self) -> None:
-        """Shut down the vLLM engine, if the team has one, freeing its memory."""
+        """Shut down the vLLM engine, if the team has one, and free the captured decode step's caches (kept between
+        calls to `run` and `play` otherwise)."""
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        if self.decoder is not None:
+            self.decoder.release()
 
 
 def keep_saved_dtype(model: PeftModel, adapter: str, folder: Path) -> None:

@@ -109,7 +109,11 @@ def measure(model, decoder, router, adapters, input_ids, attention_mask, tokens:
         many, output = timed(lambda n, e=engine: run(e, n), tokens, repeats)
         result[f"{label}_ms"] = round(1000 * (many - one) / (tokens - 1), 2)
         result[f"{label}_tokens"] = output
-    result["equal"] = torch.equal(result.pop("eager_tokens"), result.pop("captured_tokens"))
+    if decoder.failure:  # the captured step failed and fell back: these are eager figures twice
+        result["captured_failure"] = decoder.failure
+    eager_tokens, captured_tokens = result.pop("eager_tokens"), result.pop("captured_tokens")
+    result["equal"] = torch.equal(eager_tokens, captured_tokens)
+    result["equal_rows"] = sum(torch.equal(a, b) for a, b in zip(eager_tokens, captured_tokens))
     result["speedup"] = round(result["eager_ms"] / result["captured_ms"], 2)
     return result
 
