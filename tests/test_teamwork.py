@@ -1,6 +1,9 @@
-"""The teamwork tasks (`distinct_items`, `pick_new`): answers read leniently about form and strictly about content,
-team rewards against hand-computed values, the per-role reward that misleads, held-out problems never trained on, and
-`Team.play` over episodes that end at different turns."""
+"""The teamwork tasks (`distinct_items`, `pick_new`, `congestion`, `pick_new_hidden`): answers read leniently about
+form and strictly about content, team rewards against hand-computed values, the per-role reward that misleads (by
+enumeration for `congestion`), held-out problems never trained on, and `Team.play` over episodes that end at different
+turns."""
+
+import itertools
 
 import pytest
 
@@ -10,13 +13,19 @@ from trl_marl.tasks import resolve_task, task_defaults
 from trl_marl.tasks.categories import CATEGORIES, listed_items, mentioned
 from trl_marl.tasks.teamwork import (
     EVAL_PROBLEMS,
+    POINTS,
     PickNew,
+    PickNewHidden,
+    congestion_reward,
     distinct_items_reward,
     new_option_gain,
     new_options_reward,
     one_option,
     own_items_reward,
+    own_points_reward,
+    pick_prompt,
     picked,
+    two_new_options_reward,
 )
 
 ROW = {"category": ["colours"], "excluded": [["black", "white"]], "count": [3]}
@@ -171,3 +180,78 @@ def test_team_play_plays_each_row_to_its_own_end_and_returns_its_state(pick_new_
     single = pick_new_team.run(rows[1]["prompt"], **{k: v for k, v in rows[1].items() if k != "prompt"})
     assert single.turns == runs[1].turns and single.state == runs[1].state
     assert "Already named" in runs[0].observations[1]["second"][-1]["content"]
+
+
+# congestion
+
+
+def test_congestion_rewards_by_hand():
+    options = [["apple", "pear", "plum", "fig"]]
+    team = lambda first, second: congestion_reward(None, [{"first": first, "second": second}], options)[0]  # noqa: E731
+    assert team("Apple", "pear.") == 1.0  # 4 + 3 of 7
+    assert team("apple", "apple") == 4 / 7  # picked twice, counted once
+    assert team("fig", "I pick plum") == 3 / 7
+    assert team("apple and pear", "nothing") == 0.0  # two options is no pick
+    assert own_points_reward(None, ["apple", "plum", "apples", "kiwi"], options * 4) == [1.0, 0.5, 1.0, 0.0]
+
+
+def test_congestion_per_role_rewards_lead_both_to_the_top_option_which_the_team_reward_does_not():
+    """The argument of `Congestion`'s docstring, by enumeration of every pair of answers (each option, or none)."""
+    options = ["apple", "pear", "plum", "fig"]
+    answers = [*options, "no idea"]
+    own = {answer: own_points_reward(None, [answer], [options])[0] for answer in answers}
+    team = {
+        (first, second): congestion_reward(None, [{"first": first, "second": second}], [options])[0]
+        for first, second in itertools.product(answers, answers)
+    }
+    # Per role: the top option is best for an agent whatever its teammate answers (a dominant strategy), ...
+    for teammate in answers:
+        best_own = max(answers, key=lambda answer: own[answer])
+        assert best_own == "apple" and all(own["apple"] > own[answer] for answer in answers if answer != "apple")
+        assert team[("apple", teammate)] >= 0  # (the own reward does not depend on the teammate at all)
+    # ... so per-role optimisers meet at (top, top), where the team scores 4/7.
+    assert team[("apple", "apple")] == pytest.approx(4 / 7)
+    # The team's optimum is the top and the second option, in either order, and only those.
+    best = max(team.values())
+    assert best == 1.0 and {pair for pair, value in team.items() if value == best} == {
+        ("apple", "pear"),
+        ("pear", "apple"),
+    }
+
+
+def test_congestion_holds_out_64_problems_never_trained_on():
+    task = resolve_task("congestion")
+    train, held_out = task.dataset("train"), task.dataset("eval")
+    assert len(held_out) == EVAL_PROBLEMS and len(train) == 512
+    assert not {tuple(o) for o in held_out["options"]} & {tuple(o) for o in train["options"]}
+    content = held_out[0]["prompt"][0]["content"]
+    assert all(f"{option} ({points} points)" in content for option, points in zip(held_out[0]["options"], POINTS))
+
+
+# pick_new_hidden
+
+
+def test_pick_new_hidden_shows_both_agents_the_same_text_so_the_same_answer_twice_solves_nothing():
+    task = resolve_task("pick_new_hidden")
+    assert isinstance(task, PickNewHidden) and task.num_turns == 2
+    row = {"options": ["red", "blue", "green", "pink", "grey", "black"], "named": ["blue", "grey"], "goal": 2}
+    first_prompt = pick_prompt(row["options"], row["named"])
+    state, rewards = play(task, row, [("first", "red")])
+    assert task.transition(state=state, **row) == [first_prompt, first_prompt]  # the first pick is hidden
+    _, same = play(task, row, [("first", "red"), ("second", "red")])
+    _, different = play(task, row, [("first", "red"), ("second", "pink")])
+    assert same == [0.5, 0.5] and different == [0.5, 1.0]
+
+
+def test_the_one_agent_baseline_poses_the_same_problems_and_scores_both_picks_alike():
+    task = resolve_task("pick_new_hidden")
+    team, solo = task.dataset("eval"), task.solo_dataset("eval")
+    assert solo["options"] == team["options"] and solo["named"] == team["named"]
+    assert "Name two options that are not named yet" in solo[0]["prompt"][0]["content"]
+    row = {"options": [["red", "blue", "green", "pink"]], "named": [["blue", "grey"]], "goal": [2]}
+    score = lambda text: two_new_options_reward(None, [[{"role": "assistant", "content": text}]], **row)[0]  # noqa: E731
+    assert score("red, pink") == 1.0
+    assert score("Red and blue") == 0.5  # blue was named already
+    assert score("red, red") == 0.5
+    assert score("pink, green, red") == 1.0  # the first two
+    assert score("blue, green, red") == 0.5  # the first two: blue (named) and green

@@ -201,3 +201,129 @@ class PickNew(Task):
         if state["new"] >= goal:
             return NextTurn(done=True)
         return [pick_prompt(options, state["named"])] * len(self.agents)
+
+
+# ----------------------------------------------------------------------------------------------------- congestion
+
+POINTS = (4, 3, 2, 1)  # the options' worth, best first
+
+
+def congestion_prompt(options: list[str]) -> list[dict]:
+    listed = ", ".join(f"{option} ({points} points)" for option, points in zip(options, POINTS))
+    content = (
+        f"Options, best first: {listed}. Pick one option; your teammate picks one too, without seeing yours, and an "
+        "option picked twice counts once. Reply with only that word."
+    )
+    return [{"role": "user", "content": content}]
+
+
+def option_points(text: str, options: list[str]) -> int:
+    """The points of the option an answer names, when it names exactly one; else 0."""
+    choice = picked(text, options)
+    return POINTS[options.index(choice)] if choice is not None else 0
+
+
+def congestion_reward(prompts, completions, options, **kwargs) -> list[float]:
+    """Team reward in [0, 1]: the points of the distinct options the team picked, over 7 (the best two, 4 + 3)."""
+    rewards = []
+    for completion, listed in zip(completions, options):
+        choices = {picked(text, listed) for text in completion.values()} - {None}
+        rewards.append(sum(POINTS[listed.index(choice)] for choice in choices) / (POINTS[0] + POINTS[1]))
+    return rewards
+
+
+def own_points_reward(prompts, completions, options, **kwargs) -> list[float]:
+    """Each agent's own reward (a local reward): the points of its own pick, over 4; blind to its teammate's."""
+    return [option_points(text, listed) / POINTS[0] for text, listed in zip(completions, options)]
+
+
+class Congestion(Task):
+    """A congestion game in which rewarding each agent for its own part provably misleads the team.
+
+    Four options of a category are listed best first, worth 4, 3, 2 and 1 points; `first` and `second` pick one each,
+    at once and blind to each other. The team scores the points of its *distinct* picks over 7
+    (`congestion_reward`); each agent's own reward is its own pick's points over 4 (`own_points_reward`).
+
+    Why the per-role reward misleads: an agent's own reward does not depend on its teammate's pick, and is largest
+    for the top option whatever the teammate does, so taking the top option is each agent's dominant strategy. When
+    both follow it they collide, and the team scores 4/7 ≈ 0.571. The team's optimum is the top option and the second
+    (in either order), 7/7 = 1.0; it needs the two agents to pick *differently* from the same prompt, a convention
+    that only the team reward pays for (against 4/7, the agent that gives up the top option loses 1/4 of its own
+    reward). `tests/test_teamwork.py` checks both optima by enumerating every pair of picks.
+
+    The problems are every choice of four members among a category's first twelve, in a shuffled order; 64 are held
+    out for evaluation.
+    """
+
+    name = "congestion"
+    agents = TEAMMATES
+    scheduler = "parallel"
+    reward_funcs = [congestion_reward]
+    local_reward_funcs = {"first": [own_points_reward], "second": [own_points_reward]}
+
+    def dataset(self, split: str = "train") -> Dataset:
+        rng = random.Random(0)
+        problems, seen = [], set()
+        while len(problems) < 512 + EVAL_PROBLEMS:
+            category = rng.choice(list(CATEGORIES))
+            options = rng.sample(CATEGORIES[category][:OPTIONS_FROM], len(POINTS))
+            if tuple(options) not in seen:
+                seen.add(tuple(options))
+                problems.append(options)
+        problems = problems[:EVAL_PROBLEMS] if split == "eval" else problems[EVAL_PROBLEMS:]
+        return Dataset.from_dict({"prompt": [congestion_prompt(options) for options in problems], "options": problems})
+
+
+# ------------------------------------------------------------------------------------------------ pick_new_hidden
+
+
+class PickNewHidden(PickNew):
+    """`pick_new` in two turns whose prompts hide the first pick: `first`, then `second`, each name one option not yet
+    named, and both see the same text (the options and the two named before the team started). The team must add two
+    new options, so the two agents must answer the same text differently: a convention (say, the first unnamed option
+    for `first`, the second for `second`) that each must learn in its own role. One shared policy that answers the text
+    alike in both turns solves no problem; every answer the second agent gives that repeats the first's is lost.
+
+    `solo_dataset` and `two_new_options_reward` pose the same problems to one agent alone (the papers' single-agent
+    baseline): name two options not yet named in one answer, scored by the same count.
+    """
+
+    name = "pick_new_hidden"
+    num_turns = 2
+
+    def transition(self, state, options, named, goal, **kwargs):
+        if state["new"] >= goal:
+            return NextTurn(done=True)
+        return [pick_prompt(options, named)] * len(self.agents)  # what was named before the team, not since
+
+    def solo_dataset(self, split: str = "train") -> Dataset:
+        """The same problems for one agent doing both picks: a TRL `GRPOTrainer` dataset."""
+        problems = self.dataset(split)
+        prompts = [two_picks_prompt(options, named) for options, named in zip(problems["options"], problems["named"])]
+        return problems.remove_columns("prompt").add_column("prompt", prompts)
+
+
+def two_picks_prompt(options: list[str], named: list[str]) -> list[dict]:
+    content = (
+        f"Options: {', '.join(options)}. Already named: {', '.join(named)}. Name two options that are not named yet. "
+        "Reply with only those two words, separated by a comma."
+    )
+    return [{"role": "user", "content": content}]
+
+
+def two_new_options_reward(prompts, completions, options, named, goal, **kwargs) -> list[float]:
+    """The one-agent baseline's reward in [0, 1], a TRL reward function: the distinct options not yet named among the
+    first two the answer names, over `goal` (as `new_options_reward` scores a team's two picks)."""
+    rewards = []
+    for completion, listed, already, target in zip(completions, options, named, goal):
+        text = completion[-1]["content"] if isinstance(completion, list) else completion
+        first_two = [option for option in mentioned_in_order(text, listed)][:2]
+        rewards.append(min(1.0, len({option for option in first_two if option not in already}) / target))
+    return rewards
+
+
+def mentioned_in_order(text: str, options: list[str]) -> list[str]:
+    """The `options` that `text` names, in the order it names them."""
+    found = mentioned(text, options)
+    lowered = text.lower()
+    return sorted(found, key=lambda option: lowered.find(option) if option in lowered else len(lowered))
