@@ -166,3 +166,24 @@ def test_claims_table_says_plainly_whether_each_claim_holds(bench):
     assert not [line for line in lines if "magrpo" in line or "distinct_items" in line]  # no runs, no claim
     assert bench.verdict([-0.5, -0.4, -0.6]) == "does not hold: the other is better"
     assert bench.verdict([0.5]) == "needs 2 seeds or more"
+
+
+def test_a_kept_team_is_the_runs_final_team_loadable_under_task_method_and_seed(bench, tiny_model_dir, tmp_path):
+    from tiny_run import TINY_RUN
+
+    from trl_marl import MAGRPOConfig, MAGRPOTrainer, load_team
+    from trl_marl.tasks import resolve_task
+
+    task = resolve_task("congestion")
+    args = MAGRPOConfig(output_dir=str(tmp_path / "run"), agents=task.agents, num_generations=2, **TINY_RUN)
+    trainer = MAGRPOTrainer(tiny_model_dir, args=args, task=task)
+    final = tmp_path / "run" / "saves" / "step-16"
+    trainer.save_model(str(final))
+    kept = bench.keep_team(str(final), str(tmp_path / "teams"), "congestion", "magrpo", 3)
+    assert kept == str(tmp_path / "teams" / "congestion" / "magrpo" / "seed-3")
+    team = load_team(kept)
+    assert team.agent_names == ["first", "second"] and team.spec["task"] == "congestion"
+    # Kept again (a rerun), the copy is replaced, not merged.
+    (Path(kept) / "stale.txt").write_text("from an earlier run")
+    bench.keep_team(str(final), str(tmp_path / "teams"), "congestion", "magrpo", 3)
+    assert not (Path(kept) / "stale.txt").exists()

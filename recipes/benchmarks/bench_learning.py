@@ -23,11 +23,14 @@ distinct valid members of both lists.
     python recipes/benchmarks/bench_learning.py                # both tasks, every method, seeds 0 1 2
     python recipes/benchmarks/bench_learning.py --task pick_new --methods at_grpo --seeds 0   # one run
     python recipes/benchmarks/bench_learning.py --report       # the tables and the PNG from the saved runs
+    python recipes/benchmarks/bench_learning.py --keep_teams teams/   # also keep each run's final team
 
 Each run is saved to `recipes/benchmarks/results/bench_learning.json` as it finishes (a run already there with the
 same settings is skipped, so a long benchmark resumes where it stopped; `--fresh` forgets the saved runs). The
 tables (scores, the claims of CLAIMS with their verdicts, diagnostics; also written to `bench_learning.md`) and the
-curves (`bench_learning.png`) are regenerated from that file.
+curves (`bench_learning.png`) are regenerated from that file. With `--keep_teams DIR` each run's final team is kept
+in `DIR/<task>/<method>/seed-<seed>` (a `save_model` folder: `trl_marl.load_team` loads it), so anyone can score
+the trained teams on problems of their own; the run's record names the folder (`kept`).
 Settings were chosen on the training split only (untrained samples read on training problems); the held-out split is
 only ever scored.
 """
@@ -39,6 +42,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -257,7 +261,17 @@ def evaluation_steps(steps: int, eval_every: int) -> list[int]:
     return sorted({*range(0, steps + 1, eval_every), steps})
 
 
-def run(task_name: str, method: str, seed: int, steps: int, eval_every: int) -> dict:
+def keep_team(saved: str, keep_dir: str, task_name: str, method: str, seed: int) -> str:
+    """Copy a run's final team (`save_model`'s folder, loadable with `trl_marl.load_team`) to
+    `keep_dir/<task>/<method>/seed-<seed>`, replacing an earlier copy; its path."""
+    kept = os.path.join(keep_dir, task_name, method, f"seed-{seed}")
+    if os.path.isdir(kept):
+        shutil.rmtree(kept)
+    shutil.copytree(saved, kept)
+    return kept
+
+
+def run(task_name: str, method: str, seed: int, steps: int, eval_every: int, keep_dir: str | None = None) -> dict:
     task = TASKS[task_name]()
     algorithm, fields = METHODS[task_name][method]
     settings = {**SETTINGS[task_name], "max_steps": steps}
@@ -287,6 +301,7 @@ def run(task_name: str, method: str, seed: int, steps: int, eval_every: int) -> 
             )
             evaluations.append({"step": step, **result})
             print(f"   step {step}: held-out team reward {statistics.mean(result['scores']):.3f}", flush=True)
+        kept = keep_team(os.path.join(saves, f"step-{steps}"), keep_dir, task_name, method, seed) if keep_dir else None
     return {
         "task": task_name,
         "method": method,
@@ -298,6 +313,7 @@ def run(task_name: str, method: str, seed: int, steps: int, eval_every: int) -> 
         "training": diagnostics,
         "train_minutes": train_minutes,
         "minutes": (time.perf_counter() - started) / 60,
+        **({"kept": kept} if kept else {}),
     }
 
 
@@ -543,6 +559,11 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="Forget the runs already in the results file.")
     parser.add_argument("--rerun", action="store_true", help="Run the chosen runs again, replacing saved ones.")
     parser.add_argument("--report", action="store_true", help="Only regenerate the table and the PNG.")
+    parser.add_argument(
+        "--keep_teams",
+        metavar="DIR",
+        help="Keep each run's final team in DIR/<task>/<method>/seed-<seed> (load it with trl_marl.load_team).",
+    )
     options = parser.parse_args()
 
     record = {"runs": []}
@@ -569,7 +590,7 @@ def main() -> None:
                 if same and not options.rerun:
                     continue
                 print(f"== {task_name} / {method} / seed {seed}", flush=True)
-                result = run(task_name, method, seed, steps, eval_every)
+                result = run(task_name, method, seed, steps, eval_every, options.keep_teams)
                 print(f"   {result['minutes']:.1f} min", flush=True)
                 record["runs"] = [r for r in record["runs"] if r not in same] + [result]
                 record["date"] = datetime.date.today().isoformat()
