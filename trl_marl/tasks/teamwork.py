@@ -1,9 +1,12 @@
-"""Two tasks built so that only the team's reward says what the team must do (docs/benchmarks.md#teamwork):
+"""Teamwork tasks (docs/benchmarks.md#teamwork). The first two were meant to need the team's reward and turned out not
+to (a per-role reward is nearly or exactly aligned with the team's: see the benchmark's "In hindsight"); the last two
+are built so that it provably does.
 
 - `distinct_items` (MAGRPO, one turn): two teammates each name `count` members of a category at once, without seeing
   each other. The team reward counts the distinct valid members of both lists together. Each one's natural own reward
   (valid members in my own list, `own_items_reward`, the task's local reward) is met in full when both name the same
-  best-known members, which halves the team's score: the division of labour can only be found through the team reward.
+  best-known members, which halves the team's score; but the team reward is the mean of the own rewards minus the
+  overlap / 6, so the own rewards' best outcomes include the team's.
 - `pick_new` (AT-GRPO, three turns): a category's options, some of them already named; `first` then `second` (then
   `first` again, if the team is not done) each name one option. The team must add `goal` new options: the second
   teammate's best answer depends on the one its teammate chose. The environment state (what has been named) is in
@@ -11,6 +14,12 @@
   prompt scores nothing. Its team reward is the running total (`new_options_reward`, what AT-GRPO scores each
   candidate's state with); MAGRPO, which sums a turn's rewards into returns, trains on each answer's gain
   (`new_option_gain`).
+
+- `congestion` (MAGRPO, one turn): four options worth 4/3/2/1, two blind picks; the team scores its distinct picks,
+  each agent's own reward its own pick. Per-role rewards lead both to the top option (4/7); the team's optimum is the
+  top and the second (1.0), which needs the agents to answer the same prompt differently.
+- `pick_new_hidden` (AT-GRPO, two turns): `pick_new` whose second prompt hides the first pick, so both agents see
+  the same text and must follow different conventions; with its one-agent baseline (`solo_dataset`).
 
 Offline data: the categories of `categories.py`; held-out problems are never trained on.
 """
