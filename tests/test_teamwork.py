@@ -253,3 +253,53 @@ def test_the_one_agent_baseline_poses_the_same_problems_and_scores_both_picks_al
     assert score("red, red") == 0.5
     assert score("pink, green, red") == 1.0  # the first two
     assert score("blue, green, red") == 0.5  # the first two: blue (named) and green
+
+
+def test_pick_new_hidden_trains_with_at_grpo_and_plays_both_turns_on_the_same_text(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    task = resolve_task("pick_new_hidden")
+    args = ATGRPOConfig(
+        output_dir=str(tmp_path), **task_defaults(task), num_generations=2, per_device_train_batch_size=2,
+        max_completion_length=4, max_steps=1, lora_r=4, lora_alpha=8, report_to="none", save_strategy="no",
+        use_cpu=True,
+    )  # fmt: skip
+    trainer = ATGRPOTrainer(tiny_model_dir, args=args, task=task)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "team"))
+    team = load_team(tmp_path / "team")
+    rows = task.dataset("eval").select(range(2)).to_list()
+
+    def first_free_option(model_inputs, agent_index, max_new_tokens, do_sample):
+        texts = []
+        for messages in model_inputs:
+            prompt = messages[-1]["content"]
+            options = prompt.split("Options: ")[1].split(".")[0].split(", ")
+            named = prompt.split("Already named: ")[1].split(".")[0].split(", ")
+            texts.append(next(option for option in options if option not in named))
+        return [[1]] * len(texts), [[2]] * len(texts), texts
+
+    monkeypatch.setattr(team, "_generate", first_free_option)
+    runs = team.play(rows)
+    for run in runs:
+        # The second agent saw the first turn's text, so one convention in both roles names the same option twice.
+        assert run.observations[1]["second"][-1]["content"] == run.observations[0]["first"][-1]["content"]
+        assert len(run.turns) == 2 and run.state["new"] == 1 and run.turns[0]["first"] == run.turns[1]["second"]
+
+
+def test_congestion_runs_with_magrpo_scored_by_its_team_reward(tiny_model_dir, tmp_path):
+    """The plumbing (the `options` column reaches the team reward through MAGRPO's rollout); a tiny random model
+    rarely names an option, so whether it learns is the benchmark's question, not this test's."""
+    from trl_marl import MAGRPOConfig, MAGRPOTrainer
+
+    task = resolve_task("congestion")
+    args = MAGRPOConfig(
+        output_dir=str(tmp_path), **task_defaults(task), num_generations=2, per_device_train_batch_size=2,
+        max_completion_length=4, max_steps=1, lora_r=4, lora_alpha=8, report_to="none", save_strategy="no",
+        use_cpu=True,
+    )  # fmt: skip
+    assert args.agent_names == ["first", "second"] and args.scheduler == "parallel"
+    trainer = MAGRPOTrainer(tiny_model_dir, args=args, task=task)
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert 0.0 <= logged["rewards/congestion_reward/mean"] <= 1.0

@@ -93,7 +93,18 @@ class Debate(Parallel):
         )
 
 
+class RoundRobinBlind(RoundRobin):
+    """One agent per turn, in agent order, shown only its task prompt for the turn (the transition's): nothing said
+    before. For tasks whose transition decides what an agent may know of its teammates (`pick_new_hidden`)."""
+
+    name = "round_robin_blind"
+
+    def observe(self, agent: int, prompt: Prompt, history: list[Said], current: Said, names: list[str]) -> Prompt:
+        return prompt
+
+
 parallel, sequential, round_robin, debate = Parallel(), Sequential(), RoundRobin(), Debate()
+round_robin_blind = RoundRobinBlind()
 
 
 def scheduled_phases(scheduler, num_agents: int, num_turns: int) -> list[list[list[int]]]:

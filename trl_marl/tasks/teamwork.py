@@ -288,10 +288,11 @@ class Congestion(Task):
 
 class PickNewHidden(PickNew):
     """`pick_new` in two turns whose prompts hide the first pick: `first`, then `second`, each name one option not yet
-    named, and both see the same text (the options and the two named before the team started). The team must add two
-    new options, so the two agents must answer the same text differently: a convention (say, the first unnamed option
-    for `first`, the second for `second`) that each must learn in its own role. One shared policy that answers the text
-    alike in both turns solves no problem; every answer the second agent gives that repeats the first's is lost.
+    named, and both see the same text (the options and the two named before the team started; the `round_robin_blind`
+    scheduler adds nothing said before). The team must add two new options, so the two agents must answer the same
+    text differently: a convention (say, the first unnamed option for `first`, the second for `second`) that each must
+    learn in its own role. One shared policy that answers the text alike in both turns solves no problem; every answer
+    the second agent gives that repeats the first's is lost.
 
     `solo_dataset` and `two_new_options_reward` pose the same problems to one agent alone (the papers' single-agent
     baseline): name two options not yet named in one answer, scored by the same count.
@@ -299,6 +300,7 @@ class PickNewHidden(PickNew):
 
     name = "pick_new_hidden"
     num_turns = 2
+    scheduler = "round_robin_blind"  # each agent sees its prompt only, not what was said before
 
     def transition(self, state, options, named, goal, **kwargs):
         if state["new"] >= goal:
