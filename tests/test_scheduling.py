@@ -80,6 +80,12 @@ def test_round_robin_one_agent_per_turn_and_the_reward_sees_every_latest_answer(
     assert [s.agent for s in rollout.samples] == [0, 1]
 
 
+def test_round_robin_blind_shows_each_agent_its_prompt_only_and_the_reward_still_sees_every_latest_answer():
+    seen, rollout = episode("round_robin_blind")
+    assert seen == [(0, "ann", TASK), (0, "bob", TASK)]  # bob is not shown ann's answer (its label reads turn 0)
+    assert [ja.completions for ja in rollout.joint_actions][-1] == {"ann": "ann@0", "bob": "bob@0", "cy": ""}
+
+
 def test_debate_each_sees_the_others_previous_answers_not_its_own():
     seen, _ = episode("debate")
     assert seen[:3] == [(0, name, TASK) for name in NAMES]
