@@ -70,8 +70,9 @@ def bucket_length(positions: int) -> int:
 
 
 def default_path(device: torch.device) -> str | None:
-    """The path used when none is asked for: CUDA graphs on a CUDA device; elsewhere None (eager `generate`), since
-    compiling costs minutes on a few CPU cores and the CPU step is not launch-bound (docs/benchmarks.md, decode)."""
+    """The path used when none is asked for: CUDA graphs on a CUDA device; elsewhere None (eager `generate`): the CPU
+    step is compute-bound, not launch-bound, and compiled it was 1.2–2.9x slower on 2 cores, after 30–60 s of
+    compiling per shape (docs/benchmarks.md, "Decode step")."""
     return "cuda-graphs" if device.type == "cuda" else None
 
 
