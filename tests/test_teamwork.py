@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from trl_marl import ATGRPOConfig, ATGRPOTrainer, load_team
+from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, load_team
 from trl_marl.rollout import NextTurn
 from trl_marl.tasks import resolve_task, task_defaults
 from trl_marl.tasks.categories import CATEGORIES, listed_items, mentioned
@@ -142,18 +142,28 @@ def test_pick_new_holds_out_64_problems_never_trained_on():
     assert all(set(row["named"]) < set(row["options"]) for row in held_out)
 
 
-@pytest.fixture
-def pick_new_team(tiny_model_dir, tmp_path):
-    task = PickNew()
-    args = ATGRPOConfig(
-        output_dir=str(tmp_path / "out"), **task_defaults(task), per_device_train_batch_size=2, num_generations=2,
+def tiny_run(trainer_class, task, model_dir, folder):
+    """One training step of `task`'s team on the tiny model (its trainer, for what it logged)."""
+    config_class = ATGRPOConfig if trainer_class is ATGRPOTrainer else MAGRPOConfig
+    args = config_class(
+        output_dir=str(folder), **task_defaults(task), per_device_train_batch_size=2, num_generations=2,
         max_completion_length=4, max_steps=1, lora_r=4, lora_alpha=8, report_to="none", save_strategy="no",
         use_cpu=True,
     )  # fmt: skip
-    trainer = ATGRPOTrainer(tiny_model_dir, args=args, task=task)
+    trainer = trainer_class(model_dir, args=args, task=task)
     trainer.train()
-    trainer.save_model(str(tmp_path / "team"))
+    return trainer
+
+
+def trained_team(task, model_dir, tmp_path):
+    """`task`'s team after one AT-GRPO step on the tiny model, saved and loaded back."""
+    tiny_run(ATGRPOTrainer, task, model_dir, tmp_path / "out").save_model(str(tmp_path / "team"))
     return load_team(tmp_path / "team")
+
+
+@pytest.fixture
+def pick_new_team(tiny_model_dir, tmp_path):
+    return trained_team(PickNew(), tiny_model_dir, tmp_path)
 
 
 def test_team_play_plays_each_row_to_its_own_end_and_returns_its_state(pick_new_team, monkeypatch):
@@ -259,15 +269,7 @@ def test_pick_new_hidden_trains_with_at_grpo_and_plays_both_turns_on_the_same_te
     tiny_model_dir, tmp_path, monkeypatch
 ):
     task = resolve_task("pick_new_hidden")
-    args = ATGRPOConfig(
-        output_dir=str(tmp_path), **task_defaults(task), num_generations=2, per_device_train_batch_size=2,
-        max_completion_length=4, max_steps=1, lora_r=4, lora_alpha=8, report_to="none", save_strategy="no",
-        use_cpu=True,
-    )  # fmt: skip
-    trainer = ATGRPOTrainer(tiny_model_dir, args=args, task=task)
-    trainer.train()
-    trainer.save_model(str(tmp_path / "team"))
-    team = load_team(tmp_path / "team")
+    team = trained_team(task, tiny_model_dir, tmp_path)
     rows = task.dataset("eval").select(range(2)).to_list()
 
     def first_free_option(model_inputs, agent_index, max_new_tokens, do_sample):
@@ -290,16 +292,8 @@ def test_pick_new_hidden_trains_with_at_grpo_and_plays_both_turns_on_the_same_te
 def test_congestion_runs_with_magrpo_scored_by_its_team_reward(tiny_model_dir, tmp_path):
     """The plumbing (the `options` column reaches the team reward through MAGRPO's rollout); a tiny random model
     rarely names an option, so whether it learns is the benchmark's question, not this test's."""
-    from trl_marl import MAGRPOConfig, MAGRPOTrainer
-
     task = resolve_task("congestion")
-    args = MAGRPOConfig(
-        output_dir=str(tmp_path), **task_defaults(task), num_generations=2, per_device_train_batch_size=2,
-        max_completion_length=4, max_steps=1, lora_r=4, lora_alpha=8, report_to="none", save_strategy="no",
-        use_cpu=True,
-    )  # fmt: skip
-    assert args.agent_names == ["first", "second"] and args.scheduler == "parallel"
-    trainer = MAGRPOTrainer(tiny_model_dir, args=args, task=task)
-    trainer.train()
+    trainer = tiny_run(MAGRPOTrainer, task, tiny_model_dir, tmp_path)
+    assert trainer.args.agent_names == ["first", "second"] and trainer.args.scheduler == "parallel"
     logged = trainer.state.log_history[0]
     assert 0.0 <= logged["rewards/congestion_reward/mean"] <= 1.0

@@ -257,6 +257,7 @@ class CapturedDecoder:
         )
         return output.logits[:, -1]
 
+    @torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
     def _decode(
         self,
         model,
@@ -270,29 +271,6 @@ class CapturedDecoder:
     ) -> torch.Tensor:
         """The decoding loop `generate` runs (`custom_generate`), as its own `_sample` does but on fixed shapes: the
         prefill eager, each later token one call of the captured step."""
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            return self._decode_loop(
-                model,
-                input_ids,
-                logits_processor,
-                stopping_criteria,
-                generation_config,
-                synced_gpus,
-                streamer,
-                **model_kwargs,
-            )
-
-    def _decode_loop(
-        self,
-        model,
-        input_ids,
-        logits_processor,
-        stopping_criteria,
-        generation_config,
-        synced_gpus,
-        streamer,
-        **model_kwargs,
-    ) -> torch.Tensor:
         if synced_gpus or streamer is not None:
             raise ValueError("The captured decode step does not serve synced GPUs (ZeRO-3, FSDP) or streamers.")
         cache = model_kwargs[self.cache_keyword]
