@@ -1,7 +1,9 @@
-"""The learning benchmark's own parts (recipes/benchmarks/bench_learning.py): the coarse-key ablation, the statistics
-and the report; its runs are benchmarks, not tests."""
+"""The learning benchmark's own parts (recipes/benchmarks/bench_learning.py and its learning_versions.py and
+learning_report.py): the coarse-key ablation, the versions and their pre-registration, the statistics and the report;
+its runs are benchmarks, not tests."""
 
 import importlib.util
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +18,20 @@ def bench():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def report(bench):
+    import learning_report  # importable once the script has put its folder on the path
+
+    return learning_report
+
+
+@pytest.fixture(scope="module")
+def versions(bench):
+    import learning_versions
+
+    return learning_versions
 
 
 def test_coarse_groups_compare_every_problems_candidates_of_one_turn_and_agent(bench):
@@ -39,43 +55,43 @@ def test_coarse_groups_compare_every_problems_candidates_of_one_turn_and_agent(b
     }
 
 
-def test_every_run_is_scored_at_step_0_every_n_steps_and_its_last_step(bench):
-    assert bench.evaluation_steps(16, 4) == [0, 4, 8, 12, 16]
-    assert bench.evaluation_steps(10, 4) == [0, 4, 8, 10]
+def test_every_run_is_scored_at_step_0_every_n_steps_and_its_last_step(versions):
+    assert versions.evaluation_steps(16, 4) == [0, 4, 8, 12, 16]
+    assert versions.evaluation_steps(10, 4) == [0, 4, 8, 10]
 
 
-def test_the_report_keeps_only_runs_made_with_the_current_settings(bench):
+def test_the_report_keeps_only_runs_made_with_the_current_settings(versions):
     now = {
         "task": "pick_new",
         "method": "at_grpo",
         "seed": 0,
-        "settings": bench.run_settings("pick_new", "at_grpo", 16, 4),
+        "settings": versions.run_settings("pick_new", "at_grpo", 16, 4),
     }
-    shorter = {**now, "settings": bench.run_settings("pick_new", "at_grpo", 4, 4)}
+    shorter = {**now, "settings": versions.run_settings("pick_new", "at_grpo", 4, 4)}
     older = {**now, "settings": None}
-    assert bench.current([now, shorter, older], None, 4) == [now]
-    assert bench.current([now, shorter, older], 4, 4) == [shorter]
-    assert bench.run_settings("pick_new", "magrpo", 16, 4)["reward_funcs"] == ["new_option_gain"]
-    assert bench.run_settings("pick_new", "magrpo", 16, 4)["num_generations"] == 2  # the method's over COMMON's 4
+    assert versions.current([now, shorter, older], None, 4) == [now]
+    assert versions.current([now, shorter, older], 4, 4) == [shorter]
+    assert versions.run_settings("pick_new", "magrpo", 16, 4)["reward_funcs"] == ["new_option_gain"]
+    assert versions.run_settings("pick_new", "magrpo", 16, 4)["num_generations"] == 2  # the method's over COMMON's 4
 
 
-def test_a_saved_run_made_with_other_common_settings_is_not_current(bench, monkeypatch):
+def test_a_saved_run_made_with_other_common_settings_is_not_current(versions, monkeypatch):
     made = {
         "task": "pick_new",
         "method": "at_grpo",
         "seed": 0,
-        "settings": bench.run_settings("pick_new", "at_grpo", 16, 4),
+        "settings": versions.run_settings("pick_new", "at_grpo", 16, 4),
     }
-    assert bench.current([made], None, None) == [made]
-    monkeypatch.setitem(bench.COMMON, "learning_rate", 1e-4)
-    assert bench.current([made], None, None) == []
+    assert versions.current([made], None, None) == [made]
+    monkeypatch.setitem(versions.COMMON, "learning_rate", 1e-4)
+    assert versions.current([made], None, None) == []
 
 
-def test_interval_is_the_mean_and_the_95_percent_t_half_width(bench):
+def test_interval_is_the_mean_and_the_95_percent_t_half_width(report):
     # mean 0.5, sample std 0.2, 3 values: 4.303 · 0.2 / sqrt(3) = 0.49687
-    mean, half = bench.interval([0.3, 0.5, 0.7])
+    mean, half = report.interval([0.3, 0.5, 0.7])
     assert mean == pytest.approx(0.5) and half == pytest.approx(4.303 * 0.2 / 3**0.5)
-    assert bench.interval([0.4]) == (0.4, 0.0)
+    assert report.interval([0.4]) == (0.4, 0.0)
 
 
 def run(method, seed, scores, success=None):
@@ -84,16 +100,16 @@ def run(method, seed, scores, success=None):
     return {"task": "pick_new", "method": method, "seed": seed, "evaluations": [start, final], "minutes": 10.0}
 
 
-def test_paired_difference_is_per_seed_mean_of_per_problem_differences(bench):
+def test_paired_difference_is_per_seed_mean_of_per_problem_differences(report):
     a = [run("at_grpo", 0, [1.0, 0.5]), run("at_grpo", 1, [1.0, 1.0]), run("at_grpo", 2, [0.5, 0.5])]
     b = [run("coarse", 0, [0.5, 0.5]), run("coarse", 2, [0.5, 0.0])]
-    assert bench.paired_difference(a, b) == [0.25, 0.25]  # seed 1 has no partner
+    assert report.paired_difference(a, b) == [0.25, 0.25]  # seed 1 has no partner
 
 
-def test_table_reports_untrained_from_step_0_the_methods_and_their_paired_differences(bench):
+def test_table_reports_untrained_from_step_0_the_methods_and_their_paired_differences(report):
     runs = [run("at_grpo", s, [1.0, v], success=v) for s, v in enumerate([0.0, 1.0, 0.5])]
     runs += [run("coarse", s, [0.5, v], success=0.0) for s, v in enumerate([0.0, 1.0, 0.5])]
-    lines = bench.table(runs).splitlines()
+    lines = report.table(runs).splitlines()
     # untrained − at_grpo: per-seed means -0.5, -1, -0.75
     assert "| pick_new | untrained | 3 | 0.000 ± 0.000 | 0.000 ± 0.000 | -0.750 ± 0.621 | - |" in lines
     # at_grpo: per-seed means 0.5, 1.0, 0.75 -> mean 0.75, std 0.25, half-width 4.303 · 0.25 / sqrt(3) = 0.621
@@ -108,22 +124,22 @@ def test_first_choice_says_what_the_first_answer_did(bench):
     assert bench.first_choice({"picks": [("first", "red", True)]}) == "new"
 
 
-def test_the_report_rewrites_only_what_lies_between_its_markers(bench, tmp_path):
+def test_the_report_rewrites_only_what_lies_between_its_markers(report, tmp_path):
     page = tmp_path / "page.md"
     page.write_text("# Title\n<!-- t:start -->\nold table\n<!-- t:end -->\nafter\n")
-    assert bench.replace_between(str(page), "t", "| new |")
+    assert report.replace_between(str(page), "t", "| new |")
     assert page.read_text() == "# Title\n<!-- t:start -->\n| new |\n<!-- t:end -->\nafter\n"
-    assert not bench.replace_between(str(page), "other", "| x |")
+    assert not report.replace_between(str(page), "other", "| x |")
 
 
-def test_diagnostics_name_each_group_and_what_the_second_teammate_did_after_the_first(bench):
-    assert bench.group_label("turns/1/agents/second/frac_reward_zero_std") == "turn 1 second"
-    assert bench.group_label("turns/0/frac_reward_zero_std") == "turn 0"
+def test_diagnostics_name_each_group_and_what_the_second_teammate_did_after_the_first(report):
+    assert report.group_label("turns/1/agents/second/frac_reward_zero_std") == "turn 1 second"
+    assert report.group_label("turns/0/frac_reward_zero_std") == "turn 0"
     runs = [run("at_grpo", 0, [1.0, 0.0], success=0.5)]
     runs[0]["evaluations"][-1].update(second_by_first={"new": [0.5, 4], "repeated": [0.0, 2]}, turns=2.5)
     runs[0]["evaluations"][0].update(second_by_first={"invalid": [0.25, 8]}, turns=3.0)
     runs[0]["training"] = {"turns/0/agents/first/frac_reward_zero_std": [0.5, 0.0]}
-    lines = bench.diagnostics_table(runs).splitlines()
+    lines = report.diagnostics_table(runs).splitlines()
     assert (
         "| pick_new | untrained | second names a new option after the first's invalid: 0.25 (n = 8); turns 3.00 | - |"
         in lines
@@ -134,11 +150,11 @@ def test_diagnostics_name_each_group_and_what_the_second_teammate_did_after_the_
     )
     assert expected + "turn 0 first 0.25 |" in lines
     # pooled over seeds by episodes: (1.0 · 1 + 0.25 · 4) / 5 = 0.40 (a mean of the two rates would say 0.62)
-    assert bench.pooled_rate([[1.0, 1], [0.25, 4], None, [0.5, 0]]) == "0.40 (n = 5)"
-    assert bench.pooled_rate([None]) == "-"
+    assert report.pooled_rate([[1.0, 1], [0.25, 4], None, [0.5, 0]]) == "0.40 (n = 5)"
+    assert report.pooled_rate([None]) == "-"
 
 
-def test_training_diagnostics_keep_the_team_reward_and_the_per_group_signals_step_by_step(bench):
+def test_training_diagnostics_keep_the_team_reward_and_the_per_group_signals_step_by_step(bench, report):
     history = [
         {"reward": 0.5, "rewards/new_options_reward/mean": 0.25, "turns/0/agents/first/chosen_reward": 1.0, "loss": 0},
         {"reward": 0.7, "rewards/new_options_reward/mean": 0.5, "turns/1/agents/second/frac_reward_zero_std": 0.5},
@@ -149,23 +165,31 @@ def test_training_diagnostics_keep_the_team_reward_and_the_per_group_signals_ste
         "turns/0/agents/first/chosen_reward": [1.0, None],
         "turns/1/agents/second/frac_reward_zero_std": [None, 0.5],
     }
-    assert bench.curve_mean([[1.0, None], [0.0, 0.5]]) == [0.5, 0.5]
+    assert report.curve_mean([[1.0, None], [0.0, 0.5]]) == [0.5, 0.5]
 
 
-def test_claims_table_says_plainly_whether_each_claim_holds(bench):
+def test_claims_table_says_plainly_whether_each_claim_holds(report):
     runs = [run("at_grpo", s, [1.0, v]) for s, v in enumerate([0.0, 1.0, 0.5])]
     runs += [run("coarse", s, [0.5, v]) for s, v in enumerate([0.0, 1.0, 0.5])]  # at_grpo − coarse: +0.25 each seed
     runs += [run("single", s, [v, v]) for s, v in enumerate([1.0, 0.5, 0.5])]  # at_grpo − single: -0.5, +0.5, +0.25
-    lines = bench.claims_table(runs).splitlines()
-    assert "| pick_new | at_grpo beats coarse | 3 | 0.250 ± 0.000 | +0.250, +0.250, +0.250 | holds |" in lines
-    # mean 0.0833, std 0.5204, half-width 4.303 · 0.5204 / sqrt(3) = 1.293
-    expected = "| pick_new | at_grpo beats single | 3 | 0.083 ± 1.293 | -0.500, +0.500, +0.250 | "
+    lines = report.claims_table(runs).splitlines()
+    # no spread: 2 seeds would do
+    assert (
+        "| pick_new | at_grpo beats coarse | 3 | 0.250 ± 0.000 | +0.250, +0.250, +0.250 | 0.000 | 2 | holds |" in lines
+    )
+    # mean 0.0833, std 0.5204, half-width 4.303 · 0.5204 / sqrt(3) = 1.293; 80 % power at this effect needs
+    # (1.960 + 0.842) · 0.5204 / sqrt(n) <= 0.0833, n >= 306.2
+    expected = "| pick_new | at_grpo beats single | 3 | 0.083 ± 1.293 | -0.500, +0.500, +0.250 | 0.520 | 307 | "
     assert expected + "does not hold: the interval contains 0 |" in lines
-    # the untrained team (step 0, every score 0): at_grpo − untrained = 0.5, 1.0, 0.75
-    assert "| pick_new | at_grpo beats untrained | 3 | 0.750 ± 0.621 | +0.500, +1.000, +0.750 | holds |" in lines
+    # the untrained team (step 0, every score 0): at_grpo − untrained = 0.5, 1.0, 0.75 (std 0.25: n = 4 gives
+    # (3.182 + 0.978) · 0.25 / 2 = 0.52 <= 0.75, n = 3 gives (4.303 + 1.061) · 0.25 / 1.732 = 0.774 > 0.75)
+    expected = (
+        "| pick_new | at_grpo beats untrained | 3 | 0.750 ± 0.621 | +0.500, +1.000, +0.750 | 0.250 | 4 | holds |"
+    )
+    assert expected in lines
     assert not [line for line in lines if "magrpo" in line or "distinct_items" in line]  # no runs, no claim
-    assert bench.verdict([-0.5, -0.4, -0.6]) == "does not hold: the other is better"
-    assert bench.verdict([0.5]) == "needs 2 seeds or more"
+    assert report.verdict([-0.5, -0.4, -0.6]) == "does not hold: the other is better"
+    assert report.verdict([0.5]) == "needs 2 seeds or more"
 
 
 def test_a_kept_team_is_the_runs_final_team_loadable_under_task_method_and_seed(bench, tiny_model_dir, tmp_path):
@@ -187,3 +211,74 @@ def test_a_kept_team_is_the_runs_final_team_loadable_under_task_method_and_seed(
     (Path(kept) / "stale.txt").write_text("from an earlier run")
     bench.keep_team(str(final), str(tmp_path / "teams"), "congestion", "magrpo", 3)
     assert not (Path(kept) / "stale.txt").exists()
+
+
+def test_seeds_for_power_is_the_smallest_n_whose_t_test_has_80_percent_power_at_the_measured_effect(report):
+    # mean 0.2, std 0.1: n = 4 gives (3.182 + 0.978) · 0.1 / 2 = 0.208 > 0.2; n = 5 gives (2.776 + 0.941) · 0.1 /
+    # sqrt(5) = 0.166 <= 0.2
+    assert report.seeds_for_power([0.1, 0.2, 0.3]) == "5"
+    assert report.seeds_for_power([-0.1, -0.2, -0.3]) == "5"  # the size of the effect, either sign
+    assert report.seeds_for_power([0.4]) == "-"
+    assert report.seeds_for_power([0.0, 0.0]) == "-"
+    assert report.seeds_for_power([0.001, -0.001]) == "> 1000"
+
+
+def test_version_2_comes_from_its_settings_file_and_changes_one_thing_per_claim(bench, versions):
+    assert versions.LATEST == 2 and versions.VERSION["congestion"] == versions.VERSION["pick_new_hidden"] == 2
+    assert versions.tasks_of(1) == ["distinct_items", "pick_new"]
+    assert versions.results_file(2).endswith("results/bench_learning_v2.json")
+    # congestion: the same trainer on the team reward alone (no local reward) or on each agent's own points (α = 0)
+    team, per_role = bench.make_task("congestion", "at_grpo"), bench.make_task("congestion", "per_role")
+    assert team.local_reward_funcs == {} and per_role.local_reward_funcs["first"][0].__name__ == "own_points_reward"
+    assert versions.run_settings("congestion", "at_grpo", 32, 16)["task_variant"] == {"local_reward_funcs": {}}
+    assert versions.run_settings("congestion", "per_role", 32, 16)["team_reward_weight"] == 0.0
+    assert "task_variant" not in versions.run_settings("congestion", "per_role", 32, 16)
+    # every method of a task shares G, batch, steps, learning rate and KL; only its own fields differ
+    shared = ("num_generations", "per_device_train_batch_size", "learning_rate", "beta", "max_steps", "eval_every")
+    for task_name in versions.tasks_of(2):
+        settings = [versions.run_settings(task_name, m, 32, 16) for m in versions.METHODS[task_name]]
+        assert all(s[key] == settings[0][key] for s in settings for key in shared)
+    solo = versions.run_settings("pick_new_hidden", "solo", 32, 16)
+    assert solo["reward_funcs"] == ["two_new_options_reward"] and solo["max_completion_length"] == 12
+    assert ("pick_new_hidden", "coarse") in versions.COARSE and ("pick_new", "coarse") in versions.COARSE
+    # the first round's settings are what its saved runs were made with
+    assert versions.run_settings("pick_new", "at_grpo", 16, 4)["learning_rate"] == 5e-4
+    assert "beta" not in versions.run_settings("pick_new", "at_grpo", 16, 4)
+    with open(versions.results_file(1)) as f:
+        saved = json.load(f)["runs"]
+    first_round = [(t, m, s) for t in versions.tasks_of(1) for m in versions.METHODS[t] for s in versions.SEEDS[1]]
+    assert sorted(versions.identity(r) for r in versions.current(saved, None, None)) == sorted(first_round)
+
+
+def test_held_out_runs_need_the_settings_file_committed_and_record_its_commit(versions, tmp_path):
+    import subprocess
+
+    def git(*arguments):
+        return subprocess.run(["git", *arguments], cwd=tmp_path, check=True, capture_output=True, text=True).stdout
+
+    git("init", "-q")
+    git("config", "user.email", "bench@example.com")
+    git("config", "user.name", "bench")
+    settings = tmp_path / "bench_learning_v9.json"
+    settings.write_text('{"version": 9}')
+    with pytest.raises(SystemExit, match="differs from its last commit.*--pilot"):
+        versions.registered_commit(str(settings))  # never committed
+    git("add", settings.name)
+    git("commit", "-q", "-m", "settings")
+    assert versions.registered_commit(str(settings)) == git("rev-parse", "HEAD").strip()
+    settings.write_text('{"version": 9, "changed": true}')
+    with pytest.raises(SystemExit, match="bench_learning_v9.json differs from its last commit"):
+        versions.registered_commit(str(settings))
+
+
+def test_the_pilot_table_reads_training_rewards_only(report):
+    rewards = [0.0, 0.2, 0.4, 0.6, 0.5, 0.5, 0.1, 0.1]  # quarters of 2 steps
+    pilot = {"task": "congestion", "method": "magrpo", "seed": 0, "train_minutes": 3.0, "evaluations": []}
+    pilot.update(
+        settings={"reward_funcs": ["congestion_reward"]}, training={"rewards/congestion_reward/mean": rewards}
+    )
+    # first quarter 0.1, last 0.1, lowest 4-step mean after the first quarter: (0.5 + 0.5 + 0.1 + 0.1) / 4 = 0.3
+    assert "| congestion | magrpo | 0 | 0.100 | 0.100 | 0.300 | 3.0 |" in report.pilot_table([pilot]).splitlines()
+    # AT-GRPO's runs are read by the team reward their episodes ended on
+    pilot["training"]["episodes/team_reward"] = [1.0] * 8
+    assert report.training_team_reward(pilot) == [1.0] * 8

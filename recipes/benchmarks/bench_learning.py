@@ -1,38 +1,40 @@
 """Learning benchmark: does the team learn what its members cannot learn on their own rewards?
 
-Two built-in tasks (`trl_marl/tasks/teamwork.py`) on the embedded default model (SmolLM2-135M-Instruct), on the
-CPU; every method is trained with the same settings and seeds and scored on the same 64 held-out problems, greedily,
-every few steps (step 0 is the untrained team: LoRA starts as the identity).
+Teamwork tasks (`trl_marl/tasks/teamwork.py`) on the embedded default model (SmolLM2-135M-Instruct), on the CPU;
+every method of a task is trained with the same settings and seeds and scored on the same 64 held-out problems,
+greedily, at step 0 (the untrained team: LoRA starts as the identity) and every few steps. Two versions
+(docs/benchmarks.md#teamwork):
 
-**distinct_items** (one turn, both teammates at once): each names 3 members of a category; the team reward counts the
-distinct valid members of both lists.
-- `magrpo`: `MAGRPOTrainer` on the team reward;
-- `per_role`: each teammate trained on its own reward (valid members in its own list, the task's local reward):
-  `ATGRPOTrainer` with one turn and α = 0, so a group is one teammate's candidates for one problem;
-- `single`: one agent doing every part: MAGRPO with one shared adapter (the role prompts tell the parts apart).
+**Version 2** (round 2, the default; settings pre-registered in `settings/bench_learning_v2.json`): tasks where the
+team reward is provably needed.
+- `congestion` (one turn, blind picks worth 4/3/2/1; the team scores its distinct picks): `at_grpo` (team reward
+  alone), `per_role` (the same trainer, α = 0: each agent's own points), `magrpo`.
+- `pick_new_hidden` (two turns whose second prompt hides the first pick): `at_grpo`, `shared` (one adapter),
+  `coarse` ((turn, agent) groups), `alpha0` (format reward only), `solo` (one agent alone: TRL's `GRPOTrainer`).
 
-**pick_new** (up to three turns, one teammate per turn): name options not named yet, until the team has two new ones.
-- `at_grpo`: `ATGRPOTrainer` (K candidates per problem, turn and agent; greedy continuation; α · team + format);
-- `single`: the same with one shared adapter;
-- `magrpo`: `MAGRPOTrainer` on the same task (its tree of joint actions, team reward only);
-- `alpha0`: AT-GRPO with α = 0 (the local format reward only);
-- `coarse`: AT-GRPO with its groups coarsened to (turn, agent): every problem's candidates of one turn compared
-  together, the ablation that shows whether grouping by problem matters.
+**Version 1** (round 1; settings in the constants below): `distinct_items` (`magrpo`, `per_role`, `single`) and
+`pick_new` (`at_grpo`, `single`, `magrpo`, `alpha0`, `coarse`); its tasks turned out unable to show the claims.
 
-    pip install -e ".[bench]"                                   # matplotlib, for the PNG
-    python recipes/benchmarks/bench_learning.py                # both tasks, every method, seeds 0 1 2
-    python recipes/benchmarks/bench_learning.py --task pick_new --methods at_grpo --seeds 0   # one run
-    python recipes/benchmarks/bench_learning.py --report       # the tables and the PNG from the saved runs
-    python recipes/benchmarks/bench_learning.py --keep_teams teams/   # also keep each run's final team
+    pip install -e ".[bench]"                                    # matplotlib, for the PNG
+    python recipes/benchmarks/bench_learning.py --pilot --seeds 0 --saves outputs/bench_learning_v2   # training only
+    python recipes/benchmarks/bench_learning.py --saves outputs/bench_learning_v2 --keep_teams outputs/teams
+    python recipes/benchmarks/bench_learning.py --task congestion --methods at_grpo --seeds 0    # one run
+    python recipes/benchmarks/bench_learning.py --report        # the tables and the PNG from the saved runs
+    python recipes/benchmarks/bench_learning.py --version 1     # round 1
 
-Each run is saved to `recipes/benchmarks/results/bench_learning.json` as it finishes (a run already there with the
-same settings is skipped, so a long benchmark resumes where it stopped; `--fresh` forgets the saved runs). The
-tables (scores, the claims of CLAIMS with their verdicts, diagnostics; also written to `bench_learning.md`) and the
-curves (`bench_learning.png`) are regenerated from that file. With `--keep_teams DIR` each run's final team is kept
-in `DIR/<task>/<method>/seed-<seed>` (a `save_model` folder: `trl_marl.load_team` loads it), so anyone can score
-the trained teams on problems of their own; the run's record names the folder (`kept`).
-Settings were chosen on the training split only (untrained samples read on training problems); the held-out split is
-only ever scored.
+Held-out runs of a version with a settings file refuse to start while the file differs from its last commit, and
+record that commit in every result (pre-registration); `--pilot` runs train only, never score held out, and go to
+their own file (`<results>_pilot.json`): settings are chosen on their training rewards. With `--saves DIR` each run's
+saved steps are kept in `DIR/<task>/<method>/seed-<seed>`, and a later run with the same settings scores them
+instead of training again (a pilot's training, scored once the settings are committed).
+
+Each run is saved to `results/bench_learning_v<N>.json` (version 1: `bench_learning.json`) as it finishes, seed by
+seed (a run already there with the same settings is skipped, so a long benchmark resumes where it stopped; `--fresh`
+forgets the saved runs). The tables (scores; the claims of CLAIMS with their verdicts, seed SD and the seeds 80 %
+power would need; diagnostics; also written next to the results as `.md`) and the curves (`.png`) are regenerated
+from that file. With `--keep_teams DIR` each run's final team is kept in `DIR/<task>/<method>/seed-<seed>` (a
+`save_model` folder: `trl_marl.load_team` loads it; `solo` keeps its PEFT adapter), so anyone can score the trained
+teams on problems of their own; the run's record names the folder (`kept`).
 """
 
 import argparse
@@ -44,8 +46,10 @@ import os
 import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
@@ -53,74 +57,41 @@ from transformers import TrainerCallback
 import trl_marl
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, default_model_path, load_team
 from trl_marl.advantages import group_advantages
+from trl_marl.agents import agent_lora_config
 from trl_marl.tasks import task_defaults
 from trl_marl.tasks.teamwork import (
-    DistinctItems,
-    PickNew,
+    congestion_reward,
     distinct_items_reward,
     named_members,
-    new_option_gain,
     own_items_reward,
+    own_points_reward,
+    picked,
+    two_new_options_reward,
 )
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-DEFAULT_RESULTS = os.path.join(RESULTS, "bench_learning.json")
-DOCS = os.path.normpath(os.path.join(RESULTS, "..", "..", "..", "docs", "benchmarks.md"))
-TASKS = {"distinct_items": DistinctItems, "pick_new": PickNew}
-# method -> (algorithm, config fields); the first trained method of a task is the one the others are compared with
-METHODS = {
-    "distinct_items": {
-        "magrpo": ("magrpo", {}),
-        "per_role": ("at_grpo", {"team_reward_weight": 0.0}),
-        "single": ("magrpo", {"adapter_mode": "shared"}),
-    },
-    "pick_new": {
-        "at_grpo": ("at_grpo", {}),
-        "single": ("at_grpo", {"adapter_mode": "shared"}),
-        # its tree with G = 2 over 3 turns is 14 completions per problem (AT-GRPO's: 12), 2 problems a step as AT-GRPO
-        "magrpo": ("magrpo", {"num_generations": 2, "per_device_train_batch_size": 4}),
-        "alpha0": ("at_grpo", {"team_reward_weight": 0.0}),
-        "coarse": ("at_grpo", {}),
-    },
-}
-# MAGRPO sums a turn's rewards into returns: on pick_new it trains on each answer's gain, whose sum is the team reward
-REWARDS = {("pick_new", "magrpo"): [new_option_gain]}
-SETTINGS = {  # per task: tokens per answer, sampling temperature
-    "distinct_items": {"max_completion_length": 16, "temperature": 0.7},
-    "pick_new": {"max_completion_length": 6, "temperature": 0.7},
-}
-# per task: training steps and held-out evaluation every N steps (distinct_items' training reward still rose at step
-# 16, and its steps cost a third of pick_new's)
-SCHEDULE = {"distinct_items": (32, 8), "pick_new": (16, 4)}
-COMMON = dict(
-    num_generations=4,
-    per_device_train_batch_size=8,  # two problems x four candidates per agent per step
-    learning_rate=5e-4,
-    lr_scheduler_type="constant",
-    gradient_checkpointing=False,  # tiny batches: recomputing activations would only cost time
-    logging_steps=1,
-    save_strategy="no",
-    report_to="none",
-    lora_r=16,
-    lora_alpha=32,
-    use_cpu=not torch.cuda.is_available(),
-    bf16=torch.cuda.is_available(),
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from learning_report import report  # noqa: E402
+from learning_versions import (  # noqa: E402
+    COARSE,
+    COMMONS,
+    LATEST,
+    METHODS,
+    RESULTS,
+    REWARDS,
+    SEEDS,
+    SETTINGS,
+    SETTINGS_FILES,
+    TASK_VARIANTS,
+    TASKS,
+    VERSION,
+    evaluation_steps,
+    identity,
+    registered_commit,
+    results_file,
+    run_settings,
+    schedule,
+    tasks_of,
 )
-T_95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131]
-T_95 += [2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
-T_95 = dict(enumerate(T_95, 1))  # two-sided 95 % quantiles of Student's t, by degrees of freedom
-# the claims the benchmark tests, per task: (method expected to win, method it must beat)
-CLAIMS = {
-    "distinct_items": [("magrpo", "per_role"), ("magrpo", "single"), ("magrpo", "untrained")],
-    "pick_new": [
-        ("at_grpo", "single"),
-        ("at_grpo", "coarse"),
-        ("at_grpo", "untrained"),
-        ("at_grpo", "magrpo"),
-        ("at_grpo", "alpha0"),
-    ],
-}
-
 
 # --- the coarse-key ablation ---
 
@@ -190,6 +161,24 @@ def score_team(task_name: str, folder: str, rows: list[dict], max_new_tokens: in
             "overlap": statistics.mean(both),
             "examples": examples,
         }
+    if task_name == "congestion":
+        picks = [
+            [picked(text, options) for text in completion.values()]
+            for completion, options in zip(completions, columns["options"])
+        ]
+        return {
+            "scores": congestion_reward(None, completions, **columns),
+            "own": [
+                statistics.mean(own_points_reward(None, [c[name] for c in completions], **columns))
+                for name in completions[0]
+            ],
+            # both named the same option (the per-role optimum's outcome), or the top and the second (the team's)
+            "collided": statistics.mean(a is not None and a == b for a, b in picks),
+            "top_two": statistics.mean(
+                {a, b} == set(options[:2]) for (a, b), options in zip(picks, columns["options"])
+            ),
+            "examples": examples,
+        }
     scores = [min(1.0, run.state["new"] / row["goal"]) for run, row in zip(runs, rows)]
     second = {}  # the second teammate's first answer, by what the first one's did: the share that named a new option
     for run in runs:
@@ -201,6 +190,28 @@ def score_team(task_name: str, folder: str, rows: list[dict], max_new_tokens: in
         "second_by_first": {key: [statistics.mean(values), len(values)] for key, values in sorted(second.items())},
         "turns": statistics.mean(len(run.turns) for run in runs),
         "examples": examples,
+    }
+
+
+def score_solo(folder: str, rows: list[dict], max_new_tokens: int) -> dict:
+    """Answer every held-out one-agent problem greedily with the adapter saved in `folder` (TRL's `save_model`) on the
+    default model, through the chat template as `GRPOTrainer` prompted it: per-problem rewards."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path(), padding_side="left")
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(default_model_path()), folder).eval()
+    texts = [tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True) for row in rows]
+    batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        output = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
+    completions = tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+    scores = two_new_options_reward(None, completions, **columns)
+    return {
+        "scores": scores,
+        "success": statistics.mean(score == 1.0 for score in scores),
+        "examples": completions[:4],
     }
 
 
@@ -233,34 +244,6 @@ def training_diagnostics(log_history: list[dict]) -> dict:
     return {key: [entry.get(key) for entry in steps] for key in keys}
 
 
-def curve_mean(curves: list[list]) -> list[float]:
-    """The mean over runs of same-length curves, step by step (steps where a run logged nothing left out)."""
-    means = []
-    for values in zip(*curves):
-        present = [v for v in values if v is not None]
-        means.append(statistics.mean(present) if present else math.nan)
-    return means
-
-
-def schedule(task_name: str, steps: int | None = None, eval_every: int | None = None) -> tuple[int, int]:
-    """(training steps, evaluation interval): the ones given, else the task's."""
-    default_steps, default_every = SCHEDULE[task_name]
-    return steps or default_steps, eval_every or default_every
-
-
-def run_settings(task_name: str, method: str, steps: int, eval_every: int) -> dict:
-    """What makes two runs of a method comparable: the config fields it sets (COMMON's too), its reward, its
-    evaluation steps."""
-    fields = {**COMMON, **SETTINGS[task_name], **METHODS[task_name][method][1], "max_steps": steps}
-    rewards = [func.__name__ for func in REWARDS.get((task_name, method), TASKS[task_name].reward_funcs)]
-    return {**fields, "reward_funcs": rewards, "eval_every": eval_every}
-
-
-def evaluation_steps(steps: int, eval_every: int) -> list[int]:
-    """Step 0, every `eval_every` steps, and the last step."""
-    return sorted({*range(0, steps + 1, eval_every), steps})
-
-
 def keep_team(saved: str, keep_dir: str, task_name: str, method: str, seed: int) -> str:
     """Copy a run's final team (`save_model`'s folder, loadable with `trl_marl.load_team`) to
     `keep_dir/<task>/<method>/seed-<seed>`, replacing an earlier copy; its path."""
@@ -271,333 +254,208 @@ def keep_team(saved: str, keep_dir: str, task_name: str, method: str, seed: int)
     return kept
 
 
-def run(task_name: str, method: str, seed: int, steps: int, eval_every: int, keep_dir: str | None = None) -> dict:
+def make_task(task_name: str, method: str):
+    """The task a method trains on: the task's, with the method's variant (TASK_VARIANTS) set on the instance."""
     task = TASKS[task_name]()
+    for attribute, value in TASK_VARIANTS.get((task_name, method), {}).items():
+        setattr(task, attribute, value)
+    return task
+
+
+def make_trainer(task_name: str, method: str, seed: int, steps: int, output_dir: str):
+    """The method's trainer for one run: a team trainer, or (`solo`) TRL's `GRPOTrainer` with one LoRA adapter on the
+    task's one-agent problems."""
+    task = make_task(task_name, method)
     algorithm, fields = METHODS[task_name][method]
-    settings = {**SETTINGS[task_name], "max_steps": steps}
-    rows = task.dataset("eval").to_list()
+    fields = {**COMMONS[VERSION[task_name]], **SETTINGS[task_name], **fields, "max_steps": steps, "seed": seed}
+    if algorithm == "solo":
+        from trl import GRPOConfig, GRPOTrainer
+
+        lora = agent_lora_config(fields.pop("lora_r"), fields.pop("lora_alpha"), 0.0, ["all-linear"])
+        return GRPOTrainer(
+            default_model_path(),
+            REWARDS[(task_name, method)],
+            args=GRPOConfig(output_dir=output_dir, **fields),
+            train_dataset=task.solo_dataset("train"),
+            peft_config=lora,
+        )
     config_class = ATGRPOConfig if algorithm == "at_grpo" else MAGRPOConfig
     trainer_class = (
-        CoarseGroupsTrainer if method == "coarse" else ATGRPOTrainer if algorithm == "at_grpo" else MAGRPOTrainer
+        CoarseGroupsTrainer
+        if (task_name, method) in COARSE
+        else ATGRPOTrainer
+        if algorithm == "at_grpo"
+        else MAGRPOTrainer
     )
+    args = config_class(output_dir=output_dir, **{**task_defaults(task), **fields})
+    return trainer_class(default_model_path(), REWARDS.get((task_name, method)), args=args, task=task)
+
+
+def train(task_name: str, method: str, seed: int, steps: int, eval_every: int, saves: str) -> dict:
+    """Train one method with one seed, saving the team (or adapter) at step 0 and at each evaluation step in
+    `saves/step-<N>`; what the training logged. Saves already there from a run with the same settings (a pilot's,
+    say) are read instead of training again."""
+    trained = os.path.join(saves, "trained.json")
+    settings = run_settings(task_name, method, steps, eval_every)
+    if os.path.exists(trained):
+        with open(trained) as f:
+            done = json.load(f)
+        if done["settings"] == settings:
+            print(f"   trained before: {saves}", flush=True)
+            return done
     torch.manual_seed(seed)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as output_dir:
-        fields = {**task_defaults(task), **COMMON, **settings, **fields, "seed": seed}
-        args = config_class(output_dir=output_dir, **fields)
-        trainer = trainer_class(default_model_path(), REWARDS.get((task_name, method)), args=args, task=task)
-        saves = os.path.join(output_dir, "saves")
+        trainer = make_trainer(task_name, method, seed, steps, output_dir)
         trainer.save_model(os.path.join(saves, "step-0"))
         trainer.add_callback(SaveEvery(trainer, evaluation_steps(steps, eval_every), saves))
         trainer.train()
         diagnostics = training_diagnostics(trainer.state.log_history)
         del trainer
         gc.collect()
-        train_minutes = (time.perf_counter() - started) / 60
-        evaluations = []
-        for step in evaluation_steps(steps, eval_every):
-            result = score_team(
-                task_name, os.path.join(saves, f"step-{step}"), rows, settings["max_completion_length"]
-            )
+    done = {"settings": settings, "training": diagnostics, "train_minutes": (time.perf_counter() - started) / 60}
+    with open(trained, "w") as f:
+        json.dump(done, f)
+    return done
+
+
+def run(
+    task_name: str,
+    method: str,
+    seed: int,
+    steps: int,
+    eval_every: int,
+    keep_dir: str | None = None,
+    pilot: bool = False,
+    saves_dir: str | None = None,
+) -> dict:
+    """Train one method with one seed and score it on the held-out problems at its evaluation steps; a `pilot` run
+    only trains (its training rewards are what settings may be chosen on). With `saves_dir`, the saves are kept in
+    `saves_dir/<task>/<method>/seed-<seed>` (a later run with the same settings scores them without training)."""
+    solo = METHODS[task_name][method][0] == "solo"
+    rows = (TASKS[task_name]().solo_dataset if solo else TASKS[task_name]().dataset)("eval").to_list()
+    max_new_tokens = {**SETTINGS[task_name], **METHODS[task_name][method][1]}["max_completion_length"]
+    evaluations, kept = [], None
+    with tempfile.TemporaryDirectory() as scratch:
+        saves = os.path.join(saves_dir, task_name, method, f"seed-{seed}") if saves_dir else scratch
+        trained = train(task_name, method, seed, steps, eval_every, saves)
+        scoring = time.perf_counter()
+        for step in [] if pilot else evaluation_steps(steps, eval_every):
+            folder = os.path.join(saves, f"step-{step}")
+            if solo:
+                result = score_solo(folder, rows, max_new_tokens)
+            else:
+                result = score_team(task_name, folder, rows, max_new_tokens)
             evaluations.append({"step": step, **result})
             print(f"   step {step}: held-out team reward {statistics.mean(result['scores']):.3f}", flush=True)
-        kept = keep_team(os.path.join(saves, f"step-{steps}"), keep_dir, task_name, method, seed) if keep_dir else None
+        if keep_dir and not pilot:
+            kept = keep_team(os.path.join(saves, f"step-{steps}"), keep_dir, task_name, method, seed)
     return {
         "task": task_name,
         "method": method,
         "seed": seed,
         "steps": steps,
         "eval_every": eval_every,
-        "settings": run_settings(task_name, method, steps, eval_every),
+        "settings": trained["settings"],
         "evaluations": evaluations,
-        "training": diagnostics,
-        "train_minutes": train_minutes,
-        "minutes": (time.perf_counter() - started) / 60,
+        "training": trained["training"],
+        "train_minutes": trained["train_minutes"],
+        "minutes": trained["train_minutes"]
+        + (time.perf_counter() - scoring) / 60,  # training (maybe earlier) + scoring
         **({"kept": kept} if kept else {}),
     }
 
 
-# --- report ---
-
-
-def interval(values: list[float]) -> tuple[float, float]:
-    """Mean and the half-width of its 95 % t-interval (0 for a single value)."""
-    mean = statistics.mean(values)
-    if len(values) < 2:
-        return mean, 0.0
-    return mean, T_95.get(len(values) - 1, 2.0) * statistics.stdev(values) / math.sqrt(len(values))
-
-
-def paired_difference(runs_a: list[dict], runs_b: list[dict]) -> list[float]:
-    """Per seed present in both: the mean over held-out problems of (score under A − score under B), at the end."""
-    by_seed = {run["seed"]: run["evaluations"][-1]["scores"] for run in runs_b}
-    return [
-        statistics.mean(a - b for a, b in zip(run["evaluations"][-1]["scores"], by_seed[run["seed"]], strict=True))
-        for run in runs_a
-        if run["seed"] in by_seed
-    ]
-
-
-def untrained_runs(runs: list[dict]) -> list[dict]:
-    """The untrained team of each run's seed (its step-0 evaluation), as runs of their own."""
-    return [{**run, "method": "untrained", "evaluations": run["evaluations"][:1]} for run in runs]
-
-
-def with_untrained(runs: list[dict], task_name: str) -> list[tuple[str, list[dict]]]:
-    """(method, its runs) for the task's methods that have runs, after the untrained team of the first of them."""
-    done = [(m, [r for r in runs if r["task"] == task_name and r["method"] == m]) for m in METHODS[task_name]]
-    done = [(method, method_runs) for method, method_runs in done if method_runs]
-    return [("untrained", untrained_runs(done[0][1]))] + done if done else []
-
-
-def fmt(values: list[float]) -> str:
-    if not values:
-        return "-"
-    mean, half = interval(values)
-    return f"{mean:.3f} ± {half:.3f}" if len(values) > 1 else f"{mean:.3f}"
-
-
-def table(runs: list[dict]) -> str:
-    lines = [
-        "| task | method | seeds | held-out team reward | success rate | paired difference: method − reference (seeds "
-        "of both) | "
-        "minutes per run |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for task_name, methods in METHODS.items():
-        reference = next(iter(methods))
-        of_task = dict(with_untrained(runs, task_name))
-        for method, done in of_task.items():
-            finals = [statistics.mean(r["evaluations"][-1]["scores"]) for r in done]
-            success = [r["evaluations"][-1]["success"] for r in done if "success" in r["evaluations"][-1]]
-            difference = "-" if method == reference else fmt(paired_difference(done, of_task.get(reference, [])))
-            minutes = "-" if method == "untrained" else f"{statistics.mean(r['minutes'] for r in done):.1f}"
-            lines.append(
-                f"| {task_name} | {method} | {len(done)} | {fmt(finals)} | {fmt(success)} | {difference} | {minutes} |"
-            )
-    return "\n".join(lines)
-
-
-def verdict(differences: list[float]) -> str:
-    """A claim "A beats B" holds when the 95 % interval of the paired difference A − B lies above 0."""
-    if len(differences) < 2:
-        return "needs 2 seeds or more"
-    mean, half = interval(differences)
-    if mean - half > 0:
-        return "holds"
-    return "does not hold: the other is better" if mean + half < 0 else "does not hold: the interval contains 0"
-
-
-def claims_table(runs: list[dict]) -> str:
-    """One line per claim of CLAIMS with runs of both methods: the paired difference and whether it is resolved."""
-    lines = [
-        "| task | claim | seeds of both | paired difference (held out) | by seed | verdict |",
-        "|---|---|---|---|---|---|",
-    ]
-    for task_name, claims in CLAIMS.items():
-        of_task = dict(with_untrained(runs, task_name))
-        for winner, other in claims:
-            if winner not in of_task or other not in of_task:
-                continue
-            differences = paired_difference(of_task[winner], of_task[other])
-            by_seed = ", ".join(f"{d:+.3f}" for d in differences)
-            lines.append(
-                f"| {task_name} | {winner} beats {other} | {len(differences)} | {fmt(differences)} | {by_seed} | "
-                f"{verdict(differences)} |"
-            )
-    return "\n".join(lines)
-
-
-def plot(runs: list[dict], path: str) -> None:
-    """Top: the held-out team reward at each evaluation, per method. Bottom: the training team reward per method
-    (`distinct_items`), and AT-GRPO's chosen candidate's reward per (turn, agent), fine groups solid and coarse dashed
-    (`pick_new`). Means over seeds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axes = plt.subplots(2, len(METHODS), figsize=(6 * len(METHODS), 8), squeeze=False)
-    for column, (task_name, methods) in enumerate(METHODS.items()):
-        held_out, training = axes[0][column], axes[1][column]
-        for method in methods:
-            done = [r for r in runs if r["task"] == task_name and r["method"] == method]
-            if not done:
-                continue
-            steps = [e["step"] for e in done[0]["evaluations"]]
-            scores = [[statistics.mean(e["scores"]) for e in r["evaluations"]] for r in done]
-            held_out.plot(steps, curve_mean(scores), marker="o", label=f"{method} ({len(done)} seeds)")
-            team_key = f"rewards/{TASKS[task_name].reward_funcs[0].__name__}/mean"
-            if task_name == "distinct_items":
-                # AT-GRPO's per-candidate mean scores the first agent's candidates before its teammate answers
-                key = "episodes/team_reward" if "episodes/team_reward" in done[0]["training"] else team_key
-                values = curve_mean([r["training"][key] for r in done if key in r["training"]])
-                training.plot(range(1, len(values) + 1), values, label=method)
-            elif method in ("at_grpo", "coarse"):
-                for key in sorted(k for k in done[0]["training"] if k.endswith("chosen_reward")):
-                    values = curve_mean([r["training"][key] for r in done if key in r["training"]])
-                    label = f"{method}: {group_label(key)}"
-                    training.plot(range(1, len(values) + 1), values, "-" if method == "at_grpo" else "--", label=label)
-        held_out.set_title(f"{task_name}: held-out team reward (greedy)")
-        held_out.set_xlabel("training step")
-        training.set_title(
-            f"{task_name}: "
-            + ("training team reward" if task_name == "distinct_items" else "chosen candidate's reward")
-        )
-        training.set_xlabel("training step")
-        for axis in (held_out, training):
-            if axis.get_legend_handles_labels()[0]:
-                axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-
-
-def mean_of(values) -> str:
-    values = [v for v in values if v is not None]
-    return f"{statistics.mean(values):.2f}" if values else "-"
-
-
-def pooled_rate(rates_and_counts: list[list | None]) -> str:
-    """A rate over the episodes of every seed together, from each seed's (rate, episodes), "(n = episodes)" after it:
-    seeds with few episodes of a kind weigh less than in a mean of rates."""
-    pairs = [pair for pair in rates_and_counts if pair and pair[1]]
-    episodes = sum(count for _, count in pairs)
-    return f"{sum(rate * count for rate, count in pairs) / episodes:.2f} (n = {episodes})" if episodes else "-"
-
-
-def group_label(key: str) -> str:
-    """`turns/1/agents/second/frac_reward_zero_std` -> `turn 1 second`; the batch-wide key -> `all`."""
-    parts = key.split("/")
-    return "all" if len(parts) == 1 else f"turn {parts[1]}" + (f" {parts[3]}" if len(parts) > 3 else "")
-
-
-def diagnostics_table(runs: list[dict]) -> str:
-    """Per method, means over seeds (the second teammate's rates pooled over the seeds' episodes): what the teammates
-    did on the held-out problems at the end, and how often a training group carried no signal (all its rewards
-    tied)."""
-    lines = [
-        "| task | method | at the end, held out | share of groups with tied rewards in training |",
-        "|---|---|---|---|",
-    ]
-    for task_name in METHODS:
-        for method, done in with_untrained(runs, task_name):
-            finals = [r["evaluations"][-1] for r in done]
-            if task_name == "distinct_items":
-                own = [mean_of(f["own"][i] for f in finals) for i in range(2)]
-                overlap = mean_of(f.get("overlap") for f in finals)
-                held_out = f"own reward first {own[0]}, second {own[1]}; members both named {overlap}"
-            else:
-                kinds = sorted({kind for f in finals for kind in f["second_by_first"]})
-                after = [f"{kind}: {pooled_rate([f['second_by_first'].get(kind) for f in finals])}" for kind in kinds]
-                turns = mean_of(f["turns"] for f in finals)
-                held_out = f"second names a new option after the first's {', '.join(after)}; turns {turns}"
-            if method == "untrained":
-                lines.append(f"| {task_name} | {method} | {held_out} | - |")
-                continue
-            tied_keys = [k for k in done[0]["training"] if k.endswith("frac_reward_zero_std")]
-            keys = sorted(k for k in tied_keys if "/agents/" in k) or sorted(
-                k for k in tied_keys if k.startswith("turns/")
-            )
-            keys = keys or ["frac_reward_zero_std"]
-            tied = [
-                f"{group_label(key)} {mean_of(v for r in done for v in r['training'].get(key, []))}" for key in keys
-            ]
-            lines.append(f"| {task_name} | {method} | {held_out} | {', '.join(tied)} |")
-    return "\n".join(lines)
-
-
-def replace_between(path: str, marker: str, text: str) -> bool:
-    """Put `text` between `<!-- marker:start -->` and `<!-- marker:end -->` in the file at `path`; False without
-    them."""
-    with open(path) as f:
-        document = f.read()
-    start, end = f"<!-- {marker}:start -->\n", f"<!-- {marker}:end -->"
-    if start not in document or end not in document:
-        return False
-    head, rest = document.split(start, 1)
-    with open(path, "w") as f:
-        f.write(head + start + text + "\n" + end + rest.split(end, 1)[1])
-    return True
-
-
-def identity(run: dict) -> tuple[str, str, int]:
-    return run["task"], run["method"], run["seed"]
-
-
-def current(runs: list[dict], steps: int | None, eval_every: int | None) -> list[dict]:
-    """The runs made with the settings a run of the same method would have now (another `--steps`, `--eval_every`,
-    or older settings, kept in the file, are left out)."""
-    return [
-        r
-        for r in runs
-        if r.get("settings") == run_settings(r["task"], r["method"], *schedule(r["task"], steps, eval_every))
-    ]
-
-
-def report(record: dict, results: str, steps: int | None, eval_every: int | None) -> None:
-    runs = current(record["runs"], steps, eval_every)
-    text = table(runs) + "\n\n" + claims_table(runs) + "\n\n" + diagnostics_table(runs)
-    print(text)
-    stem = os.path.splitext(results)[0]
-    with open(stem + ".md", "w") as f:
-        f.write(text + "\n")
-    plot(runs, stem + ".png")
-    print(f"{len(runs)} of the {len(record['runs'])} runs in {results}; tables: {stem}.md; curves: {stem}.png")
-    defaults = steps is None and eval_every is None
-    if results == DEFAULT_RESULTS and defaults and replace_between(DOCS, "bench_learning", text):
-        print(f"Tables updated in {DOCS}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--task", choices=[*METHODS, "all"], default="all")
+    parser.add_argument(
+        "--version",
+        type=int,
+        choices=sorted(COMMONS),
+        default=LATEST,
+        help=f"Benchmark version (default: the latest, {LATEST}); 1 is the first round's tasks.",
+    )
+    parser.add_argument("--task", default="all", help="One task of the version (default: all of them).")
     parser.add_argument("--methods", nargs="+", help="Subset of the task's methods (default: all of them).")
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--seeds", nargs="+", type=int, help="Seeds (default: the version's).")
     parser.add_argument("--steps", type=int, help="Training steps (default: the task's, in SCHEDULE).")
     parser.add_argument("--eval_every", type=int, help="Held-out evaluation every N steps (default: the task's).")
-    parser.add_argument("--results", default=DEFAULT_RESULTS)
+    parser.add_argument("--results", help="Results file (default: results/bench_learning[_v<version>].json).")
     parser.add_argument("--fresh", action="store_true", help="Forget the runs already in the results file.")
     parser.add_argument("--rerun", action="store_true", help="Run the chosen runs again, replacing saved ones.")
     parser.add_argument("--report", action="store_true", help="Only regenerate the table and the PNG.")
+    parser.add_argument(
+        "--pilot",
+        action="store_true",
+        help="Train only, never score held out (the settings may still change): its own results file, training "
+        "rewards only.",
+    )
+    parser.add_argument(
+        "--unregistered",
+        action="store_true",
+        help="Score held out although the settings file is not committed (recorded as such; not a benchmark result).",
+    )
+    parser.add_argument(
+        "--saves",
+        metavar="DIR",
+        help="Keep every run's saved steps in DIR/<task>/<method>/seed-<seed>; a run whose saves are there with the "
+        "same settings is scored without training again (train with --pilot, commit the settings, then score).",
+    )
     parser.add_argument(
         "--keep_teams",
         metavar="DIR",
         help="Keep each run's final team in DIR/<task>/<method>/seed-<seed> (load it with trl_marl.load_team).",
     )
     options = parser.parse_args()
+    version = options.version
+    tasks = tasks_of(version)
+    if options.task != "all" and options.task not in tasks:
+        raise SystemExit(f"--task: {options.task!r} is not a task of version {version} ({tasks}).")
+    results = options.results or results_file(version)
+    if options.pilot:
+        results = os.path.splitext(results)[0] + "_pilot.json"
 
     record = {"runs": []}
-    if os.path.exists(options.results) and not options.fresh:
-        with open(options.results) as f:
+    if os.path.exists(results) and not options.fresh:
+        with open(results) as f:
             record = json.load(f)
     if options.report:
-        return report(record, options.results, options.steps, options.eval_every)
+        return report(record, results, options.steps, options.eval_every, version, options.pilot)
+    settings_file = SETTINGS_FILES[version]
+    commit = None
+    if settings_file and not options.pilot and not options.unregistered:
+        commit = registered_commit(settings_file)
     record.update(
         machine=f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
         + (torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"),
         trl_marl=trl_marl.__version__,
     )
-    for task_name in list(METHODS) if options.task == "all" else [options.task]:
-        for method in options.methods or METHODS[task_name]:
-            if method not in METHODS[task_name]:
-                raise SystemExit(f"--methods: {method!r} is not a method of {task_name} ({list(METHODS[task_name])}).")
-            steps, eval_every = schedule(task_name, options.steps, options.eval_every)
-            settings = run_settings(task_name, method, steps, eval_every)
-            for seed in options.seeds:
-                same = [
-                    r for r in record["runs"] if identity(r) == (task_name, method, seed) and r["settings"] == settings
-                ]
-                if same and not options.rerun:
-                    continue
-                print(f"== {task_name} / {method} / seed {seed}", flush=True)
-                result = run(task_name, method, seed, steps, eval_every, options.keep_teams)
-                print(f"   {result['minutes']:.1f} min", flush=True)
-                record["runs"] = [r for r in record["runs"] if r not in same] + [result]
-                record["date"] = datetime.date.today().isoformat()
-                os.makedirs(os.path.dirname(options.results), exist_ok=True)
-                with open(options.results, "w") as f:
-                    json.dump(record, f, indent=1)
-    report(record, options.results, options.steps, options.eval_every)
+    chosen = []  # seed by seed, so that the claims' pairs fill up together in a benchmark stopped half way
+    for seed in options.seeds or SEEDS[version]:
+        for task_name in tasks if options.task == "all" else [options.task]:
+            for method in options.methods or METHODS[task_name]:
+                if method not in METHODS[task_name]:
+                    raise SystemExit(
+                        f"--methods: {method!r} is not a method of {task_name} ({list(METHODS[task_name])})."
+                    )
+                chosen.append((task_name, method, seed))
+    for task_name, method, seed in chosen:
+        steps, eval_every = schedule(task_name, options.steps, options.eval_every)
+        settings = run_settings(task_name, method, steps, eval_every)
+        same = [r for r in record["runs"] if identity(r) == (task_name, method, seed) and r["settings"] == settings]
+        if same and not options.rerun:
+            continue
+        print(f"== {task_name} / {method} / seed {seed}", flush=True)
+        result = run(task_name, method, seed, steps, eval_every, options.keep_teams, options.pilot, options.saves)
+        if settings_file:
+            result.update(settings_file=os.path.relpath(settings_file, RESULTS), settings_commit=commit)
+        print(f"   {result['minutes']:.1f} min", flush=True)
+        record["runs"] = [r for r in record["runs"] if r not in same] + [result]
+        record["date"] = datetime.date.today().isoformat()
+        os.makedirs(os.path.dirname(results), exist_ok=True)
+        with open(results, "w") as f:
+            json.dump(record, f, indent=1)
+    report(record, results, options.steps, options.eval_every, version, options.pilot)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ are built so that it provably does.
 - `congestion` (MAGRPO, one turn): four options worth 4/3/2/1, two blind picks; the team scores its distinct picks,
   each agent's own reward its own pick. Per-role rewards lead both to the top option (4/7); the team's optimum is the
   top and the second (1.0), which needs the agents to answer the same prompt differently.
-- `pick_new_hidden` (AT-GRPO, two turns): `pick_new` whose second prompt hides the first pick, so both agents see
-  the same text and must follow different conventions; with its one-agent baseline (`solo_dataset`).
+- `pick_new_hidden` (AT-GRPO, two turns): `pick_new` whose second prompt hides the first pick, so both agents get
+  the same task text (only their system prompts differ) and must follow different conventions; with its one-agent
+  baseline (`solo_dataset`).
 
 Offline data: the categories of `categories.py`; held-out problems are never trained on.
 """
@@ -288,11 +289,13 @@ class Congestion(Task):
 
 class PickNewHidden(PickNew):
     """`pick_new` in two turns whose prompts hide the first pick: `first`, then `second`, each name one option not yet
-    named, and both see the same text (the options and the two named before the team started; the `round_robin_blind`
-    scheduler adds nothing said before). The team must add two new options, so the two agents must answer the same
-    text differently: a convention (say, the first unnamed option for `first`, the second for `second`) that each must
-    learn in its own role. One shared policy that answers the text alike in both turns solves no problem; every answer
-    the second agent gives that repeats the first's is lost.
+    named, and both get the same task text (the options and the two named before the team started; the
+    `round_robin_blind` scheduler adds nothing said before; only the system prompt names the role). The team must add
+    two new options, so the two agents must answer the same text differently: a convention (say, the first unnamed
+    option for `first`, the second for `second`) that each must learn in its own role. A policy that answers the text
+    alike in both roles solves no problem, and every answer the second agent gives that repeats the first's is lost:
+    separate adapters can each learn one convention; one shared adapter must learn to tell the roles apart by their
+    system prompt.
 
     `solo_dataset` and `two_new_options_reward` pose the same problems to one agent alone (the papers' single-agent
     baseline): name two options not yet named in one answer, scored by the same count.
