@@ -178,8 +178,9 @@ def test_claims_table_says_plainly_whether_each_claim_holds(report):
         "| pick_new | at_grpo beats coarse | 3 | 0.250 ± 0.000 | +0.250, +0.250, +0.250 | 0.000 | 2 | holds |" in lines
     )
     # mean 0.0833, std 0.5204, half-width 4.303 · 0.5204 / sqrt(3) = 1.293; 80 % power at this effect needs
-    # (1.960 + 0.842) · 0.5204 / sqrt(n) <= 0.0833, n >= 306.2
-    expected = "| pick_new | at_grpo beats single | 3 | 0.083 ± 1.293 | -0.500, +0.500, +0.250 | 0.520 | 307 | "
+    # (t.975 + t.80) · 0.5204 / sqrt(n) <= 0.0833 with n − 1 degrees of freedom: at 308, (1.9677 + 0.8428) · 0.5204 /
+    # 17.578 = 0.08321 (at 307 seeds, 0.08334)
+    expected = "| pick_new | at_grpo beats single | 3 | 0.083 ± 1.293 | -0.500, +0.500, +0.250 | 0.520 | 309 | "
     assert expected + "does not hold: the interval contains 0 |" in lines
     # the untrained team (step 0, every score 0): at_grpo − untrained = 0.5, 1.0, 0.75 (std 0.25: n = 4 gives
     # (3.182 + 0.978) · 0.25 / 2 = 0.52 <= 0.75, n = 3 gives (4.303 + 1.061) · 0.25 / 1.732 = 0.774 > 0.75)
@@ -217,10 +218,14 @@ def test_seeds_for_power_is_the_smallest_n_whose_t_test_has_80_percent_power_at_
     # mean 0.2, std 0.1: n = 4 gives (3.182 + 0.978) · 0.1 / 2 = 0.208 > 0.2; n = 5 gives (2.776 + 0.941) · 0.1 /
     # sqrt(5) = 0.166 <= 0.2
     assert report.seeds_for_power([0.1, 0.2, 0.3]) == "5"
-    assert report.seeds_for_power([-0.1, -0.2, -0.3]) == "5"  # the size of the effect, either sign
+    assert report.seeds_for_power([-0.1, -0.2, -0.3]) == "-"  # the other is ahead: no number of seeds shows the claim
+    # beyond the table (30 degrees of freedom) the quantiles follow the normal's with Cornish-Fisher corrections
+    assert report.t_quantile(0.975, 31) == pytest.approx(2.0395, abs=2e-4)
+    assert report.t_quantile(0.975, 100) == pytest.approx(1.9840, abs=2e-4)
+    assert report.t_quantile(0.8, 60) == pytest.approx(0.848, abs=5e-4)
     assert report.seeds_for_power([0.4]) == "-"
     assert report.seeds_for_power([0.0, 0.0]) == "-"
-    assert report.seeds_for_power([0.001, -0.001]) == "> 1000"
+    assert report.seeds_for_power([0.0011, -0.001]) == "> 1000"  # mean 5e-5, SD 1.5e-3
 
 
 def test_version_2_comes_from_its_settings_file_and_changes_one_thing_per_claim(bench, versions):
@@ -232,7 +237,11 @@ def test_version_2_comes_from_its_settings_file_and_changes_one_thing_per_claim(
     assert team.local_reward_funcs == {} and per_role.local_reward_funcs["first"][0].__name__ == "own_points_reward"
     assert versions.run_settings("congestion", "at_grpo", 32, 16)["task_variant"] == {"local_reward_funcs": {}}
     assert versions.run_settings("congestion", "per_role", 32, 16)["team_reward_weight"] == 0.0
-    assert "task_variant" not in versions.run_settings("congestion", "per_role", 32, 16)
+    per_role_settings = versions.run_settings("congestion", "per_role", 32, 16)
+    assert per_role_settings["task_variant"] is None and per_role_settings["algorithm"] == "at_grpo"
+    # what the trainer is belongs to a run's settings: a pilot's saves are not reused for another trainer
+    assert versions.run_settings("pick_new_hidden", "coarse", 32, 16)["groups"] == "coarse"
+    assert versions.run_settings("pick_new_hidden", "at_grpo", 32, 16)["groups"] == "problem"
     # every method of a task shares G, batch, steps, learning rate and KL; only its own fields differ
     shared = ("num_generations", "per_device_train_batch_size", "learning_rate", "beta", "max_steps", "eval_every")
     for task_name in versions.tasks_of(2):
@@ -282,3 +291,23 @@ def test_the_pilot_table_reads_training_rewards_only(report):
     # AT-GRPO's runs are read by the team reward their episodes ended on
     pilot["training"]["episodes/team_reward"] = [1.0] * 8
     assert report.training_team_reward(pilot) == [1.0] * 8
+
+
+def test_held_out_runs_refuse_seeds_outside_the_registered_ones_and_results_of_another_settings_commit(
+    bench, versions, tmp_path, monkeypatch
+):
+    if versions.last_commit(versions.SETTINGS_FILES[2]) is None or versions.git(
+        "status", "--porcelain", "--", "bench_learning_v2.json", cwd=versions.SETTINGS_DIR
+    ):
+        pytest.skip("the version 2 settings file is not committed as it is here")
+    results = tmp_path / "v2.json"
+    monkeypatch.setattr("sys.argv", ["bench_learning.py", "--seeds", "0", "7", "--results", str(results)])
+    with pytest.raises(
+        SystemExit, match=r"--seeds: \[7\] are not among version 2's registered seeds \[0, 1, 2, 3, 4\]"
+    ):
+        bench.main()
+    results.write_text(json.dumps({"runs": [{"task": "congestion", "settings_commit": "0123abc"}]}))
+    monkeypatch.setattr("sys.argv", ["bench_learning.py", "--seeds", "0", "--results", str(results)])
+    with pytest.raises(SystemExit, match="holds runs made under settings commit 0123abc.*a new version"):
+        bench.main()
+    assert json.loads(results.read_text())["runs"] == [{"task": "congestion", "settings_commit": "0123abc"}]

@@ -291,18 +291,22 @@ def make_trainer(task_name: str, method: str, seed: int, steps: int, output_dir:
     return trainer_class(default_model_path(), REWARDS.get((task_name, method)), args=args, task=task)
 
 
-def train(task_name: str, method: str, seed: int, steps: int, eval_every: int, saves: str) -> dict:
+def train(
+    task_name: str, method: str, seed: int, steps: int, eval_every: int, saves: str, again: bool = False
+) -> dict:
     """Train one method with one seed, saving the team (or adapter) at step 0 and at each evaluation step in
-    `saves/step-<N>`; what the training logged. Saves already there from a run with the same settings (a pilot's,
-    say) are read instead of training again."""
+    `saves/step-<N>`; what the training logged. Saves already there from a finished run with the same settings (a
+    pilot's, say) are read instead of training again, unless `again`."""
     trained = os.path.join(saves, "trained.json")
     settings = run_settings(task_name, method, steps, eval_every)
-    if os.path.exists(trained):
+    if os.path.exists(trained) and not again:
         with open(trained) as f:
             done = json.load(f)
         if done["settings"] == settings:
             print(f"   trained before: {saves}", flush=True)
             return done
+    if os.path.exists(trained):
+        os.remove(trained)  # the steps below are overwritten: a training that stops half way is not a finished one
     torch.manual_seed(seed)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as output_dir:
@@ -328,6 +332,7 @@ def run(
     keep_dir: str | None = None,
     pilot: bool = False,
     saves_dir: str | None = None,
+    again: bool = False,
 ) -> dict:
     """Train one method with one seed and score it on the held-out problems at its evaluation steps; a `pilot` run
     only trains (its training rewards are what settings may be chosen on). With `saves_dir`, the saves are kept in
@@ -338,7 +343,7 @@ def run(
     evaluations, kept = [], None
     with tempfile.TemporaryDirectory() as scratch:
         saves = os.path.join(saves_dir, task_name, method, f"seed-{seed}") if saves_dir else scratch
-        trained = train(task_name, method, seed, steps, eval_every, saves)
+        trained = train(task_name, method, seed, steps, eval_every, saves, again)
         scoring = time.perf_counter()
         for step in [] if pilot else evaluation_steps(steps, eval_every):
             folder = os.path.join(saves, f"step-{step}")
@@ -412,8 +417,8 @@ def main() -> None:
     if options.task != "all" and options.task not in tasks:
         raise SystemExit(f"--task: {options.task!r} is not a task of version {version} ({tasks}).")
     results = options.results or results_file(version)
-    if options.pilot:
-        results = os.path.splitext(results)[0] + "_pilot.json"
+    if options.pilot or options.unregistered:  # never beside the registered runs
+        results = os.path.splitext(results)[0] + ("_pilot.json" if options.pilot else "_unregistered.json")
 
     record = {"runs": []}
     if os.path.exists(results) and not options.fresh:
@@ -425,6 +430,18 @@ def main() -> None:
     commit = None
     if settings_file and not options.pilot and not options.unregistered:
         commit = registered_commit(settings_file)
+        other = sorted({r.get("settings_commit") for r in record["runs"]} - {commit}, key=str)
+        if other:
+            raise SystemExit(
+                f"{results} holds runs made under settings commit {other[0]}, and {settings_file} has changed since "
+                f"(now {commit}): a change after held-out scores is a new version (a new settings file)."
+            )
+        outside = sorted(set(options.seeds or []) - set(SEEDS[version]))
+        if outside:
+            raise SystemExit(
+                f"--seeds: {outside} are not among version {version}'s registered seeds {SEEDS[version]} (more seeds "
+                "are a change of the settings file, so a new version; --unregistered scores them apart)."
+            )
     record.update(
         machine=f"{platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}, "
         + (torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"),
@@ -446,7 +463,9 @@ def main() -> None:
         if same and not options.rerun:
             continue
         print(f"== {task_name} / {method} / seed {seed}", flush=True)
-        result = run(task_name, method, seed, steps, eval_every, options.keep_teams, options.pilot, options.saves)
+        result = run(
+            task_name, method, seed, steps, eval_every, options.keep_teams, options.pilot, options.saves, options.rerun
+        )
         if settings_file:
             result.update(settings_file=os.path.relpath(settings_file, RESULTS), settings_commit=commit)
         print(f"   {result['minutes']:.1f} min", flush=True)

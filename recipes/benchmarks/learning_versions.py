@@ -8,6 +8,7 @@ its last commit, and record that commit. Task names are unique across versions.
 
 import json
 import os
+import re
 import subprocess
 
 import torch
@@ -110,7 +111,8 @@ def register_version(path: str) -> int:
 
 
 COARSE = {("pick_new", "coarse")}  # (task, method) trained with the coarse-key ablation's trainer
-LATEST = max(register_version(os.path.join(SETTINGS_DIR, name)) for name in sorted(os.listdir(SETTINGS_DIR)))
+SETTINGS_NAMES = sorted(name for name in os.listdir(SETTINGS_DIR) if re.fullmatch(r"bench_learning_v\d+\.json", name))
+LATEST = max(register_version(os.path.join(SETTINGS_DIR, name)) for name in SETTINGS_NAMES)
 
 
 def tasks_of(version: int) -> list[str]:
@@ -127,6 +129,17 @@ def docs_marker(version: int) -> str:
 
 def git(*arguments: str, cwd: str, check: bool = True) -> str:
     return subprocess.run(["git", *arguments], cwd=cwd, capture_output=True, text=True, check=check).stdout.strip()
+
+
+def last_commit(path: str) -> str | None:
+    """The commit that last changed the file at `path` (None outside a git checkout or before its first commit)."""
+    try:
+        return (
+            git("log", "-1", "--format=%H", "--", os.path.basename(path), cwd=os.path.dirname(path), check=False)
+            or None
+        )
+    except OSError:
+        return None
 
 
 def registered_commit(path: str) -> str:
@@ -162,12 +175,14 @@ def run_settings(task_name: str, method: str, steps: int, eval_every: int) -> di
     fields = {**common, **SETTINGS[task_name], **METHODS[task_name][method][1], "max_steps": steps}
     rewards = [func.__name__ for func in REWARDS.get((task_name, method), TASKS[task_name].reward_funcs)]
     variant = TASK_VARIANTS.get((task_name, method))
-    return {
-        **fields,
-        "reward_funcs": rewards,
-        "eval_every": eval_every,
-        **({"task_variant": variant} if variant else {}),
-    }
+    settings = {**fields, "reward_funcs": rewards, "eval_every": eval_every}
+    if VERSION[task_name] > 1:  # round 1's saved runs were recorded without these
+        algorithm = METHODS[task_name][method][0]
+        groups = "coarse" if (task_name, method) in COARSE else "problem"
+        settings.update(algorithm=algorithm, groups=groups, task_variant=variant)
+    elif variant:
+        settings["task_variant"] = variant
+    return settings
 
 
 def evaluation_steps(steps: int, eval_every: int) -> list[int]:
