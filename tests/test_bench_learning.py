@@ -311,3 +311,22 @@ def test_held_out_runs_refuse_seeds_outside_the_registered_ones_and_results_of_a
     with pytest.raises(SystemExit, match="holds runs made under settings commit 0123abc.*a new version"):
         bench.main()
     assert json.loads(results.read_text())["runs"] == [{"task": "congestion", "settings_commit": "0123abc"}]
+
+
+def test_diagnostics_say_whether_congestion_teams_collide_and_how_often_one_agent_names_two_new_options(report):
+    final = {"step": 32, "scores": [1.0, 4 / 7], "own": [1.0, 0.625], "collided": 0.5, "top_two": 0.5}
+    start = {"step": 0, "scores": [0.0, 0.0], "own": [0.25, 0.0], "collided": 0.0, "top_two": 0.0}
+    congestion = {"task": "congestion", "method": "at_grpo", "seed": 0, "evaluations": [start, final], "minutes": 6.0}
+    congestion["training"] = {"frac_reward_zero_std": [0.5, 0.25]}
+    lines = report.diagnostics_table([congestion]).splitlines()
+    assert "| congestion | untrained | own reward first 0.25, second 0.00; same pick 0.00; top two 0.00 | - |" in lines
+    assert (
+        "| congestion | at_grpo | own reward first 1.00, second 0.62; same pick 0.50; top two 0.50 | all 0.38 |"
+        in lines
+    )
+    solo = {"task": "pick_new_hidden", "method": "solo", "seed": 0, "minutes": 3.0, "training": {}}
+    solo["evaluations"] = [{"step": 0, "scores": [0.5], "success": 0.0}, {"step": 32, "scores": [1.0], "success": 1.0}]
+    team = {**solo, "method": "at_grpo"}
+    team["evaluations"] = [{**e, "second_by_first": {}, "turns": 2.0} for e in solo["evaluations"]]
+    lines = report.diagnostics_table([team, solo]).splitlines()
+    assert "| pick_new_hidden | solo | both picks new 1.00 | all - |" in lines
