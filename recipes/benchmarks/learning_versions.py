@@ -148,12 +148,12 @@ def registered_commit(path: str) -> str:
     folder = os.path.dirname(path)
     try:
         changed = git("status", "--porcelain", "--", os.path.basename(path), cwd=folder)
-        commit = git("log", "-1", "--format=%H", "--", os.path.basename(path), cwd=folder, check=False)  # no commit
     except (OSError, subprocess.CalledProcessError) as error:
         raise SystemExit(
             f"{path}: cannot read its commit ({error}); held-out runs need the settings file committed in a git "
             "checkout (or --unregistered, recorded as such)."
         ) from error
+    commit = last_commit(path)
     if changed or not commit:
         raise SystemExit(
             f"{path} differs from its last commit: commit the settings before any held-out evaluation "
