@@ -16,6 +16,9 @@ _AGENT_NAME_PATTERN = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
 # whose name is contained in the prefix `lora_` may be re-initialised when it is loaded. Refused: every piece of
 # `lora_` that is a valid name (a, a_, l, lo, lor, lora, lora_, o, or, ora, ora_, r, ra, ra_).
 LORA_PREFIX = "lora_"
+# The keys of an `agents` entry that put the agent on a base model of its own, and the dtypes it may be loaded in.
+BASE_KEYS = ("model", "load_in_4bit", "dtype")
+BASE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 LORA_PREFIX_PIECES = sorted(
     {
         LORA_PREFIX[i:j]
@@ -29,7 +32,9 @@ LORA_PREFIX_PIECES = sorted(
 def normalize_agents(agents: Any) -> list[dict[str, str]]:
     """Turn the `agents` field into a list of `{"name": str, "system_prompt": str}` dicts.
 
-    Each entry may be a name (`"writer"`) or a mapping with a `name` and an optional `system_prompt` (alias `role`).
+    Each entry may be a name (`"writer"`) or a mapping with a `name` and an optional `system_prompt` (alias `role`),
+    and optionally the agent's own base model: `model` (Hub id or folder), with its `load_in_4bit` and `dtype`
+    (`team_bases.py`); these keys are kept only when given.
     Raises `ValueError` naming the field and the offending entry when an entry is malformed, a name is not a valid
     adapter / folder name, or two agents share a name.
     """
@@ -48,10 +53,11 @@ def normalize_agents(agents: Any) -> list[dict[str, str]]:
             agent = {"name": agent}
         if not isinstance(agent, dict) or "name" not in agent:
             raise ValueError(f"`agents[{index}]` must be a name or a dict with a 'name' key, got {agent!r}.")
-        unknown = set(agent) - {"name", "system_prompt", "role"}
+        unknown = set(agent) - {"name", "system_prompt", "role", *BASE_KEYS}
         if unknown:
             raise ValueError(
-                f"`agents[{index}]` has unknown keys {sorted(unknown)}; allowed keys are 'name' and 'system_prompt'."
+                f"`agents[{index}]` has unknown keys {sorted(unknown)}; allowed keys are 'name', 'system_prompt' and "
+                f"the agent's own base model: {', '.join(repr(key) for key in BASE_KEYS)}."
             )
         name = agent["name"]
         if not isinstance(name, str) or not _AGENT_NAME_PATTERN.match(name) or name in RESERVED_AGENT_NAMES:
@@ -70,12 +76,32 @@ def normalize_agents(agents: Any) -> list[dict[str, str]]:
         system_prompt = agent.get("system_prompt", agent.get("role")) or ""
         if not isinstance(system_prompt, str):
             raise ValueError(f"`agents[{index}]['system_prompt']` must be a string, got {system_prompt!r}.")
-        normalized.append({"name": name, "system_prompt": system_prompt})
+        normalized.append({"name": name, "system_prompt": system_prompt, **agent_base_keys(agent, index)})
     names = [agent["name"] for agent in normalized]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise ValueError(f"`agents` has duplicate names {duplicates} (got {names}); every agent needs a unique name.")
     return normalized
+
+
+def agent_base_keys(agent: dict, index: int) -> dict:
+    """The keys of `agents[index]` that give it its own base model (`model`, and that model's `load_in_4bit` and
+    `dtype`), checked; an agent without them sits on the trainer's model."""
+    keys = {key: agent[key] for key in BASE_KEYS if agent.get(key) is not None}
+    model = keys.get("model")
+    if model is not None and (not isinstance(model, str) or not model.strip()):
+        raise ValueError(f"`agents[{index}]['model']` must be a Hub model id or a local folder, got {model!r}.")
+    if "model" not in keys and keys:
+        raise ValueError(
+            f"`agents[{index}]` sets {sorted(keys)} without 'model': an agent's own loading goes with its own base "
+            "model. Name the model, or set the loading for the whole team (the trainer's `quantization_config`, "
+            "`model_init_kwargs`)."
+        )
+    if not isinstance(keys.get("load_in_4bit", False), bool):
+        raise ValueError(f"`agents[{index}]['load_in_4bit']` must be true or false, got {keys['load_in_4bit']!r}.")
+    if keys.get("dtype", "auto") not in BASE_DTYPES:
+        raise ValueError(f"`agents[{index}]['dtype']` must be one of {list(BASE_DTYPES)}, got {keys['dtype']!r}.")
+    return keys
 
 
 def agent_adapter_names(agent_names: Sequence[str], adapter_mode: str) -> list[str]:

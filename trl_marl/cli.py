@@ -15,9 +15,9 @@
                                                   a saved team or a baseline (single, parallel, sequential) on a task;
                                                   prints the task's metrics as JSON; a team generates as its team.json
                                                   records unless a flag says otherwise
-    trl-marl estimate CONFIG.yaml [--prompt_length N] [--gpu_memory_gb 16 24]
+    trl-marl estimate CONFIG.yaml [--prompt_length N] [--gpu_memory_gb 16 24] [--model_config NAME=FOLDER ...]
                                                   predicted peak memory of a `train` config on one GPU (in RAM with
-                                                  use_cpu: true; no weights load),
+                                                  use_cpu: true; no weights load), each base of the team listed,
                                                   with use_vllm the vLLM engine's pool and KV cache on each card
 
 A mistake the command can see (an unknown flag, key or plugin, no data, a dataset without a `prompt` column) ends it
@@ -114,13 +114,21 @@ def vllm_settings(arguments) -> dict[str, Any]:
     return settings
 
 
-def estimate_config(config_path: str, overrides: list[str] = (), prompt_length: int | None = None):
+def estimate_config(
+    config_path: str,
+    overrides: list[str] = (),
+    prompt_length: int | None = None,
+    model_configs: list[str] | None = None,
+):
     """The memory planner's `MemoryEstimate` for a `trl-marl train` config on the device it trains on (one GPU; the
     CPU's RAM with `use_cpu: true`), from the model's config.json only (from the Hub, its cache, or a local folder:
-    `--model_name_or_path` in `overrides`). Raises `OSError` when that config cannot be read."""
+    `--model_name_or_path` in `overrides`), and for agents on other bases each of theirs (`model_configs`:
+    "NAME=FOLDER" reads the config of the model an agent names NAME from FOLDER). Raises `OSError` when a config
+    cannot be read."""
     import torch
+    from transformers import AutoConfig
 
-    from .memory import DEFAULT_PROMPT_LENGTH, estimate_memory
+    from .memory import DEFAULT_PROMPT_LENGTH, estimate_team_memory
 
     overrides = list(overrides)
     values = read_config(config_path)
@@ -134,12 +142,25 @@ def estimate_config(config_path: str, overrides: list[str] = (), prompt_length: 
         precision_set = set(values) & {"bf16", "fp16"} or {"--bf16", "--fp16"} & set(overrides)
         overrides = [*overrides, "--use_cpu", "true", *([] if precision_set else ["--bf16", "true"])]
     script_args, args = parse_train_config(config_path, overrides, require_data=False)
-    return estimate_memory(
+    named = {}
+    for entry in model_configs or []:
+        name, _, folder = entry.partition("=")
+        if not name or not folder:
+            raise UsageError(f"trl-marl estimate: --model_config takes NAME=FOLDER, got {entry!r}.")
+        named[name] = AutoConfig.from_pretrained(folder)
+    unknown = sorted(set(named) - {agent.get("model") for agent in args.agents})
+    if unknown:
+        raise UsageError(
+            f"trl-marl estimate: --model_config names {unknown}, which no agent's `model` names "
+            f"(they name {sorted({a['model'] for a in args.agents if 'model' in a}) or 'none'})."
+        )
+    return estimate_team_memory(
         args,
         model_name_or_path=script_args.model_name_or_path,
         load_in_4bit=script_args.load_in_4bit,
         prompt_length=prompt_length or DEFAULT_PROMPT_LENGTH,
         device="cpu" if on_cpu else "cuda",
+        model_configs=named,
     )
 
 
@@ -147,7 +168,7 @@ def estimate(arguments, overrides: list[str]) -> int:
     """`trl-marl estimate`: the memory planner's breakdown for a `trl-marl train` config, and whether it fits each
     card size. Reads the model's config.json only (from the Hub, its cache, or a local folder)."""
     try:
-        result = estimate_config(arguments.config, overrides, arguments.prompt_length)
+        result = estimate_config(arguments.config, overrides, arguments.prompt_length, arguments.model_config)
     except OSError as error:
         raise UsageError(
             f"Could not read the model's config: {error} The planner needs only its config.json: go online, or pass "
@@ -240,6 +261,9 @@ def run(argv: list[str]) -> int:
     estimating.add_argument("--prompt_length", type=int, default=512, help="longest prompt in tokens (default 512)")
     estimating.add_argument("--gpu_memory_gb", type=float, nargs="*", default=[16, 24],
                             help="card sizes to check, in GiB (vLLM's pool is a share of each)")  # fmt: skip
+    estimating.add_argument("--model_config", action="append", default=None, metavar="NAME=FOLDER",
+                            help="an agent's own base: read the config.json of the model it names NAME from FOLDER "
+                                 "(offline); repeatable")  # fmt: skip
     if argv[:1] == ["train"]:
         return train_command(argv[1:])
     if argv[:1] == ["estimate"]:  # `--config FILE` as the positional CONFIG

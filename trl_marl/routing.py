@@ -116,6 +116,8 @@ class AdapterRouter:
         self._plain_layers: list[LoraLayer] = []
         self._other_layers: list[torch.nn.Module] = []
         for module in model.modules():
+            if isinstance(module, LoraLayer) and not any(name in module.lora_A for name in self.adapter_names):
+                continue  # a layer of another base of the team (`team_bases.py`), which has its own router
             if isinstance(module, LoraLayer) and self._is_plain_lora(module):
                 self._plain_layers.append(module)
                 self._handles.append(module.register_forward_pre_hook(self._base_only, with_kwargs=True))
@@ -129,7 +131,14 @@ class AdapterRouter:
                     self._handles.append(module.get_base_layer().register_forward_hook(self._clone_output))
         # Routing tensors are built once per `route` call, on the device the adapters live on (read at each call: the
         # model may have moved since), never on the host and copied per layer.
-        self._adapter_weight = next((p for n, p in model.named_parameters() if "lora_" in n), None)
+        self._adapter_weight = next(
+            (
+                p
+                for n, p in model.named_parameters()
+                if "lora_" in n and any(f".{a}." in n for a in self.adapter_names)
+            ),
+            None,
+        )
 
     def _is_plain_lora(self, layer: LoraLayer) -> bool:
         # Under ZeRO-3 a parameter is gathered only while its own module runs; the batched path reads the adapters'

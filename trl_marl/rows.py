@@ -158,7 +158,8 @@ def pad_samples(
     """Rows as TRL's loss takes them: prompts padded on the left, completions on the right, with their masks.
 
     With `eos_token_ids` (TRL's `mask_truncated_completions`) a completion that ends in neither an EOS nor padding
-    carries no loss; with `no_loss` no row does.
+    carries no loss; a list per row gives each row the tokens that end it (its base's EOS and padding, for a team on
+    several bases); with `no_loss` no row does.
     """
 
     def padded(sequences, value, side):
@@ -170,8 +171,13 @@ def pad_samples(
     completion_ids = padded(completion_ids_list, pad_id, "right")
     completion_mask = padded([[1] * len(s) for s in completion_ids_list], 0, "right")
     if eos_token_ids is not None:
-        eos_and_pad = [*eos_token_ids, pad_id]
-        is_truncated = torch.tensor([ids[-1] not in eos_and_pad for ids in completion_ids_list], device=device)
+        if eos_token_ids and isinstance(eos_token_ids[0], (list, tuple)):  # per row: its own base's stops
+            stops = eos_token_ids
+        else:
+            stops = [[*eos_token_ids, pad_id]] * len(completion_ids_list)
+        is_truncated = torch.tensor(
+            [ids[-1] not in stop for ids, stop in zip(completion_ids_list, stops)], device=device
+        )
         completion_mask = completion_mask * (~is_truncated).unsqueeze(1).int()
     if no_loss:
         completion_mask = torch.zeros_like(completion_mask)

@@ -23,6 +23,7 @@ from transformers import is_wandb_available
 from transformers.trainer_utils import HubStrategy
 from trl.trainer.utils import get_comet_experiment_url, get_trackio_space_url
 
+from .agents import BASE_KEYS
 from .hub import CARD_FILE, copy_team_files, hub_base_model, hub_snapshot_id, make_adapter_configs_portable
 from .metrics import is_training_metric
 from .rollout import RolloutSettings
@@ -34,17 +35,42 @@ def save_team(folder: str | os.PathLike, spec: dict, adapter_names: list[str], c
     """Write `team.json`, make the adapter configs portable and write the team's card, in `folder`, where
     `save_model` has just saved the adapters and the tokenizer."""
     write_team_file(folder, spec)
-    make_adapter_configs_portable(folder, adapter_names, spec["base_model"])
+    base_of = {agent["adapter"]: agent.get("model", spec["base_model"]) for agent in spec["agents"]}
+    for base in dict.fromkeys(base_of.values()):
+        adapters = [name for name in adapter_names if base_of.get(name, spec["base_model"]) == base]
+        make_adapter_configs_portable(folder, adapters, base)
     card.save(Path(folder) / CARD_FILE)
 
 
-def trained_team_spec(base_model, args, agent_adapters: list[str], rollout_settings: RolloutSettings, task) -> dict:
+def trained_team_spec(
+    base_model,
+    args,
+    agent_adapters: list[str],
+    rollout_settings: RolloutSettings,
+    task,
+    other_bases: list | None = None,
+    agent_base: list[int] | None = None,
+) -> dict:
     """`team.json`'s content for a trainer's team: its config, adapters, base model (a Hub cache snapshot by its repo
-    id), and the transition and scheduler its rollouts used."""
-    name = base_model_name(base_model)
-    name = hub_snapshot_id(name) or name  # a model loaded from its Hub cache snapshot: its repo id, as by id
+    id), and the transition and scheduler its rollouts used. With agents on several bases (`other_bases`, the loaded
+    models after the first; `agent_base`, each agent's base index) each agent on another base records its `model` by
+    the same rule; the agents on the first base record none."""
     used = rollout_settings
-    return team_spec(args, agent_adapters, name, used.transition, used.scheduler, task)
+    spec = team_spec(args, agent_adapters, recorded_name(base_model), used.transition, used.scheduler, task)
+    for agent, base in zip(spec["agents"], agent_base or [0] * len(spec["agents"])):
+        if base == 0:
+            for key in BASE_KEYS:
+                agent.pop(key, None)
+        else:
+            agent["model"] = recorded_name(other_bases[base - 1])
+    return spec
+
+
+def recorded_name(model) -> str:
+    """A loaded base model's name in `team.json`: its Hub id (the default model's, or a Hub cache snapshot's repo
+    id), else its path."""
+    name = base_model_name(model)
+    return hub_snapshot_id(name) or name
 
 
 def push_team_files(checkpoint_folder: str, output_dir: str, adapter_names: list[str], args, push_in_progress) -> None:

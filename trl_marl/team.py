@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 from .agents import agent_prompt, keep_4bit_weights_trainable
 from .captured_decode import captured_decoder
 from .config import ATGRPOConfig
-from .default_model import DEFAULT_MODEL_ID, default_model_path, is_default_model
+from .default_model import DEFAULT_MODEL_ID, is_default_model
 from .hub import TEAM_FILE, resolve_team_folder
 from .importable import import_by_name, importable_name
 from .magrpo_rollout import TreeRollout
@@ -40,6 +40,7 @@ from .rollout import RolloutSettings, default_transition
 from .routing import AdapterRouter
 from .scheduling import Prompt, resolve_scheduler
 from .tasks import resolve_task
+from .team_bases import loadable, spec_bases
 
 TEAM_FORMAT = "trl_marl.team/1"
 # How the team sampled in training and in the trainer's evaluation (config fields of these names), recorded in
@@ -98,9 +99,22 @@ class TeamRun:
         return self.turns[-1]
 
 
+@dataclass
+class BasePart:
+    """One base of a loaded team: its `PeftModel` (the adapters of its agents), tokenizer, agents (indices), router
+    (None for one adapter) and captured decoder (None for eager `generate`)."""
+
+    model: PeftModel
+    tokenizer: Any
+    agents: list[int]
+    router: AdapterRouter | None = None
+    decoder: Any = None
+
+
 class Team:
-    """A trained team on one base model: `run(prompt)` plays one episode (greedy by default), every agent's rows in
-    one generation call per turn, each through its own adapter: transformers' routed `generate` (through the captured
+    """A trained team on one base model, or on several (`other_bases`: `(model, tokenizer, agent indices)` of each
+    base after the first): `run(prompt)` plays one episode (greedy by default), every agent's rows of a turn in one
+    generation call per base, each through its own adapter: transformers' routed `generate` (through the captured
     decode step where `captured_decode` chooses it, `trl_marl.captured_decode`), or with `engine` (a
     `SavedTeamEngine`, `load_team(..., use_vllm=True)`) one vLLM call with one LoRA request per row."""
 
@@ -114,6 +128,7 @@ class Team:
         task: Any = None,
         engine: Any = None,
         captured_decode: bool | None = None,
+        other_bases: list[tuple] = (),
     ):
         self.model, self.tokenizer, self.spec, self.transition = model, tokenizer, spec, transition
         self.scheduler = scheduler
@@ -121,15 +136,31 @@ class Team:
         self.task = task  # the task plugin it was trained on, when loadable: its environment state, if any
         self.agents = spec["agents"]
         self.agent_names = [agent["name"] for agent in self.agents]
-        adapters = [agent["adapter"] for agent in self.agents]
-        if len(set(adapters)) > 1:
-            self.router = AdapterRouter(model, adapters)
-        else:
-            self.router = None
-            model.set_adapter(adapters[0])
-        self._adapters = adapters
-        self.decoder = captured_decoder(model, self.router, captured_decode) if engine is None else None
+        self._adapters = [agent["adapter"] for agent in self.agents]
+        on_others = {agent for _, _, agents in other_bases for agent in agents}
+        first = [index for index in range(len(self.agents)) if index not in on_others]
+        self.bases = [
+            self._base(part_model, part_tokenizer, agents, engine, captured_decode)
+            for part_model, part_tokenizer, agents in [(model, tokenizer, first), *other_bases]
+        ]
+        self.agent_base = [0] * len(self.agents)
+        for index, base in enumerate(self.bases):
+            for agent in base.agents:
+                self.agent_base[agent] = index
+        self.router, self.decoder = self.bases[0].router, self.bases[0].decoder
+        # Every agent is given its role as training gave it: as a conversation when its base's tokenizer has a chat
+        # template (the first base's decides, as in the trainer's rollouts).
         self._use_chat_template = getattr(tokenizer, "chat_template", None) is not None
+
+    def _base(self, model, tokenizer, agents: list[int], engine, captured_decode) -> BasePart:
+        adapters = list(dict.fromkeys(self._adapters[agent] for agent in agents))
+        if len(adapters) > 1:
+            router = AdapterRouter(model, adapters)
+        else:
+            router = None
+            model.set_adapter(adapters[0])
+        decoder = captured_decoder(model, router, captured_decode) if engine is None else None
+        return BasePart(model, tokenizer, agents, router, decoder)
 
     def run(
         self,
@@ -193,7 +224,22 @@ class Team:
 
     @torch.no_grad()
     def _generate(self, model_inputs: list, agent_index: list[int], max_new_tokens: int, do_sample: bool):
-        tokenizer = self.tokenizer
+        """Per row: prompt ids, completion ids and text, each base's rows in one call, back in row order."""
+        if len(self.bases) == 1:
+            return self._generate_on(self.bases[0], model_inputs, agent_index, max_new_tokens, do_sample)
+        results = [None] * len(agent_index)
+        for index, base in enumerate(self.bases):
+            rows = [row for row, agent in enumerate(agent_index) if self.agent_base[agent] == index]
+            if rows:
+                inputs, agents = [model_inputs[row] for row in rows], [agent_index[row] for row in rows]
+                out = self._generate_on(base, inputs, agents, max_new_tokens, do_sample)
+                for position, row in enumerate(rows):
+                    results[row] = (out[0][position], out[1][position], out[2][position])
+        prompt_ids, completion_ids, texts = (list(column) for column in zip(*results))
+        return prompt_ids, completion_ids, texts
+
+    def _generate_on(self, base: BasePart, model_inputs: list, agent_index: list[int], max_new_tokens, do_sample):
+        tokenizer, model = base.tokenizer, base.model
         if isinstance(model_inputs[0], list):  # conversations, rendered as TRL's `_tokenize_prompts` does
             prompt_ids = tokenizer.apply_chat_template(
                 model_inputs,
@@ -207,19 +253,20 @@ class Team:
         width = max(len(ids) for ids in prompt_ids)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         adapters = [self._adapters[a] for a in agent_index]
+        eos_ids = self._eos_token_ids(base)
         if self.engine is not None:
             rows = self.engine.generate(
-                prompt_ids, adapters, max_new_tokens, do_sample, self._eos_token_ids(), self.model.generation_config
+                prompt_ids, adapters, max_new_tokens, do_sample, eos_ids, model.generation_config
             )
         else:
-            device = next(self.model.parameters()).device
+            device = next(model.parameters()).device
             input_ids = torch.tensor([[pad_id] * (width - len(ids)) + list(ids) for ids in prompt_ids], device=device)
             attention_mask = torch.tensor(
                 [[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=device
             )
-            if self.router is not None:
-                self.router.route(adapters)
-            generate = self.decoder.generate if self.decoder is not None else self.model.generate
+            if base.router is not None:
+                base.router.route(adapters)
+            generate = base.decoder.generate if base.decoder is not None else model.generate
             try:
                 output = generate(
                     input_ids=input_ids,
@@ -229,21 +276,22 @@ class Team:
                     pad_token_id=pad_id,
                 )
             finally:
-                if self.router is not None:
-                    self.router.route(None)
+                if base.router is not None:
+                    base.router.route(None)
             rows = output[:, width:].tolist()
-        eos_ids = set(self._eos_token_ids())
+        eos_set = set(eos_ids)
         completion_ids = []
         for row in rows:
-            end = next((i + 1 for i, token in enumerate(row) if token in eos_ids), len(row))
+            end = next((i + 1 for i, token in enumerate(row) if token in eos_set), len(row))
             completion_ids.append(row[:end])
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         return [list(ids) for ids in prompt_ids], completion_ids, texts
 
-    def _eos_token_ids(self) -> list[int]:
-        eos = self.model.generation_config.eos_token_id
+    def _eos_token_ids(self, base: BasePart | None = None) -> list[int]:
+        base = base or self.bases[0]
+        eos = base.model.generation_config.eos_token_id
         eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        return list(dict.fromkeys([*eos, self.tokenizer.eos_token_id]))
+        return list(dict.fromkeys([*eos, base.tokenizer.eos_token_id]))
 
     def close(self) -> None:
         """Shut down the vLLM engine, if the team has one, and free the captured decode step's caches (kept between
@@ -251,8 +299,9 @@ class Team:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-        if self.decoder is not None:
-            self.decoder.release()
+        for base in self.bases:
+            if base.decoder is not None:
+                base.decoder.release()
 
 
 def keep_saved_dtype(model: PeftModel, adapter: str, folder: Path) -> None:
@@ -352,22 +401,38 @@ def load_team(
                 ) from error
     if load_in_4bit and quantization_config is None:
         quantization_config = four_bit_config()
-    base = base_model or spec["base_model"]
-    if base == DEFAULT_MODEL_ID:
-        base = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        base, dtype=dtype, quantization_config=quantization_config, device_map=device_map
-    )
-    adapters = list(dict.fromkeys(agent["adapter"] for agent in spec["agents"]))
-    model = PeftModel.from_pretrained(model, str(path / adapters[0]), adapter_name=adapters[0])
-    for adapter in adapters[1:]:
-        model.load_adapter(str(path / adapter), adapter_name=adapter)
-    for adapter in adapters:
-        keep_saved_dtype(model, adapter, path / adapter)
-    model.eval()
-    keep_4bit_weights_trainable(model)  # the 4-bit kernel training used, so greedy episodes replay exactly
-    tokenizer_source = path if (path / "tokenizer_config.json").is_file() else base
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source)
+    groups = spec_bases(spec)
+    if use_vllm and len(groups) > 1:
+        raise ValueError(
+            f"The team in {path} sits on {len(groups)} base models ({', '.join(groups)}); `use_vllm=True` serves one. "
+            "Load it without vLLM."
+        )
+    parts = []
+    for index, (name, agents) in enumerate(groups.items()):
+        own = spec["agents"][agents[0]]
+        base = base_model if index == 0 and base_model else name
+        four_bit = quantization_config
+        if "load_in_4bit" in own:  # the agent's own loading, as trained
+            four_bit = (quantization_config or four_bit_config()) if own["load_in_4bit"] else None
+        model = AutoModelForCausalLM.from_pretrained(
+            loadable(base), dtype=own.get("dtype", dtype), quantization_config=four_bit, device_map=device_map
+        )
+        adapters = list(dict.fromkeys(spec["agents"][agent]["adapter"] for agent in agents))
+        model = PeftModel.from_pretrained(model, str(path / adapters[0]), adapter_name=adapters[0])
+        for adapter in adapters[1:]:
+            model.load_adapter(str(path / adapter), adapter_name=adapter)
+        for adapter in adapters:
+            keep_saved_dtype(model, adapter, path / adapter)
+        model.eval()
+        keep_4bit_weights_trainable(model)  # the 4-bit kernel training used, so greedy episodes replay exactly
+        # The first base's tokenizer is the team's (at the folder's top); another base's sits in its adapters' folders.
+        saved = path if index == 0 else path / adapters[0]
+        tokenizer = AutoTokenizer.from_pretrained(
+            saved if (saved / "tokenizer_config.json").is_file() else loadable(base)
+        )
+        parts.append((model, tokenizer, agents))
+    (model, tokenizer, _), other_bases = parts[0], parts[1:]
+    base = loadable(base_model or spec["base_model"])
     scheduler = resolve_scheduler(scheduler or spec.get("scheduler", "parallel"))
     engine = None
     if use_vllm:
@@ -382,4 +447,4 @@ def load_team(
             max_model_len=vllm_max_model_length,
             quantization="bitsandbytes" if quantization_config is not None else None,
         )
-    return Team(model, tokenizer, spec, transition, scheduler, task, engine, captured_decode)
+    return Team(model, tokenizer, spec, transition, scheduler, task, engine, captured_decode, other_bases)

@@ -18,7 +18,8 @@ from typing import Any
 from huggingface_hub import ModelCard, ModelCardData
 
 from .default_model import DEFAULT_MODEL_ID
-from .hub import team_download_patterns
+from .hub import hub_base_model, team_download_patterns
+from .team_bases import spec_bases
 
 TRL_CITATION = textwrap.dedent("""\
     @software{vonwerra2020trl,
@@ -67,13 +68,12 @@ class CardContents:
 
 def team_model_card(spec: dict, contents: CardContents) -> ModelCard:
     """The team's model card: `spec` is the content of `team.json`."""
-    base_id = contents.base_model_id
+    base_ids = [base_id for _, base_id in _bases(spec, contents) if base_id]
     tags = list(dict.fromkeys([*contents.tags, "lora", "multi-agent"]))
-    if base_id:
-        tags.append(f"base_model:adapter:{base_id}")
+    tags += [f"base_model:adapter:{base_id}" for base_id in base_ids]
     metadata = ModelCardData(
-        base_model=base_id,
-        base_model_relation="adapter" if base_id else None,
+        base_model=(base_ids if len(base_ids) > 1 else base_ids[0]) if base_ids else None,
+        base_model_relation="adapter" if base_ids else None,
         library_name="peft",
         model_name=contents.model_name,
         datasets=contents.dataset_name,
@@ -92,6 +92,12 @@ def team_model_card(spec: dict, contents: CardContents) -> ModelCard:
     return ModelCard(f"---\n{metadata.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n")
 
 
+def _bases(spec: dict, contents: CardContents) -> list[tuple[str, str | None]]:
+    """Each base of the team, the first agent's first: its recorded name and its Hub id (None for a local one)."""
+    names = list(spec_bases(spec))
+    return [(names[0], contents.base_model_id), *((name, hub_base_model(name)) for name in names[1:])]
+
+
 def _summary(spec: dict, contents: CardContents) -> str:
     agents = spec["agents"]
     names = ", ".join(f"`{agent['name']}`" for agent in agents)
@@ -101,10 +107,22 @@ def _summary(spec: dict, contents: CardContents) -> str:
     else:
         carrying = "one LoRA adapter per agent"
     task = f" on the task `{spec['task']}`" if spec.get("task") else ""
+    groups = spec_bases(spec)
+    if len(groups) == 1:
+        sits = f"The team is one base model, {_base_model_text(spec, contents)}, carrying {carrying}."
+    else:
+        on = [
+            f"{_base_text(name, base_id)} (" + ", ".join(f"`{agents[i]['name']}`" for i in groups[name]) + ")"
+            for name, base_id in _bases(spec, contents)
+        ]
+        sits = (
+            f"The team sits on {len(groups)} base models, {', '.join(on[:-1])} and {on[-1]}, each carrying one LoRA "
+            "adapter per agent on it."
+        )
     text = (
         f"A team of {len(agents)} LLM agents ({names}) trained with {spec['algorithm']}{task}, using "
-        "trl_marl, a plugin of [TRL](https://github.com/huggingface/trl). The team is one base model, "
-        f"{_base_model_text(spec, contents)}, carrying {carrying}. {_episode_text(spec, contents, len(adapters))}"
+        f"trl_marl, a plugin of [TRL](https://github.com/huggingface/trl). {sits} "
+        f"{_episode_text(spec, contents, len(adapters))}"
     )
     if contents.base_model_id is None:
         text += (
@@ -137,9 +155,12 @@ def _episode_text(spec: dict, contents: CardContents, num_adapters: int) -> str:
 
 
 def _base_model_text(spec: dict, contents: CardContents) -> str:
-    base_id = contents.base_model_id
+    return _base_text(spec["base_model"], contents.base_model_id)
+
+
+def _base_text(name: str, base_id: str | None) -> str:
     if base_id is None:
-        return f"a local checkpoint (`{local_name(spec['base_model'])}`)"
+        return f"a local checkpoint (`{local_name(name)}`)"
     link = f"[{base_id}](https://huggingface.co/{base_id})"
     if base_id == DEFAULT_MODEL_ID:
         return f"{link} (trl_marl's embedded default model, which `load_team` finds offline too)"
@@ -161,9 +182,12 @@ def _agents_section(spec: dict, contents: CardContents) -> str:
     agents = spec["agents"]
     frozen = [name for name in contents.settings.get("frozen_agents") or [] if name in {a["name"] for a in agents}]
     shared = len({agent["adapter"] for agent in agents}) < len(agents)
+    several = len(spec_bases(spec)) > 1
+    ids = dict(_bases(spec, contents))
     rows = [
         f"| `{agent['name']}`{' (frozen)' if agent['name'] in frozen else ''} | "
         f"{_cell(agent.get('system_prompt') or '(no system prompt)')} | `{agent['adapter']}/` |"
+        + (f" {_cell(_base_cell(agent.get('model', spec['base_model']), ids))} |" if several else "")
         for agent in agents
     ]
     if shared:
@@ -178,8 +202,8 @@ def _agents_section(spec: dict, contents: CardContents) -> str:
         "",
         adapters,
         "",
-        "| agent | role (system prompt) | adapter folder |",
-        "|---|---|---|",
+        "| agent | role (system prompt) | adapter folder |" + (" base model |" if several else ""),
+        "|---|---|---|" + ("---|" if several else ""),
         *rows,
     ]
     if frozen:
@@ -198,6 +222,11 @@ def _agents_section(spec: dict, contents: CardContents) -> str:
         "(turns, transition, scheduler, completion length and sampling): what `load_team` rebuilds the team from.",
     ]
     return "\n".join(lines)
+
+
+def _base_cell(name: str, ids: dict[str, str | None]) -> str:
+    """A base in the agents table: its Hub id, else its folder's name."""
+    return ids.get(name) or local_name(name)
 
 
 def _example_call(example: dict | None) -> str:
@@ -244,8 +273,6 @@ def _episode_lines(spec: dict, contents: CardContents) -> list[str]:
 def _loading_section(spec: dict, contents: CardContents) -> str:
     source = _string(contents.load_from)
     adapters = list(dict.fromkeys(agent["adapter"] for agent in spec["agents"]))
-    base = _string(contents.base_model_id or local_name(spec["base_model"]))
-    base_comment = "" if contents.base_model_id else "  # a local checkpoint: its path on your machine"
     imports = ["from peft import PeftModel", "from transformers import AutoModelForCausalLM, AutoTokenizer"]
     if contents.from_hub:
         allow, ignore = team_download_patterns(adapters)
@@ -259,16 +286,28 @@ def _loading_section(spec: dict, contents: CardContents) -> str:
         ]
     else:
         folder_lines = [f"folder = {source}  # this folder: its path from where you run this"]
-    peft_lines = [
-        *imports,
-        "",
-        *folder_lines,
-        f"base = AutoModelForCausalLM.from_pretrained({base}){base_comment}",
-        f'model = PeftModel.from_pretrained(base, f"{{folder}}/{adapters[0]}", adapter_name="{adapters[0]}")',
-        *(f'model.load_adapter(f"{{folder}}/{adapter}", adapter_name="{adapter}")' for adapter in adapters[1:]),
-        "tokenizer = AutoTokenizer.from_pretrained(folder)",
-        f'model.set_adapter("{adapters[0]}")  # the adapter that answers next',
-    ]
+    peft_lines = [*imports, "", *folder_lines]
+    groups = spec_bases(spec)
+    for index, (name, base_id) in enumerate(_bases(spec, contents)):
+        # One block per base: its model, its agents' adapters and its tokenizer (another base's is in its adapters'
+        # folders).
+        own = list(dict.fromkeys(spec["agents"][agent]["adapter"] for agent in groups[name]))
+        n = "" if index == 0 else f"_{index + 1}"
+        comment = "" if base_id else "  # a local checkpoint: its path on your machine"
+        peft_lines += [
+            *([""] if index else []),
+            f"base{n} = AutoModelForCausalLM.from_pretrained({_string(base_id or local_name(name))}){comment}",
+            f'model{n} = PeftModel.from_pretrained(base{n}, f"{{folder}}/{own[0]}", adapter_name="{own[0]}")',
+            *(f'model{n}.load_adapter(f"{{folder}}/{adapter}", adapter_name="{adapter}")' for adapter in own[1:]),
+            f"tokenizer{n} = AutoTokenizer.from_pretrained("
+            + ("folder)" if index == 0 else f'f"{{folder}}/{own[0]}")'),
+            f'model{n}.set_adapter("{own[0]}")  # the adapter that answers next',
+        ]
+    loads = (
+        "loads the base model once and every adapter onto it"
+        if len(groups) == 1
+        else f"loads each of its {len(groups)} base models once with its agents' adapters"
+    )
     if spec.get("task"):
         how = (
             f"`Team.play(rows)` plays one episode per dataset row (here a problem of the task `{spec['task']}`, with "
@@ -283,8 +322,7 @@ def _loading_section(spec: dict, contents: CardContents) -> str:
         [
             "## Quick start",
             "",
-            "With trl_marl installed, `load_team` takes this team's folder or Hub id, loads the base model once and "
-            f"every adapter onto it; {how}",
+            f"With trl_marl installed, `load_team` takes this team's folder or Hub id, {loads}; {how}",
             "",
             "```python",
             "from trl_marl import load_team",
@@ -296,7 +334,7 @@ def _loading_section(spec: dict, contents: CardContents) -> str:
             '    print(f"{agent}: {answer}")',
             "```",
             "",
-            "Each adapter is also a plain PEFT adapter on the base model. Without trl_marl, give each agent its role "
+            "Each adapter is also a plain PEFT adapter on its base model. Without trl_marl, give each agent its role "
             "(the system prompt above) and route its prompts through its adapter:",
             "",
             "```python",
@@ -355,6 +393,11 @@ def _results_section(contents: CardContents) -> str:
 
 def _citations_section(spec: dict, contents: CardContents) -> str:
     lines = ["## Citations", ""]
+    bases = _bases(spec, contents)
+    if len(bases) > 1:
+        lines += ["The agents' base models:", ""]
+        lines += [f"- {_base_text(name, base_id)}" for name, base_id in bases]
+        lines += [""]
     if contents.paper.get("citation"):
         lines += [f"Cite {spec['algorithm']} as:", "", "```bibtex", contents.paper["citation"], "```", ""]
     lines += ["Cite TRL as:", "", "```bibtex", TRL_CITATION, "```"]

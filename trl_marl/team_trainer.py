@@ -32,7 +32,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import create_model_from_path
 
 from .agents import (
     adapter_parameters,
@@ -57,7 +56,6 @@ from .checkpoints import (
 from .config import TeamConfig
 from .hub import CARD_FILE
 from .metrics import log_joint_actions, log_rollout_metrics
-from .precision import model_init_kwargs_for
 from .reward_checks import (
     TeamRewardFunc,
 )
@@ -67,6 +65,20 @@ from .rows import PER_ROW_LOSS_TYPES, pad_rows, pad_samples, padding_loss_scale
 from .scheduling import resolve_scheduler, scheduled_phases
 from .scoring import TeamScoring
 from .sharing import card_example, card_settings, push_team_files, save_team, team_card, trained_team_spec
+from .team_bases import (
+    TeamBase,
+    base_generation_config,
+    base_single_turn,
+    base_tokenizer,
+    first_base_alone,
+    generate_by_base,
+    load_base_adapters,
+    plan_bases,
+    prepare_base,
+    register_bases,
+    save_base_adapters,
+    tokenize_text_prompts,
+)
 from .team_generation import TeamGeneration, captured_single_turn, position_limit
 from .team_inputs import resolve_team_inputs
 from .vllm_generation import SamplingCorrection, team_vllm_engine
@@ -146,25 +158,32 @@ class TeamTrainer(GRPOTrainer):
         self.scheduler = resolve_scheduler(scheduler if scheduler is not None else args.scheduler)
         scheduled_phases(self.scheduler, args.num_agents, args.num_turns)
 
-        if isinstance(model, str):
-            model = create_model_from_path(model, **model_init_kwargs_for(args, quantization_config))
+        # The team's bases: one, unless agents name their own `model` (`team_bases.py`); checked before any loads,
+        # then each loaded once.
+        base_plans = plan_bases(args, model, quantization_config)
+        base_models = [plan.load(args) for plan in base_plans]
 
         self.agent_names = args.agent_names
         self.agent_adapters = agent_adapter_names(args.agent_names, args.adapter_mode)
         self.adapter_names = list(dict.fromkeys(self.agent_adapters))  # each adapter once
+        self.agent_base = [
+            next(k for k, plan in enumerate(base_plans) if i in plan.agents) for i in range(args.num_agents)
+        ]
         # As TRL: seed before creating adapters, so their initialisation is reproducible (and equal to TRL's).
         set_seed(args.seed)
-        model = attach_agent_adapters(
-            model,
-            self.agent_adapters,
-            peft_config
-            or agent_lora_config(args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules),
+        lora_config = peft_config or agent_lora_config(
+            args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules
         )
+        base_models = [
+            attach_agent_adapters(base, [self.agent_adapters[i] for i in plan.agents], lora_config)
+            for base, plan in zip(base_models, base_plans)
+        ]
+        model = base_models[0]
         # Frozen agents act but do not train: their adapters (unless shared with a trained agent) get no gradient,
         # so the optimizer, built from what requires grad, never holds them.
         self.trained_agents = [i for i, name in enumerate(self.agent_names) if name not in args.frozen_agents]
         self.trained_adapters = list(dict.fromkeys(self.agent_adapters[i] for i in self.trained_agents))
-        self._set_adapter_trainability(model)
+        self._set_adapter_trainability(base_models)
 
         if args.ddp_find_unused_parameters is None and len(self.adapter_names) > 1:
             # A micro-batch may hold rows of only some agents; the other adapters then get no gradient under DDP.
@@ -217,14 +236,21 @@ class TeamTrainer(GRPOTrainer):
         self.baseline = args.baseline
         chat = getattr(self.processing_class, "chat_template", None) is not None
         unwrapped = self.accelerator.unwrap_model(self.model)
+        for other in base_models[1:]:  # the other bases get what TRL and Trainer did to the first
+            prepare_base(other, args, self.temperature)
+            if not getattr(other, "is_loaded_in_4bit", False) and not getattr(other, "is_loaded_in_8bit", False):
+                other.to(self.accelerator.device)
+        register_bases(unwrapped, base_models[1:])
         # Every forward is routed, a one-adapter team's too: the KL reference goes to the base model through the router
         # (PEFT's `disable_adapter` would change which adapters require grad). One adapter's rows are computed as PEFT
         # computes them, so a one-agent team stays numerically identical to GRPOTrainer.
-        self.router = AdapterRouter(unwrapped, self.adapter_names)
+        self.router = AdapterRouter(unwrapped, self._base_adapters(0))
         keep_4bit_weights_trainable(unwrapped)
-        cast_frozen_adapters_like_trained(unwrapped, self.trained_adapters)
+        for base in base_models:
+            cast_frozen_adapters_like_trained(base, self.trained_adapters)
         self._adapter_parameters = adapter_parameters(unwrapped, self.adapter_names)
         self._rows_agent_index: torch.Tensor | None = None
+        self._rows_base: torch.Tensor | None = None  # each row's base, when its agent index says the base model alone
         self.sampling_correction = None
         # Without vLLM, the team's decode step is captured (`captured_decode`): not under sharded parameters, which
         # are gathered module by module while the step runs.
@@ -277,6 +303,19 @@ class TeamTrainer(GRPOTrainer):
             async_loop=getattr(self, "async_loop", None),
             profile=functools.partial(profiling_context, self),
         )
+        self.bases = [
+            TeamBase(
+                base_plans[0].name,
+                unwrapped,
+                self.processing_class,
+                base_plans[0].agents,
+                self.router,
+                self.captured_decoder,
+                self.team_generation,
+                self.eos_token_ids,
+            ),
+            *(self._other_base(plan, base, use_captured) for plan, base in zip(base_plans[1:], base_models[1:])),
+        ]
         self.rollout_settings = RolloutSettings.from_config(
             args,
             task,
@@ -288,13 +327,50 @@ class TeamTrainer(GRPOTrainer):
             scheduler=self.scheduler,
         )
 
-    def _set_adapter_trainability(self, model) -> None:
-        """Trained adapters require grad, frozen ones do not. Set at creation and after a checkpoint reload (which
-        leaves only PEFT's active adapter trainable); the optimizer is built from what requires grad."""
-        model.set_requires_grad(self.trained_adapters, requires_grad=True)
-        frozen_adapters = [name for name in self.adapter_names if name not in self.trained_adapters]
-        if frozen_adapters:
-            model.set_requires_grad(frozen_adapters, requires_grad=False)
+    def _other_base(self, plan, model, use_captured: bool) -> TeamBase:
+        """A base other than TRL's model: its tokenizer, router, captured decoder and generation, each its own."""
+        tokenizer = base_tokenizer(plan.name)
+        router = AdapterRouter(model, [self.agent_adapters[i] for i in plan.agents])
+        decoder = captured_decoder(model, router, self.args.captured_decode) if use_captured else None
+        generation_config = base_generation_config(self.generation_config, model, tokenizer)
+        generation = TeamGeneration(
+            router,
+            self.agent_adapters,
+            self.agent_names,
+            tokenize=functools.partial(tokenize_text_prompts, tokenizer, self.chat_template_kwargs, self.tools),
+            generate_single_turn=base_single_turn(
+                model,
+                decoder,
+                tokenizer,
+                generation_config,
+                pad_to_multiple_of=self.pad_to_multiple_of,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+                profile=functools.partial(profiling_context, self),
+            ),
+            processing_class=tokenizer,
+            position_limit=position_limit(model.config, None),
+            max_completion_length=self.max_completion_length,
+        )
+        eos_token_ids = list(generation_config.eos_token_id)
+        return TeamBase(plan.name, model, tokenizer, plan.agents, router, decoder, generation, eos_token_ids)
+
+    def _base_adapters(self, base_index: int) -> list[str]:
+        """The adapters of the agents on one base, each once."""
+        agents = [i for i, base in enumerate(self.agent_base) if base == base_index]
+        return list(dict.fromkeys(self.agent_adapters[i] for i in agents))
+
+    def _set_adapter_trainability(self, models) -> None:
+        """Trained adapters require grad, frozen ones do not, on each base's `PeftModel`. Set at creation and after a
+        checkpoint reload (which leaves only PEFT's active adapter trainable); the optimizer is built from what
+        requires grad."""
+        for index, model in enumerate(models):
+            adapters = self._base_adapters(index)
+            trained = [name for name in adapters if name in self.trained_adapters]
+            frozen = [name for name in adapters if name not in self.trained_adapters]
+            if trained:
+                model.set_requires_grad(trained, requires_grad=True)
+            if frozen:
+                model.set_requires_grad(frozen, requires_grad=False)
 
     def _check_adapters_train(self) -> None:
         """Every trained agent's adapter trains, frozen ones do not (`agents.check_adapters_train`): checked before
@@ -329,11 +405,59 @@ class TeamTrainer(GRPOTrainer):
                 f"{len(agent_index)} agent indices for {input_ids.size(0)} rows: rows lost their agents."
             )
         batch_size = batch_size or input_ids.size(0)
+        if len(self.bases) == 1:
+            return self._routed_logps(
+                model,
+                self.team_generation,
+                agent_index,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                **kwargs,
+            )
+        # Several bases: each base's rows through its own model, with its own padding (the other bases' pad tokens may
+        # lie outside its vocabulary), trimmed to its rows' longest prompt.
+        base_of_row = self._rows_base if self._rows_base is not None else self._agent_base_of(agent_index)
+        logps = entropies = None
+        aux_losses = []
+        for index, base in enumerate(self.bases):
+            rows = (base_of_row == index).nonzero().squeeze(1)
+            if rows.numel() == 0:
+                continue
+            ids, mask = input_ids[rows], attention_mask[rows]
+            start = int(mask.argmax(dim=1).min())
+            ids, mask = ids[:, start:].masked_fill(mask[:, start:] == 0, base.pad_token_id), mask[:, start:]
+            part_logps, part_entropies, part_aux = self._routed_logps(
+                model if index == 0 else base.model,
+                base.generation,
+                agent_index[rows],
+                ids,
+                mask,
+                logits_to_keep,
+                batch_size,
+                **kwargs,
+            )
+            if logps is None:
+                logps = part_logps.new_zeros((input_ids.size(0), *part_logps.shape[1:]))
+                entropies = None if part_entropies is None else part_entropies.new_zeros(logps.shape)
+            logps = logps.index_copy(0, rows, part_logps)
+            if entropies is not None:
+                entropies = entropies.index_copy(0, rows, part_entropies)
+            if part_aux is not None:
+                aux_losses.append(part_aux)
+        return logps, entropies, torch.stack(aux_losses).mean() if aux_losses else None
+
+    def _routed_logps(
+        self, model, generation, agent_index, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs
+    ):
+        """TRL's log-probs and entropies of one base's rows, in chunks of `batch_size`, each row through its agent's
+        adapter (`generation.route`)."""
         logps, entropies, aux_losses = [], [], []
         for start in range(0, input_ids.size(0), batch_size):
             end = start + batch_size
             # The routing stays set after this call: gradient checkpointing replays this forward in the backward.
-            self.team_generation.route(agent_index[start:end])
+            generation.route(agent_index[start:end])
             chunk_logps, chunk_entropies, chunk_aux = super()._get_per_token_logps_and_entropies(
                 model, input_ids[start:end], attention_mask[start:end], logits_to_keep, **kwargs
             )
@@ -343,6 +467,10 @@ class TeamTrainer(GRPOTrainer):
         entropies = torch.cat(entropies) if entropies[0] is not None else None
         aux_loss = torch.stack(aux_losses).mean() if aux_losses[0] is not None else None
         return torch.cat(logps), entropies, aux_loss
+
+    def _agent_base_of(self, agent_index: torch.Tensor) -> torch.Tensor:
+        """The base index of each row's agent."""
+        return torch.tensor(self.agent_base, device=agent_index.device)[agent_index]
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if model.training:
@@ -369,8 +497,9 @@ class TeamTrainer(GRPOTrainer):
         return loss * scale if scale != 1.0 else loss
 
     def _clear_routing(self) -> None:
-        self._rows_agent_index = None
-        self.router.route(None)
+        self._rows_agent_index = self._rows_base = None
+        for base in self.bases:
+            base.router.route(None)
 
     def training_step(self, model, inputs, num_items_in_batch):
         # The routing of a micro-batch must outlive its forward (checkpointing replays it in the backward) but not
@@ -390,9 +519,12 @@ class TeamTrainer(GRPOTrainer):
         """Each agent's adapter in PEFT format under `output_dir/<adapter>/`, the tokenizer, `team.json` (agents,
         roles, turn settings, base model), which `trl_marl.load_team` reads, and the team's model card (`sharing.py`).
         Checkpoints get the same."""
-        super().save_model(output_dir, _internal_call=_internal_call)
+        with first_base_alone(self.bases[0].model):
+            super().save_model(output_dir, _internal_call=_internal_call)
         if self.args.should_save:
             folder = output_dir or self.args.output_dir
+            for base in self.bases[1:]:  # Trainer saved the first base's adapters; each other base's beside them
+                save_base_adapters(folder, base, self._base_adapters(self.bases.index(base)))
             spec = self._team_spec()
             save_team(folder, spec, self.adapter_names, self._team_card(spec, folder))
 
@@ -414,7 +546,10 @@ class TeamTrainer(GRPOTrainer):
 
     def _team_spec(self) -> dict:
         base = self.accelerator.unwrap_model(self.model).get_base_model()
-        return trained_team_spec(base, self.args, self.agent_adapters, self.rollout_settings, self.task)
+        others = [other.model.get_base_model() for other in self.bases[1:]]
+        return trained_team_spec(
+            base, self.args, self.agent_adapters, self.rollout_settings, self.task, others, self.agent_base
+        )
 
     def _team_card(self, spec: dict, folder, model_name=None, dataset_name=None, tags=None):
         lora = self.accelerator.unwrap_model(self.model).peft_config[self.adapter_names[0]]
@@ -514,7 +649,9 @@ class TeamTrainer(GRPOTrainer):
                     param.copy_(loaded)
                     module, _, attribute = name.rpartition(".")
                     setattr(unwrapped.get_submodule(module), attribute, param)
-        self._set_adapter_trainability(unwrapped)
+        for index, base in enumerate(self.bases[1:], start=1):  # Trainer reloads the first base's adapters only
+            load_base_adapters(resume_from_checkpoint, base.model, self._base_adapters(index))
+        self._set_adapter_trainability([base.model for base in self.bases])
         self._adapter_parameters = adapter_parameters(unwrapped, self.adapter_names)
         self._serve_loaded_adapters()
 
@@ -551,7 +688,11 @@ class TeamTrainer(GRPOTrainer):
         """What every rollout's `run` takes from the trainer: the layout of this process's copies and the model."""
         return {
             "first_copy": self.accelerator.process_index * len(inputs),
-            "generate": functools.partial(self.team_generation.generate, num_generations=num_generations),
+            "generate": (
+                functools.partial(self.team_generation.generate, num_generations=num_generations)
+                if len(self.bases) == 1
+                else functools.partial(generate_by_base, self.bases, self.agent_base, num_generations=num_generations)
+            ),
             "score": self.scoring.score,
             "gather": gather_object if self.accelerator.num_processes > 1 else list,
         }
@@ -560,14 +701,17 @@ class TeamTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
         rollout = self._rollout(inputs, num_generations)
-        if self.captured_decoder is not None:
-            self.captured_decoder.release()  # the static caches' memory goes back to training
+        for base in self.bases:
+            if base.decoder is not None:
+                base.decoder.release()  # the static caches' memory goes back to training
         # Frozen agents' completions were scored (and are logged) but carry no loss. A process left without a trained
         # row keeps one frozen row, made loss-free below, for TRL's split.
         samples = [s for s in rollout.samples if s.agent in self.trained_agents] or rollout.samples[:1]
         no_loss = not any(s.agent in self.trained_agents for s in samples)
         device = self.accelerator.device
-        output = self._pad_samples([s.prompt_ids for s in samples], [s.completion_ids for s in samples], no_loss)
+        output = self._pad_samples(
+            [s.prompt_ids for s in samples], [s.completion_ids for s in samples], no_loss, [s.agent for s in samples]
+        )
         output["advantages"] = torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=device)
         if no_loss:
             output["advantages"].zero_()
@@ -614,14 +758,18 @@ class TeamTrainer(GRPOTrainer):
         output["num_real_rows"] = rows[:, 1].sum()
         return output
 
-    def _pad_samples(self, prompt_ids_list, completion_ids_list, no_loss: bool = False) -> dict:
+    def _pad_samples(self, prompt_ids_list, completion_ids_list, no_loss: bool = False, agents=None) -> dict:
+        eos_token_ids = self.eos_token_ids if self.mask_truncated_completions else None
+        if eos_token_ids is not None and len(self.bases) > 1:  # each row ends with its own base's EOS or padding
+            stops = [[*base.eos_token_ids, base.pad_token_id] for base in self.bases]
+            eos_token_ids = [stops[self.agent_base[agent]] for agent in agents]
         output = pad_samples(
             prompt_ids_list,
             completion_ids_list,
             pad_id=self._tokenizer.pad_token_id,
             pad_to_multiple_of=self.pad_to_multiple_of,
             device=self.accelerator.device,
-            eos_token_ids=self.eos_token_ids if self.mask_truncated_completions else None,
+            eos_token_ids=eos_token_ids,
             no_loss=no_loss,
         )
         output["num_items_in_batch"] = self.accelerator.gather(output["completion_mask"].sum()).sum()
@@ -646,6 +794,7 @@ class TeamTrainer(GRPOTrainer):
                     self.model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size
                 )
             if self.beta != 0.0:
+                self._rows_base = self._agent_base_of(samples["agent_index"])  # each row's reference: its own base
                 self._rows_agent_index = torch.full_like(samples["agent_index"], BASE_ROW)
                 logps["ref_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
                     self.model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size

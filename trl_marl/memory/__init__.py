@@ -23,7 +23,8 @@ One function per term, its formula in its docstring:
   calls bucketed (`captured_call`), every row bucket's cache (`captured_kv_cache_bytes`) and, static,
   `captured_decode_bytes`;
 - `overhead_bytes` (GPU only: the CUDA context and the allocator's slack), and `estimate_memory`, which sums them
-  (`estimate.py`);
+  (`estimate.py`); for a team on several bases, `estimate_team_memory` (`bases.py`) estimates each base with its
+  own architecture, precision and agents and sums them;
 - with `use_vllm` (`vllm_engine.py`), no generation phase in the trainer: the colocated engine's pool
   `engine_pool_bytes` (a share of the card) holds its own `base_weight_bytes`, `lora_slot_bytes` (`vllm_lora_rank`),
   `engine_activation_bytes`, `ENGINE_NON_TORCH_BYTES` and what is left, its KV cache (`engine_kv_cache_bytes`,
@@ -34,6 +35,7 @@ One function per term, its formula in its docstring:
 The rows and lengths those terms see come from `rollout_geometry` (`geometry.py`).
 """
 
+from .bases import PlannedBase, estimate_team_memory, planned_bases
 from .dtypes import DTYPE_BYTES, ByteWidths, byte_widths, model_dtype_bytes
 from .estimate import (
     ALLOCATOR_SLACK,
@@ -140,6 +142,7 @@ __all__ = [
     "MIB",
     "MLP_LINEARS",
     "MemoryEstimate",
+    "PlannedBase",
     "ModelShape",
     "NESTED_BLOCK",
     "NF4_BLOCK",
@@ -160,6 +163,7 @@ __all__ = [
     "engine_pool_bytes",
     "engine_terms",
     "estimate_memory",
+    "estimate_team_memory",
     "generation_logits_bytes",
     "generation_terms",
     "gradient_bytes",
@@ -179,6 +183,7 @@ __all__ = [
     "optimizer_state_bytes",
     "overhead_bytes",
     "parameter_count",
+    "planned_bases",
     "prefill_working_set_bytes",
     "rollout_geometry",
     "routed_activation_bytes",

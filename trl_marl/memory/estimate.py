@@ -52,6 +52,8 @@ class MemoryEstimate:
     every row bucket's static cache), `routed_lora_weights` (0 with the captured decode step: static), and the larger
     of `prefill_working_set` and `generation_logits`.
 
+    A team on several bases (`memory/bases.py`) sums them; `bases` then holds each base's own estimate.
+
     With `use_vllm`, `vllm` holds the colocated engine's terms and the generation phase is 0 (vLLM generates, not the
     trainer): `peak` is the trainer's, and the engine's pool, a share of the card, comes beside it (`process_peak`,
     `card_check`).
@@ -73,6 +75,7 @@ class MemoryEstimate:
     captured_decode: int = 0
     details: dict[str, Any] = field(default_factory=dict)
     vllm: EngineTerms | None = None
+    bases: list[tuple[str, MemoryEstimate]] = field(default_factory=list)  # a team on several bases: each one's own
 
     @property
     def static(self) -> int:
@@ -164,6 +167,12 @@ class MemoryEstimate:
         lines = [f"{name:<{width}}  {value / MIB:>10,.0f} MiB" for name, value in rows]
         info = ", ".join(f"{key}={value}" for key, value in self.details.items())
         lines.insert(0, f"Predicted peak memory {self.where} ({info})")
+        for position, (label, part) in enumerate(self.bases, start=1):
+            lines.insert(
+                position,
+                f"  base {position}: {label}: static {part.static / MIB:,.0f} MiB, training phase "
+                f"{part.training_phase / MIB:,.0f} MiB, generation phase {part.generation_phase / MIB:,.0f} MiB",
+            )
         if self.vllm is not None:
             lines.append(self.vllm.describe())
         for size in gpu_memory_gb:
@@ -219,6 +228,7 @@ def estimate_memory(
     prompt_length: int = DEFAULT_PROMPT_LENGTH,
     device: str = "cuda",
     model_dtype: Any = None,
+    agents: list[int] | None = None,
 ) -> MemoryEstimate:
     """Predict the peak memory of training `config`'s team on one device, before any weight loads.
 
@@ -232,6 +242,8 @@ def estimate_memory(
         device: `"cuda"` (a GPU: Triton log-prob kernel, bf16 4-bit compute, CUDA overhead) or `"cpu"` (what
             `recipes/benchmarks/bench_memory.py` measures: torch log-prob fallback, fp32 4-bit compute, no overhead).
         model_dtype: the dtype of the unquantized weights; defaults to `model_init_kwargs["dtype"]`, else float32.
+        agents: the indices of the agents on this base, for one base of a team on several (`memory/bases.py`, which
+            sums the bases); all agents by default.
 
     Formulas: the docstrings of the term functions (`trl_marl.memory`'s docstring lists them). Raises `ValueError` for
     an architecture, LoRA target or optimizer the planner does not know.
@@ -246,11 +258,11 @@ def estimate_memory(
 
     # Static: weights, adapters and optimizer states; the adapters' gradients live in the training phase.
     adapter_params = lora_parameters(shape, rank, targets)
-    adapters, trained = adapter_counts(config)
+    adapters, trained = adapter_counts(config, agents)
     optimizer_states = optimizer_bytes(adapter_params, trained, config.optim, dtypes.adapter)
 
     # Training phase: one micro-batch of `rows` sequences of `seq_len` tokens.
-    calls, rows, seq_len = rollout_geometry(config, prompt_length)
+    calls, rows, seq_len = rollout_geometry(config, prompt_length, agents)
     layer = training_layer_bytes(shape, targets, rank, dtypes, rows, seq_len, adapters, load_in_4bit)
     # newer transformers 5 releases name it `activation_checkpointing` (TRL 1.16's `gradient_checkpointing` mirrors it)
     checkpointing = bool(getattr(config, "activation_checkpointing", getattr(config, "gradient_checkpointing", False)))

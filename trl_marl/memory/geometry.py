@@ -28,8 +28,12 @@ class GenerateCall:
     prompt_length: int
 
 
-def rollout_geometry(config: MAGRPOConfig, prompt_length: int) -> tuple[list[GenerateCall], int, int]:
-    """`(generate calls, training rows per micro-batch, training sequence length)` of one generation batch.
+def rollout_geometry(
+    config: MAGRPOConfig, prompt_length: int, agents: list[int] | None = None
+) -> tuple[list[GenerateCall], int, int]:
+    """`(generate calls, training rows per micro-batch, training sequence length)` of one generation batch; with
+    `agents` (the agents on one base of a team on several), the rows of those agents only, in their base's own calls,
+    with the prompt lengths of the whole team's episode.
 
     MAGRPO: at turn t (0-based) each acting agent of a scheduler phase answers `copies·K^t` rows in one call per
     phase (K = G aligned, G^N cross); the rows of trained agents are trained. AT-GRPO: each scheduler phase is one
@@ -45,7 +49,8 @@ def rollout_geometry(config: MAGRPOConfig, prompt_length: int) -> tuple[list[Gen
     copies = config.per_device_train_batch_size * config.steps_per_generation
     at_grpo = isinstance(config, ATGRPOConfig)
     per_node = None if at_grpo else config.joint_actions_per_node(config.num_generations)  # AT-GRPO has no tree
-    trained = {i for i, name in enumerate(config.agent_names) if name not in config.frozen_agents}
+    members = set(range(config.num_agents) if agents is None else agents)
+    trained = {i for i, name in enumerate(config.agent_names) if name not in config.frozen_agents and i in members}
     completion = config.max_completion_length
     calls, train_rows, answers_before = [], 0, 0
     for turn in range(config.num_turns):
@@ -53,7 +58,9 @@ def rollout_geometry(config: MAGRPOConfig, prompt_length: int) -> tuple[list[Gen
         for phase in scheduler.phases(turn, config.num_agents):
             # the agents of a phase see the same earlier answers (their prompts are fixed when the phase begins)
             visible = visible_answers(config.scheduler, turn, answers_before, config.num_agents)
-            calls.append(GenerateCall(nodes * len(phase), prompt_length + visible * completion))
+            acting = members.intersection(phase)
+            if acting:
+                calls.append(GenerateCall(nodes * len(acting), prompt_length + visible * completion))
             train_rows += nodes * len(trained.intersection(phase))
             answers_before += len(phase)
     micro_batch = math.ceil(train_rows / config.steps_per_generation)

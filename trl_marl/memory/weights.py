@@ -43,13 +43,14 @@ def base_weight_bytes(shape: ModelShape, model_bytes: int, load_in_4bit: bool) -
     return parameter_count(shape) * model_bytes
 
 
-def adapter_counts(config: MAGRPOConfig) -> tuple[int, int]:
-    """`(adapters, trained adapters)`: one adapter per agent (`per_agent`) less the frozen agents', or one in all
-    (`shared`), which trains."""
+def adapter_counts(config: MAGRPOConfig, agents: list[int] | None = None) -> tuple[int, int]:
+    """`(adapters, trained adapters)`: one adapter per agent (`per_agent`; of `agents` only, the agents on one base
+    of a team on several) less the frozen agents', or one in all (`shared`), which trains."""
     if config.adapter_mode == "shared":
         return 1, 1
-    frozen = [name for name in config.agent_names if name in config.frozen_agents]
-    return config.num_agents, config.num_agents - len(frozen)
+    names = [config.agent_names[i] for i in (range(config.num_agents) if agents is None else agents)]
+    frozen = [name for name in names if name in config.frozen_agents]
+    return len(names), len(names) - len(frozen)
 
 
 def adapter_bytes(parameters: int, adapters: int, trained: int, adapter_width: int) -> int:

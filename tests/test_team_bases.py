@@ -1,0 +1,276 @@
+"""Teams on several base models (`team_bases.py`): the embedded SmolLM2-135M beside a tiny Qwen2 with a BPE tokenizer
+of its own (`other_base_dir`). Both algorithms train every adapter and leave both bases unchanged; each base loads
+once; a greedy episode equals each agent run alone on its own base; save -> `load_team` replays the trainer's team;
+the card and `team.json` name both bases; a resumed run equals the uninterrupted one; mistakes are refused before
+anything loads."""
+
+import json
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import PeftModel
+from test_atgrpo_trainer import Notebook
+from test_atgrpo_trainer import config as notebook_config
+from test_resume import StopAt, make_trainer
+from tiny_run import TINY_RUN
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, Team, load_team
+from trl_marl.default_model import DEFAULT_MODEL_ID
+from trl_marl.scheduling import parallel
+from trl_marl.team_bases import plan_bases
+
+PROMPTS = ["Say hi.", "Count to three."]
+NEW_PROMPT = [{"role": "user", "content": "Suggest a name for a cat."}]
+
+
+def agents_on_two_bases(other_base_dir):
+    return [
+        {"name": "writer", "system_prompt": "Write."},
+        {"name": "checker", "system_prompt": "Check.", "model": other_base_dir},
+    ]
+
+
+def length_gap(prompts, completions, **kwargs):
+    return [float(len(c["writer"]) - len(c["checker"])) for c in completions]
+
+
+def randomize_lora_b(model):
+    """Fresh LoRA B is zero: give every adapter weights of its own, so each agent differs from its base."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator).to(param.dtype) * 0.5)
+
+
+def snapshot(model):
+    return {name: param.detach().clone() for name, param in model.named_parameters()}
+
+
+def check_trained_every_adapter_and_no_base(trainer, before):
+    after = dict(trainer.model.named_parameters())
+    assert before.keys() == after.keys()
+    for agent in trainer.agent_names:
+        names = [name for name in after if "lora_" in name and f".{agent}." in name]
+        assert names, agent
+        assert all(not torch.equal(before[name], after[name]) for name in names), f"adapter {agent} did not train"
+    # The second base's adapters are the trainer's own parameters: registered under the first base, in the optimizer.
+    second = trainer.agent_names[trainer.bases[1].agents[0]]
+    assert any(name.startswith("team_bases.") and f".{second}." in name for name in after)
+    optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    assert all(id(after[name]) in optimized for name in after if "lora_" in name)
+    unchanged = [name for name in after if "lora_" not in name]
+    assert len(unchanged) > 100
+    assert all(torch.equal(before[name], after[name]) for name in unchanged)
+
+
+@pytest.fixture(scope="module")
+def magrpo_team(default_model_dir, other_base_dir, tmp_path_factory):
+    """A 2-agent MAGRPO team, the writer on SmolLM2 and the checker on the tiny Qwen2, trained 2 steps and saved."""
+    out = tmp_path_factory.mktemp("two-bases") / "out"
+    args = MAGRPOConfig(
+        output_dir=str(out),
+        agents=agents_on_two_bases(other_base_dir),
+        num_turns=2,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=5,
+        max_steps=2,
+        **{**TINY_RUN, "learning_rate": 1e-2},
+        bf16=False,
+        seed=11,
+    )
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
+    trainer = MAGRPOTrainer(default_model_dir, length_gap, args=args, train_dataset=dataset)
+    randomize_lora_b(trainer.model)
+    before = snapshot(trainer.model)
+    trainer.train()
+    trainer.save_model()
+    return trainer, before, out
+
+
+def test_a_magrpo_team_on_two_bases_trains_every_adapter_and_leaves_both_bases_unchanged(magrpo_team):
+    trainer, before, _ = magrpo_team
+    assert [base.agents for base in trainer.bases] == [[0], [1]]
+    assert type(trainer.bases[1].model.get_base_model()).__name__ == "Qwen2ForCausalLM"
+    assert trainer.bases[1].tokenizer.get_vocab() != trainer.processing_class.get_vocab()
+    check_trained_every_adapter_and_no_base(trainer, before)
+
+
+def test_an_atgrpo_team_on_two_bases_trains_every_adapter_and_leaves_both_bases_unchanged(
+    default_model_dir, other_base_dir, tmp_path
+):
+    # Notebook's agents, the editor (with its local reward) on the second base.
+    agents = [Notebook.agents[0], {**Notebook.agents[1], "model": other_base_dir}]
+    args = notebook_config(ATGRPOConfig, tmp_path, agents=agents)
+    args.max_steps = 1
+    trainer = ATGRPOTrainer(default_model_dir, args=args, task=Notebook())
+    assert trainer.agent_base == [0, 1]
+    randomize_lora_b(trainer.model)
+    before = snapshot(trainer.model)
+    trainer.train()
+    check_trained_every_adapter_and_no_base(trainer, before)
+    assert "agents/editor/local_reward" in trainer.state.log_history[0]
+
+
+def test_a_mixed_team_loads_each_base_once(tiny_model_dir, other_base_dir, tmp_path, monkeypatch):
+    loaded = []
+    original = PreTrainedModel.from_pretrained.__func__
+
+    def counting(cls, name, *args, **kwargs):
+        loaded.append(str(name))
+        return original(cls, name, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", classmethod(counting))
+    agents = [
+        {"name": "writer"},
+        {"name": "tester", "model": other_base_dir},
+        {"name": "editor", "model": tiny_model_dir},  # the trainer's own model, named: the same base
+    ]
+    args = MAGRPOConfig(output_dir=str(tmp_path), agents=agents, num_generations=2, **TINY_RUN)
+    trainer = MAGRPOTrainer(tiny_model_dir, length_gap, args=args, train_dataset=Dataset.from_dict({"prompt": ["x"]}))
+    assert sorted(loaded) == sorted([tiny_model_dir, other_base_dir])
+    assert [base.agents for base in trainer.bases] == [[0, 2], [1]]
+    assert sorted(trainer.model.peft_config) == ["editor", "writer"]
+    assert list(trainer.bases[1].model.peft_config) == ["tester"]
+    assert trainer.router.adapter_names == ["writer", "editor"]
+
+
+def alone_on_its_base(folder, base_dir, tokenizer_dir, agent, shown, max_new_tokens):
+    """What one agent answers to what it was shown (its role included), run alone: its base, its adapter (plain
+    PEFT) and its tokenizer."""
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), str(folder / agent)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    inputs = tokenizer.apply_chat_template(shown, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    completion = output[0, inputs["input_ids"].shape[1] :].tolist()
+    if tokenizer.eos_token_id in completion:
+        completion = completion[: completion.index(tokenizer.eos_token_id) + 1]
+    return tokenizer.decode(completion, skip_special_tokens=True)
+
+
+def test_a_two_base_teams_greedy_episode_equals_each_agent_run_alone_on_its_base(
+    magrpo_team, default_model_dir, other_base_dir
+):
+    _, _, out = magrpo_team
+    run = load_team(out).run(NEW_PROMPT)
+    assert len(run.turns) == 2
+    bases = {"writer": (default_model_dir, out), "checker": (other_base_dir, out / "checker")}
+    for turn, answers in enumerate(run.turns):
+        for agent, answer in answers.items():
+            base_dir, tokenizer_dir = bases[agent]
+            shown = run.observations[turn][agent]
+            assert shown[0] == {"role": "system", "content": {"writer": "Write.", "checker": "Check."}[agent]}
+            assert answer == alone_on_its_base(out, base_dir, tokenizer_dir, agent, shown, max_new_tokens=5)
+    # Turn 2 shows each agent both answers of turn 1, whichever base said them.
+    second = run.observations[1]["checker"][-1]["content"]
+    assert "[writer] " + run.turns[0]["writer"].strip() in second
+
+
+def test_save_then_load_team_replays_the_trainers_greedy_episode(magrpo_team):
+    trainer, _, out = magrpo_team
+    loaded = load_team(out)
+    assert [base.agents for base in loaded.bases] == [[0], [1]]
+    assert type(loaded.bases[1].model.get_base_model()).__name__ == "Qwen2ForCausalLM"
+    trainer.model.eval()
+    first, other = trainer.bases
+    in_memory = Team(
+        first.model,
+        trainer.processing_class,
+        trainer._team_spec(),
+        trainer.transition,
+        parallel,
+        other_bases=[(other.model, other.tokenizer, other.agents)],
+    )
+    assert loaded.run(NEW_PROMPT).turns == in_memory.run(NEW_PROMPT).turns
+
+
+def test_the_team_file_adapters_and_card_name_both_bases(magrpo_team, other_base_dir):
+    trainer, _, out = magrpo_team
+    spec = json.loads((out / "team.json").read_text())
+    assert spec["base_model"] == DEFAULT_MODEL_ID
+    assert [agent.get("model") for agent in spec["agents"]] == [None, other_base_dir]
+    configs = {agent: json.loads((out / agent / "adapter_config.json").read_text()) for agent in ("writer", "checker")}
+    assert configs["writer"]["base_model_name_or_path"] == DEFAULT_MODEL_ID
+    assert configs["checker"]["base_model_name_or_path"] == other_base_dir
+    # Each adapter file holds its own base's weights only, and the other base's tokenizer sits beside its adapter.
+    from safetensors import safe_open
+
+    for agent, base in (("writer", trainer.bases[0]), ("checker", trainer.bases[1])):
+        with safe_open(str(out / agent / "adapter_model.safetensors"), "pt") as saved:
+            keys = list(saved.keys())
+        own = [n for n, _ in base.model.named_parameters() if f".{agent}." in n and not n.startswith("team_bases.")]
+        assert len(keys) == len(own) and not any("team_bases" in key for key in keys)
+    assert AutoTokenizer.from_pretrained(out / "checker").get_vocab() == trainer.bases[1].tokenizer.get_vocab()
+    card = (out / "README.md").read_text()
+    folder = other_base_dir.rstrip("/").split("/")[-1]
+    assert "sits on 2 base models" in card
+    assert f"[{DEFAULT_MODEL_ID}](https://huggingface.co/{DEFAULT_MODEL_ID})" in card
+    assert f"a local checkpoint (`{folder}`)" in card
+    assert "| base model |" in card and f"| `checker` | Check. | `checker/` | {folder} |" in card
+    assert 'tokenizer_2 = AutoTokenizer.from_pretrained(f"{folder}/checker")' in card
+    assert "The agents' base models:" in card
+
+
+def test_resuming_a_two_base_team_equals_the_uninterrupted_run(tiny_model_dir, other_base_dir, tmp_path):
+    agents = [
+        {"name": "concise", "system_prompt": "Be brief."},
+        {"name": "detailed", "system_prompt": "Explain.", "model": other_base_dir},
+    ]
+    uninterrupted = make_trainer(tiny_model_dir, tmp_path / "a", agents=agents, max_steps=4)
+    uninterrupted.train()
+    first = make_trainer(
+        tiny_model_dir, tmp_path / "b", agents=agents, max_steps=4, save_strategy="steps", save_steps=3
+    )
+    first.add_callback(StopAt(3))
+    first.train()
+    resumed = make_trainer(tiny_model_dir, tmp_path / "b", agents=agents, max_steps=4)
+    resumed.train(resume_from_checkpoint=True)
+    expected = {n: p for n, p in uninterrupted.model.named_parameters() if "lora_" in n}
+    final = {n: p for n, p in resumed.model.named_parameters() if "lora_" in n}
+    assert expected.keys() == final.keys() and any(n.startswith("team_bases.") for n in final)
+    for name in expected:
+        torch.testing.assert_close(final[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+    # The reloaded adapters are the ones the optimizer holds, and every one still trains.
+    optimized = {id(p) for group in resumed.optimizer.param_groups for p in group["params"]}
+    assert all(id(p) in optimized and p.requires_grad for p in final.values())
+
+
+def test_agents_on_one_model_asking_for_different_loadings_are_refused_before_anything_loads(other_base_dir):
+    agents = [
+        {"name": "writer"},
+        {"name": "checker", "model": other_base_dir, "load_in_4bit": True},
+        {"name": "tester", "model": other_base_dir},
+    ]
+    args = MAGRPOConfig(output_dir="unused", agents=agents, num_generations=2, use_cpu=True)
+    with pytest.raises(ValueError, match=r"agent 'checker': load_in_4bit=True.*agent 'tester': load_in_4bit=False"):
+        plan_bases(args, "SmolLM2")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("use_vllm", True, r"`use_vllm=True` with agents on 2 base models"),
+        ("adapter_mode", "shared", r"`adapter_mode='shared'` with agents on 2 base models"),
+    ],
+)
+def test_what_cannot_serve_several_bases_is_refused_naming_the_field(other_base_dir, field, value, message):
+    args = MAGRPOConfig(
+        output_dir="unused",
+        agents=agents_on_two_bases(other_base_dir),
+        num_generations=2,
+        use_cpu=True,
+        **{field: value},
+    )
+    with pytest.raises(ValueError, match=message):
+        plan_bases(args, "SmolLM2")
+
+
+def test_an_agents_own_loading_without_its_own_model_is_an_error_naming_the_entry():
+    with pytest.raises(ValueError, match=r"`agents\[1\]` sets \['load_in_4bit'\] without 'model'"):
+        MAGRPOConfig(output_dir="unused", agents=["a1", {"name": "b1", "load_in_4bit": True}], num_generations=2)
+    with pytest.raises(ValueError, match=r"`agents\[0\]\['dtype'\]` must be one of"):
+        MAGRPOConfig(output_dir="unused", agents=[{"name": "a1", "model": "m", "dtype": "int3"}], num_generations=2)

@@ -1,0 +1,370 @@
+"""A team on several base models: which agents sit on which base, each base loaded once, and a batch's rows handed
+to their own base.
+
+An `agents` entry may name its own `model` (a Hub id or a local folder) and that model's loading (`load_in_4bit`,
+`dtype`); an agent that names none sits on the trainer's model. Agents on one base share one loaded model, one
+`PeftModel` carrying one adapter per agent, one router and one captured decoder: a one-base team is exactly today's
+team. A row never crosses bases: each base tokenizes its own agents' prompts with its own tokenizer and chat template,
+generates them and computes their log-probs; everything agents exchange (transitions, the prompts of later turns) is
+text.
+
+In the trainer the first agent's base is TRL's model; every other base is registered as a submodule of it
+(`TEAM_BASES`), so that what `Trainer` does to its model (the optimizer, gradient clipping, `zero_grad`, train and eval
+modes, moves to a device) reaches every base's adapters exactly as it reaches the first base's.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from trl.data_utils import is_conversational
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import pad
+
+from .default_model import DEFAULT_MODEL_ID, default_model_path, is_default_model
+
+TEAM_BASES = "team_bases"  # the attribute of the first base's PeftModel that holds the other bases
+
+
+def model_key(name: str) -> str:
+    """What makes two model names one base: the default model by its Hub id, a local folder by its real path."""
+    if is_default_model(name):
+        return DEFAULT_MODEL_ID
+    return os.path.realpath(name) if os.path.isdir(name) else name
+
+
+def loadable(name: str) -> str:
+    """Where to load `name` from: the embedded default model from its local copy, anything else as named."""
+    return default_model_path() if model_key(name) == DEFAULT_MODEL_ID else name
+
+
+@dataclass
+class BasePlan:
+    """One base model of a team, before anything loads: the name it is recorded under, what to load (the trainer's
+    model object for the trainer's own base), how (its quantization config, and a dtype in place of the team's), and
+    the indices of the agents that sit on it."""
+
+    name: str
+    source: Any
+    quantization_config: Any = None
+    dtype: str | None = None
+    agents: list[int] = field(default_factory=list)
+
+    def load(self, args):
+        """The base model: the trainer's own object as given, or loaded with TRL's `create_model_from_path` and the
+        trainer's `from_pretrained` keywords (`precision.model_init_kwargs_for`) with this base's quantization and
+        dtype."""
+        if not isinstance(self.source, str):
+            return self.source
+        from trl.trainer.utils import create_model_from_path
+
+        from .precision import model_init_kwargs_for
+
+        kwargs = model_init_kwargs_for(args, self.quantization_config)
+        if self.dtype is not None:
+            kwargs["dtype"] = self.dtype
+        return create_model_from_path(loadable(self.source), **kwargs)
+
+
+def spec_bases(spec: dict) -> dict[str, list[int]]:
+    """The bases of a saved team (`team.json`), the first agent's first: each base's recorded name and the indices of
+    its agents (an agent without `model` sits on `base_model`)."""
+    groups: dict[str, list[int]] = {}
+    for index, agent in enumerate(spec["agents"]):
+        groups.setdefault(agent.get("model", spec["base_model"]), []).append(index)
+    return groups
+
+
+def plan_bases(args, model: Any, quantization_config=None) -> list[BasePlan]:
+    """The team's bases, the first agent's first, from the config's `agents` and the trainer's `model` (an id, a
+    folder or a loaded model): one per distinct model. Raises `ValueError`, before anything loads, naming the agents
+    and fields when agents on one model ask for different loadings, when the trainer's loaded model carries no agent,
+    or when several bases meet what cannot serve them (vLLM, one shared adapter, several processes, a `PeftModel`)."""
+    if isinstance(model, str):
+        trainer_name = model
+        trainer_4bit = quantization_config is not None and getattr(quantization_config, "load_in_4bit", False)
+        trainer_dtype = (args.model_init_kwargs or {}).get("dtype")
+    else:
+        trainer_name = getattr(getattr(model, "config", None), "_name_or_path", "") or "the trainer's model"
+        trainer_4bit = bool(getattr(model, "is_loaded_in_4bit", False))
+        trainer_dtype = str(getattr(model, "dtype", "")).removeprefix("torch.") or None
+    trainer_dtype = None if trainer_dtype in (None, "auto") else str(trainer_dtype).removeprefix("torch.")
+    trainer_key = model_key(trainer_name)
+    plans: dict[str, BasePlan] = {}
+    asked: dict[str, list[tuple[str, bool, str | None]]] = {}  # per base: (who, 4-bit, dtype) of everyone on it
+    for index, agent in enumerate(args.agents):
+        own = agent.get("model")
+        key = trainer_key if own is None else model_key(own)
+        load_in_4bit = agent.get("load_in_4bit", trainer_4bit)
+        dtype = agent.get("dtype", trainer_dtype)
+        dtype = None if dtype == "auto" else dtype
+        if key not in plans:
+            if key == trainer_key:  # loaded as the trainer loads its model
+                plans[key] = BasePlan(trainer_name, model, quantization_config)
+                asked[key] = [("the trainer's model", trainer_4bit, trainer_dtype)]
+            else:
+                if "load_in_4bit" not in agent:
+                    four_bit = quantization_config if trainer_4bit else None
+                else:
+                    from .precision import four_bit_config
+
+                    four_bit = four_bit_config() if load_in_4bit else None
+                plans[key], asked[key] = BasePlan(own, own, four_bit, agent.get("dtype")), []
+        plans[key].agents.append(index)
+        asked[key].append((f"agent '{agent['name']}'", load_in_4bit, dtype))
+    for key, settings in asked.items():
+        if len({(four_bit, dtype) for _, four_bit, dtype in settings}) > 1:
+            listed = "; ".join(
+                f"{who}: load_in_4bit={four_bit}, dtype={dtype or 'default'}" for who, four_bit, dtype in settings
+            )
+            raise ValueError(
+                f"`agents`: {plans[key].name} is loaded once for every agent on it, but they ask for different "
+                f"loadings ({listed}). Give them the same `load_in_4bit` and `dtype`."
+            )
+    bases = list(plans.values())
+    if not isinstance(model, str) and trainer_key not in plans:
+        raise ValueError(
+            f"Every agent names its own `model`, so the model passed to the trainer ({trainer_name}) carries none. "
+            "Leave `model` off the agents that should sit on it, or pass one of the agents' models."
+        )
+    if len(bases) > 1:
+        check_several_bases_supported(args, model, [base.name for base in bases])
+    return bases
+
+
+def check_several_bases_supported(args, model: Any, names: Sequence[str]) -> None:
+    """Refuse, naming the field, what cannot serve a team on several bases."""
+    from peft import PeftModel
+
+    bases = f"{len(names)} base models ({', '.join(names)})"
+    if args.use_vllm:
+        raise ValueError(
+            f"`use_vllm=True` with agents on {bases}: a team's vLLM engine serves one base and its agents' LoRAs. "
+            "Generate with transformers (`use_vllm=False`; the captured decode step serves each base), or put every "
+            "agent on one base."
+        )
+    if args.adapter_mode == "shared":
+        raise ValueError(
+            f"`adapter_mode='shared'` with agents on {bases}: one adapter cannot sit on several bases. Use "
+            "`adapter_mode='per_agent'`."
+        )
+    if args.world_size > 1:
+        raise ValueError(
+            f"Agents on {bases} train in one process for now ({args.world_size} processes were started): every "
+            "base but the first runs outside the distributed wrapper of the first. Launch one process, or put every "
+            "agent on one base."
+        )
+    if isinstance(model, PeftModel):
+        raise ValueError(
+            f"A PeftModel passed as `model` carries adapters on one base, but the agents sit on {bases}. Pass the "
+            "base model (or its id) and let the trainer add the adapters."
+        )
+
+
+@dataclass
+class TeamBase:
+    """One loaded base of a team: its `PeftModel` (one adapter per agent on it), tokenizer, the indices of its
+    agents, router, captured decoder (None for eager `generate`), generation (`TeamGeneration`) and the tokens that
+    end its completions."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+    agents: list[int]
+    router: Any
+    decoder: Any
+    generation: Any
+    eos_token_ids: list[int]
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+
+def base_tokenizer(name: str):
+    """A base's tokenizer, prepared as TRL prepares the trainer's: its pad token falls back to its EOS."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(loadable(name), truncation_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def base_eos_token_ids(model, tokenizer) -> list[int]:
+    """TRL's `eos_token_ids` for a base: its tokenizer's EOS first, then its generation config's."""
+    eos = model.generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return eos if tokenizer.eos_token_id in eos else [tokenizer.eos_token_id, *eos]
+
+
+def base_generation_config(generation_config, model, tokenizer):
+    """The trainer's generation config with a base's own special tokens (pad, BOS, EOS), as TRL builds it for the
+    trainer's model."""
+    config = copy.deepcopy(generation_config)
+    config.pad_token_id = tokenizer.pad_token_id
+    config.bos_token_id = tokenizer.bos_token_id
+    config.eos_token_id = base_eos_token_ids(model, tokenizer)
+    return config
+
+
+def prepare_base(model, args, temperature: float) -> None:
+    """What TRL's `__init__` does to the trainer's `PeftModel`, done to another base: input gradients for gradient
+    checkpointing, bf16 trained adapters on a quantized base (QLoRA), and the fused LM head its log-probs come from
+    (`add_fused_lm_head`, at the sampling temperature); then gradient checkpointing itself, which `Trainer` turns on
+    for its own model only."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    if args.gradient_checkpointing:
+        model.enable_input_require_grads()
+        model.get_base_model().gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
+        )
+    if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
+        for name, param in model.named_parameters():
+            if param.requires_grad and "lora_magnitude_vector" not in name:
+                param.data = param.data.to(torch.bfloat16)
+    add_fused_lm_head(
+        model.get_base_model(),
+        temperature=temperature,
+        cast_lm_head_to_fp32=args.cast_lm_head_to_fp32,
+        outputs=("log_probs", "entropy"),
+    )
+
+
+def register_bases(first, others: Sequence[Any]) -> None:
+    """Register the other bases' `PeftModel`s as a submodule of the first's (`TEAM_BASES`)."""
+    if others:
+        first.add_module(TEAM_BASES, torch.nn.ModuleList(others))
+
+
+@contextmanager
+def first_base_alone(model) -> Iterator[None]:
+    """The first base without the others registered under it, for PEFT's `save_pretrained` of its adapters: PEFT picks
+    an adapter's weights out of the whole model's state by name, and would save the other bases' adapters in the first
+    base's adapter files."""
+    others = model._modules.pop(TEAM_BASES, None)
+    try:
+        yield
+    finally:
+        if others is not None:
+            model._modules[TEAM_BASES] = others
+
+
+def tokenize_text_prompts(tokenizer, chat_template_kwargs: dict, tools, prompts: list):
+    """TRL's `_tokenize_prompts` for text prompts, with a base's own tokenizer and chat template."""
+    if is_conversational({"prompt": prompts[0]}):
+        prompt_ids = tokenizer.apply_chat_template(
+            conversation=prompts,
+            tools=tools or None,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            **chat_template_kwargs,
+        )["input_ids"]
+    else:
+        prompt_ids = tokenizer(text=prompts)["input_ids"]
+    return prompt_ids, None, {}
+
+
+def left_padded(prompt_ids: list[list[int]], pad_id: int, pad_to_multiple_of: int | None, device) -> tuple:
+    """Prompts left-padded as TRL pads them for `generate`: `(input_ids, attention_mask)` on `device`."""
+    prompts = [torch.tensor(ids) for ids in prompt_ids]
+    input_ids = pad(prompts, padding_value=pad_id, padding_side="left", pad_to_multiple_of=pad_to_multiple_of)
+    attention_mask = pad(
+        [torch.ones_like(ids) for ids in prompts],
+        padding_value=0,
+        padding_side="left",
+        pad_to_multiple_of=pad_to_multiple_of,
+    )
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def base_single_turn(
+    model,
+    decoder,
+    tokenizer,
+    generation_config,
+    *,
+    pad_to_multiple_of: int | None,
+    gradient_checkpointing_kwargs: dict | None,
+    profile: Callable,
+) -> Callable:
+    """TRL's `_generate_single_turn` (text, without vLLM) for a base other than the trainer's: its prompts
+    left-padded with its pad token, `generate` (or its captured decoder) with its special tokens, completions cut
+    after its first EOS."""
+    from .team_generation import completions_through_eos
+
+    eos_token_ids = list(generation_config.eos_token_id)
+
+    def single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if images is not None or multimodal_fields:
+            raise ValueError("A base other than the trainer's first generates text only.")
+        device = next(model.parameters()).device
+        input_ids, attention_mask = left_padded(prompt_ids, tokenizer.pad_token_id, pad_to_multiple_of, device)
+        with (
+            profile("transformers.generate"),
+            disable_gradient_checkpointing(model, gradient_checkpointing_kwargs),
+            torch.no_grad(),
+        ):
+            if decoder is not None:
+                output = decoder.generate(input_ids, attention_mask, generation_config)
+            else:
+                output = model.generate(
+                    input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config
+                )
+        return completions_through_eos(output[:, input_ids.size(1) :], eos_token_ids), None
+
+    return single_turn
+
+
+def generate_by_base(
+    bases: Sequence[TeamBase], agent_base: Sequence[int], model_inputs: list, agent_index: list[int], **kwargs
+):
+    """The rollouts' `generate` hook over several bases: each base's rows in one call of its own generation, the
+    results back in row order (prompt ids, completion ids, texts)."""
+    prompt_ids, completion_ids, texts = [None] * len(agent_index), [None] * len(agent_index), [None] * len(agent_index)
+    for base_index, base in enumerate(bases):
+        rows = [row for row, agent in enumerate(agent_index) if agent_base[agent] == base_index]
+        if not rows:
+            continue
+        out = base.generation.generate(
+            [model_inputs[row] for row in rows], [agent_index[row] for row in rows], **kwargs
+        )
+        for position, row in enumerate(rows):
+            prompt_ids[row], completion_ids[row], texts[row] = out[0][position], out[1][position], out[2][position]
+    return prompt_ids, completion_ids, texts
+
+
+def save_base_adapters(folder: str | os.PathLike, base: TeamBase, adapters: Sequence[str]) -> None:
+    """A base's adapters in PEFT format under `folder/<adapter>/`, each with the base's tokenizer beside it (the team's
+    tokenizer at `folder`'s top is the first base's)."""
+    from pathlib import Path
+
+    base.model.save_pretrained(str(folder), selected_adapters=list(adapters))
+    for adapter in adapters:
+        base.tokenizer.save_pretrained(str(Path(folder) / adapter))
+
+
+def load_base_adapters(checkpoint: str | os.PathLike, model, adapters: Sequence[str]) -> None:
+    """Load a base's adapters from `checkpoint/<adapter>/` into the parameters the model already holds (in place, in
+    their own dtype: the optimizer and the router hold them)."""
+    from pathlib import Path
+
+    from peft.utils import load_peft_weights, set_peft_model_state_dict
+
+    device = next(model.parameters()).device
+    for adapter in adapters:
+        weights = load_peft_weights(str(Path(checkpoint) / adapter), device=str(device))
+        result = set_peft_model_state_dict(model, weights, adapter_name=adapter)
+        if result.unexpected_keys:
+            raise ValueError(
+                f"{Path(checkpoint) / adapter} holds weights the adapter '{adapter}' does not have "
+                f"({result.unexpected_keys[:3]}...): it was saved from another model or LoRA configuration."
+            )
