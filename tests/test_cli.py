@@ -67,7 +67,7 @@ def no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("trl_marl.team_trainer.create_model_from_path", refuse)
+    monkeypatch.setattr("trl_marl.team_bases.create_model_from_path", refuse)
 
 
 def one_line_error(capsys, arguments) -> str:

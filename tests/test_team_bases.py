@@ -12,6 +12,7 @@ from datasets import Dataset
 from peft import PeftModel
 from test_atgrpo_trainer import Notebook
 from test_atgrpo_trainer import config as notebook_config
+from test_cli import dataset_config, no_model_load, one_line_error  # noqa: F401 (a fixture)
 from test_resume import StopAt, make_trainer
 from tiny_run import TINY_RUN
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -274,3 +275,20 @@ def test_an_agents_own_loading_without_its_own_model_is_an_error_naming_the_entr
         MAGRPOConfig(output_dir="unused", agents=["a1", {"name": "b1", "load_in_4bit": True}], num_generations=2)
     with pytest.raises(ValueError, match=r"`agents\[0\]\['dtype'\]` must be one of"):
         MAGRPOConfig(output_dir="unused", agents=[{"name": "a1", "model": "m", "dtype": "int3"}], num_generations=2)
+
+
+@pytest.mark.usefixtures("no_model_load")
+def test_trl_marl_train_refuses_an_agents_missing_model_in_one_line_before_anything_loads(
+    tmp_path, capsys, other_base_dir
+):
+    missing = str(tmp_path / "no-such-model")
+    agents = [{"name": "writer"}, {"name": "checker", "model": missing}]
+    message = one_line_error(capsys, ["train", dataset_config(tmp_path, "unused", agents=agents)])
+    assert message.startswith(f"`agents`: the model of 'checker', {missing!r}, cannot be found")
+    agents = [
+        {"name": "writer"},
+        {"name": "checker", "model": other_base_dir, "load_in_4bit": True},
+        {"name": "tester", "model": other_base_dir},
+    ]
+    message = one_line_error(capsys, ["train", dataset_config(tmp_path, "unused", agents=agents)])
+    assert "agent 'checker': load_in_4bit=True" in message and "agent 'tester': load_in_4bit=False" in message

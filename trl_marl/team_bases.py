@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from trl.data_utils import is_conversational
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import pad
+from trl.trainer.utils import create_model_from_path, pad
 
 from .default_model import DEFAULT_MODEL_ID, default_model_path, is_default_model
 
@@ -62,8 +62,6 @@ class BasePlan:
         dtype."""
         if not isinstance(self.source, str):
             return self.source
-        from trl.trainer.utils import create_model_from_path
-
         from .precision import model_init_kwargs_for
 
         kwargs = model_init_kwargs_for(args, self.quantization_config)
@@ -128,6 +126,9 @@ def plan_bases(args, model: Any, quantization_config=None) -> list[BasePlan]:
                 f"loadings ({listed}). Give them the same `load_in_4bit` and `dtype`."
             )
     bases = list(plans.values())
+    for base in bases:
+        if base.source is not model:
+            check_base_exists(base.name, [args.agents[i]["name"] for i in base.agents])
     if not isinstance(model, str) and trainer_key not in plans:
         raise ValueError(
             f"Every agent names its own `model`, so the model passed to the trainer ({trainer_name}) carries none. "
@@ -136,6 +137,21 @@ def plan_bases(args, model: Any, quantization_config=None) -> list[BasePlan]:
     if len(bases) > 1:
         check_several_bases_supported(args, model, [base.name for base in bases])
     return bases
+
+
+def check_base_exists(name: str, agents: Sequence[str]) -> None:
+    """An agent's own model must be found before anything loads: its config.json read from a local folder, the Hub or
+    its cache (a few kilobytes); otherwise a `ValueError` naming the agents and the model."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(loadable(name))
+    except (OSError, ValueError) as error:
+        who = ", ".join(f"'{agent}'" for agent in agents)
+        raise ValueError(
+            f"`agents`: the model of {who}, {name!r}, cannot be found ({' '.join(str(error).split())[:200]}). Name a "
+            "Hub model id or a local folder holding its config.json."
+        ) from error
 
 
 def check_several_bases_supported(args, model: Any, names: Sequence[str]) -> None:
