@@ -33,7 +33,7 @@ def log_rollout_metrics(
     agent_names: list[str],
     reward_func_names: list[str],
     reward_weights: torch.Tensor,
-    eos_and_pad: list[int],
+    eos_and_pad: list[list[int]],
     num_turns: int,
     state,
     mode: str,
@@ -41,7 +41,8 @@ def log_rollout_metrics(
 ) -> None:
     """Team metrics over all joint actions of the batch, the same per turn (`turns/<t>/...`), per agent
     (`agents/<name>/...`) and TRL's completion-length metrics, all over every process, into `metrics` (TRL's
-    `_metrics[mode]`); a training rollout's tokens count into `state.num_input_tokens_seen`."""
+    `_metrics[mode]`); a training rollout's tokens count into `state.num_input_tokens_seen`. `eos_and_pad[a]`: the
+    tokens that end agent a's completions (its base's EOS and padding)."""
     rewards_per_func = rollout.batch_rewards_per_func
     rewards = team_rewards(rewards_per_func, reward_weights)
     for i, name in enumerate(reward_func_names):
@@ -61,7 +62,7 @@ def log_rollout_metrics(
             s.agent,
             len(s.prompt_ids),
             len(s.completion_ids),
-            s.completion_ids[-1] not in eos_and_pad,
+            s.completion_ids[-1] not in eos_and_pad[s.agent],
             s.advantage,
         )
         for s in rollout.samples

@@ -16,6 +16,7 @@ modes, moves to a device) reaches every base's adapters exactly as it reaches th
 from __future__ import annotations
 
 import copy
+import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -203,6 +204,63 @@ class TeamBase:
         return self.tokenizer.pad_token_id
 
 
+def other_base(
+    plan: BasePlan,
+    model,
+    *,
+    first_tokenizer,
+    agent_adapters: Sequence[str],
+    agent_names: Sequence[str],
+    generation_config,
+    captured: bool | None,
+    chat_template_kwargs: dict,
+    tools,
+    pad_to_multiple_of: int | None,
+    gradient_checkpointing_kwargs: dict | None,
+    max_completion_length: int,
+    profile: Callable,
+) -> TeamBase:
+    """A base other than TRL's model: its tokenizer, router, captured decoder (`captured`: the `captured_decode`
+    setting, False for eager `generate`) and `TeamGeneration`, which tokenizes and generates as TRL does for its model
+    (`tokenize_text_prompts`, `base_single_turn`) with this base's tokenizer, chat template and special tokens. Raises
+    `ValueError` when one of the first base and this one has a chat template and the other has none."""
+    from .captured_decode import captured_decoder
+    from .routing import AdapterRouter
+    from .team_generation import TeamGeneration, position_limit
+
+    tokenizer = base_tokenizer(plan.name)
+    if (tokenizer.chat_template is None) != (first_tokenizer.chat_template is None):
+        first = getattr(first_tokenizer, "name_or_path", "") or "the first base"
+        with_template, without = (plan.name, first) if tokenizer.chat_template else (first, plan.name)
+        raise ValueError(
+            f"`agents`: {with_template} has a chat template and {without} has none, but one team's prompts are "
+            "either conversations or plain text for every agent. Put the agents on bases that agree (e.g. both "
+            "instruct models), or give the one without a template a `chat_template`."
+        )
+    router = AdapterRouter(model, [agent_adapters[i] for i in plan.agents])
+    decoder = captured_decoder(model, router, captured) if captured is not False else None
+    config = base_generation_config(generation_config, model, tokenizer)
+    generation = TeamGeneration(
+        router,
+        agent_adapters,
+        agent_names,
+        tokenize=functools.partial(tokenize_text_prompts, tokenizer, chat_template_kwargs, tools),
+        generate_single_turn=base_single_turn(
+            model,
+            decoder,
+            tokenizer,
+            config,
+            pad_to_multiple_of=pad_to_multiple_of,
+            gradient_checkpointing_kwargs=gradient_checkpointing_kwargs,
+            profile=profile,
+        ),
+        processing_class=tokenizer,
+        position_limit=position_limit(model.config, None),
+        max_completion_length=max_completion_length,
+    )
+    return TeamBase(plan.name, model, tokenizer, plan.agents, router, decoder, generation, list(config.eos_token_id))
+
+
 def base_tokenizer(name: str):
     """A base's tokenizer, prepared as TRL prepares the trainer's: its pad token falls back to its EOS."""
     from transformers import AutoTokenizer
@@ -384,3 +442,41 @@ def load_base_adapters(checkpoint: str | os.PathLike, model, adapters: Sequence[
                 f"{Path(checkpoint) / adapter} holds weights the adapter '{adapter}' does not have "
                 f"({result.unexpected_keys[:3]}...): it was saved from another model or LoRA configuration."
             )
+
+
+def logps_by_base(
+    bases: Sequence[TeamBase],
+    base_of_row: torch.Tensor,
+    agent_index: torch.Tensor,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    routed_logps: Callable,
+    logits_to_keep: int,
+    batch_size: int,
+    **kwargs,
+):
+    """TRL's `(log-probs, entropies, aux loss)` of a batch whose rows sit on several bases: each base's rows through
+    its own model (`routed_logps(base_index, base, agent_index, input_ids, attention_mask, logits_to_keep,
+    batch_size, **kwargs)`), with its own padding (another base's pad token may lie outside its vocabulary) and
+    trimmed to its rows' longest prompt, then put back in row order (differentiably)."""
+    logps = entropies = None
+    aux_losses = []
+    for index, base in enumerate(bases):
+        rows = (base_of_row == index).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        ids, mask = input_ids[rows], attention_mask[rows]
+        start = int(mask.argmax(dim=1).min())  # the left padding every row of this base has
+        ids, mask = ids[:, start:].masked_fill(mask[:, start:] == 0, base.pad_token_id), mask[:, start:]
+        part_logps, part_entropies, part_aux = routed_logps(
+            index, base, agent_index[rows], ids, mask, logits_to_keep, batch_size, **kwargs
+        )
+        if logps is None:
+            logps = part_logps.new_zeros((input_ids.size(0), *part_logps.shape[1:]))
+            entropies = None if part_entropies is None else part_entropies.new_zeros(logps.shape)
+        logps = logps.index_copy(0, rows, part_logps)
+        if entropies is not None:
+            entropies = entropies.index_copy(0, rows, part_entropies)
+        if part_aux is not None:
+            aux_losses.append(part_aux)
+    return logps, entropies, torch.stack(aux_losses).mean() if aux_losses else None

@@ -67,17 +67,15 @@ from .scoring import TeamScoring
 from .sharing import card_example, card_settings, push_team_files, save_team, team_card, trained_team_spec
 from .team_bases import (
     TeamBase,
-    base_generation_config,
-    base_single_turn,
-    base_tokenizer,
     first_base_alone,
     generate_by_base,
     load_base_adapters,
+    logps_by_base,
+    other_base,
     plan_bases,
     prepare_base,
     register_bases,
     save_base_adapters,
-    tokenize_text_prompts,
 )
 from .team_generation import TeamGeneration, captured_single_turn, position_limit
 from .team_inputs import resolve_team_inputs
@@ -307,7 +305,7 @@ class TeamTrainer(GRPOTrainer):
             TeamBase(
                 base_plans[0].name,
                 unwrapped,
-                self.processing_class,
+                self._tokenizer,
                 base_plans[0].agents,
                 self.router,
                 self.captured_decoder,
@@ -328,31 +326,23 @@ class TeamTrainer(GRPOTrainer):
         )
 
     def _other_base(self, plan, model, use_captured: bool) -> TeamBase:
-        """A base other than TRL's model: its tokenizer, router, captured decoder and generation, each its own."""
-        tokenizer = base_tokenizer(plan.name)
-        router = AdapterRouter(model, [self.agent_adapters[i] for i in plan.agents])
-        decoder = captured_decoder(model, router, self.args.captured_decode) if use_captured else None
-        generation_config = base_generation_config(self.generation_config, model, tokenizer)
-        generation = TeamGeneration(
-            router,
-            self.agent_adapters,
-            self.agent_names,
-            tokenize=functools.partial(tokenize_text_prompts, tokenizer, self.chat_template_kwargs, self.tools),
-            generate_single_turn=base_single_turn(
-                model,
-                decoder,
-                tokenizer,
-                generation_config,
-                pad_to_multiple_of=self.pad_to_multiple_of,
-                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
-                profile=functools.partial(profiling_context, self),
-            ),
-            processing_class=tokenizer,
-            position_limit=position_limit(model.config, None),
+        """A base other than TRL's model, with its own tokenizer, router, captured decoder and generation
+        (`team_bases.other_base`), generating as TRL's model does."""
+        return other_base(
+            plan,
+            model,
+            first_tokenizer=self._tokenizer,
+            agent_adapters=self.agent_adapters,
+            agent_names=self.agent_names,
+            generation_config=self.generation_config,
+            captured=self.args.captured_decode if use_captured else False,
+            chat_template_kwargs=self.chat_template_kwargs,
+            tools=self.tools,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
             max_completion_length=self.max_completion_length,
+            profile=functools.partial(profiling_context, self),
         )
-        eos_token_ids = list(generation_config.eos_token_id)
-        return TeamBase(plan.name, model, tokenizer, plan.agents, router, decoder, generation, eos_token_ids)
 
     def _base_adapters(self, base_index: int) -> list[str]:
         """The adapters of the agents on one base, each once."""
@@ -416,37 +406,19 @@ class TeamTrainer(GRPOTrainer):
                 batch_size,
                 **kwargs,
             )
-        # Several bases: each base's rows through its own model, with its own padding (the other bases' pad tokens may
-        # lie outside its vocabulary), trimmed to its rows' longest prompt.
         base_of_row = self._rows_base if self._rows_base is not None else self._agent_base_of(agent_index)
-        logps = entropies = None
-        aux_losses = []
-        for index, base in enumerate(self.bases):
-            rows = (base_of_row == index).nonzero().squeeze(1)
-            if rows.numel() == 0:
-                continue
-            ids, mask = input_ids[rows], attention_mask[rows]
-            start = int(mask.argmax(dim=1).min())
-            ids, mask = ids[:, start:].masked_fill(mask[:, start:] == 0, base.pad_token_id), mask[:, start:]
-            part_logps, part_entropies, part_aux = self._routed_logps(
-                model if index == 0 else base.model,
-                base.generation,
-                agent_index[rows],
-                ids,
-                mask,
-                logits_to_keep,
-                batch_size,
-                **kwargs,
-            )
-            if logps is None:
-                logps = part_logps.new_zeros((input_ids.size(0), *part_logps.shape[1:]))
-                entropies = None if part_entropies is None else part_entropies.new_zeros(logps.shape)
-            logps = logps.index_copy(0, rows, part_logps)
-            if entropies is not None:
-                entropies = entropies.index_copy(0, rows, part_entropies)
-            if part_aux is not None:
-                aux_losses.append(part_aux)
-        return logps, entropies, torch.stack(aux_losses).mean() if aux_losses else None
+        return logps_by_base(
+            self.bases,
+            base_of_row,
+            agent_index,
+            input_ids,
+            attention_mask,
+            # the first base is the model TRL passed (it may be wrapped), the others their own PeftModels
+            lambda index, base, *args: self._routed_logps(model if index == 0 else base.model, base.generation, *args),
+            logits_to_keep,
+            batch_size,
+            **kwargs,
+        )
 
     def _routed_logps(
         self, model, generation, agent_index, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs
@@ -729,7 +701,7 @@ class TeamTrainer(GRPOTrainer):
             agent_names=self.agent_names,
             reward_func_names=self.reward_func_names,
             reward_weights=self.reward_weights,
-            eos_and_pad=[*self.eos_token_ids, self._tokenizer.pad_token_id],
+            eos_and_pad=[self._completion_stops(base) for base in self.agent_base],
             num_turns=self.args.num_turns,
             state=self.state,
             mode=mode,
@@ -758,11 +730,15 @@ class TeamTrainer(GRPOTrainer):
         output["num_real_rows"] = rows[:, 1].sum()
         return output
 
+    def _completion_stops(self, base_index: int) -> list[int]:
+        """The tokens that end a completion on a base: its EOS tokens and its padding."""
+        base = self.bases[base_index]
+        return [*base.eos_token_ids, base.pad_token_id]
+
     def _pad_samples(self, prompt_ids_list, completion_ids_list, no_loss: bool = False, agents=None) -> dict:
         eos_token_ids = self.eos_token_ids if self.mask_truncated_completions else None
         if eos_token_ids is not None and len(self.bases) > 1:  # each row ends with its own base's EOS or padding
-            stops = [[*base.eos_token_ids, base.pad_token_id] for base in self.bases]
-            eos_token_ids = [stops[self.agent_base[agent]] for agent in agents]
+            eos_token_ids = [self._completion_stops(self.agent_base[agent]) for agent in agents]
         output = pad_samples(
             prompt_ids_list,
             completion_ids_list,
