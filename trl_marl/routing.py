@@ -37,6 +37,8 @@ from .agents import is_4bit_linear
 
 BASE = "__base__"  # PEFT's name for "no adapter": a row routed here goes through the base model alone
 BASE_ROW = -1  # the agent index of a row routed to the base model alone (the KL reference)
+# The submodule of a team's first base that holds its other bases (`team_bases.py`): each has a router of its own.
+OTHER_BASES = "team_bases"
 
 # The PEFT releases the router is tested with (pyproject.toml pins the same range).
 PEFT_TESTED = ">=0.18,<0.22"
@@ -115,8 +117,8 @@ class AdapterRouter:
         self._handles = []
         self._plain_layers: list[LoraLayer] = []
         self._other_layers: list[torch.nn.Module] = []
-        for module in model.modules():
-            if isinstance(module, LoraLayer) and not any(name in module.lora_A for name in self.adapter_names):
+        for path, module in model.named_modules():
+            if path.split(".")[0] == OTHER_BASES:
                 continue  # a layer of another base of the team (`team_bases.py`), which has its own router
             if isinstance(module, LoraLayer) and self._is_plain_lora(module):
                 self._plain_layers.append(module)
@@ -132,12 +134,7 @@ class AdapterRouter:
         # Routing tensors are built once per `route` call, on the device the adapters live on (read at each call: the
         # model may have moved since), never on the host and copied per layer.
         self._adapter_weight = next(
-            (
-                p
-                for n, p in model.named_parameters()
-                if "lora_" in n and any(f".{a}." in n for a in self.adapter_names)
-            ),
-            None,
+            (p for n, p in model.named_parameters() if "lora_" in n and n.split(".")[0] != OTHER_BASES), None
         )
 
     def _is_plain_lora(self, layer: LoraLayer) -> bool:

@@ -346,13 +346,14 @@ def load_team(
     vllm_max_model_length: int | None = None,
     captured_decode: bool | None = None,
 ) -> Team:
-    """Rebuild a team saved by a trainer's `save_model` on one base model.
+    """Rebuild a team saved by a trainer's `save_model`: each base model once (one for most teams; agents that trained
+    on their own `model` get theirs, `team.json` names it), each agent's adapter on its base.
 
     Args:
         path: the saved folder (`output_dir` or a `checkpoint-N` folder), or the Hub repo id of a pushed team
             (fetched with `snapshot_download`; from the Hub cache under `HF_HUB_OFFLINE`).
-        load_in_4bit: load the base in 4-bit NF4 (bitsandbytes); or pass `quantization_config`.
-        base_model: a Hub id or path overriding the recorded base model.
+        load_in_4bit: load the bases in 4-bit NF4 (bitsandbytes); or pass `quantization_config`.
+        base_model: a Hub id or path overriding the recorded base model (the first agent's base).
         transition: overrides the recorded transition; needed when the training transition was not importable
             (a lambda or a local function).
         scheduler: overrides the recorded scheduler (a plugin name or object); training's is used by default.
@@ -409,13 +410,10 @@ def load_team(
         )
     parts = []
     for index, (name, agents) in enumerate(groups.items()):
-        own = spec["agents"][agents[0]]
+        # Every base is loaded as asked here (4-bit with `load_in_4bit`, in `dtype`), as a one-base team's is.
         base = base_model if index == 0 and base_model else name
-        four_bit = quantization_config
-        if "load_in_4bit" in own:  # the agent's own loading, as trained
-            four_bit = (quantization_config or four_bit_config()) if own["load_in_4bit"] else None
         model = AutoModelForCausalLM.from_pretrained(
-            loadable(base), dtype=own.get("dtype", dtype), quantization_config=four_bit, device_map=device_map
+            loadable(base), dtype=dtype, quantization_config=quantization_config, device_map=device_map
         )
         adapters = list(dict.fromkeys(spec["agents"][agent]["adapter"] for agent in agents))
         model = PeftModel.from_pretrained(model, str(path / adapters[0]), adapter_name=adapters[0])

@@ -29,8 +29,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import create_model_from_path, pad
 
 from .default_model import DEFAULT_MODEL_ID, default_model_path, is_default_model
-
-TEAM_BASES = "team_bases"  # the attribute of the first base's PeftModel that holds the other bases
+from .routing import OTHER_BASES as TEAM_BASES  # the attribute of the first base's PeftModel holding the others
 
 
 def model_key(name: str) -> str:
@@ -41,8 +40,9 @@ def model_key(name: str) -> str:
 
 
 def loadable(name: str) -> str:
-    """Where to load `name` from: the embedded default model from its local copy, anything else as named."""
-    return default_model_path() if model_key(name) == DEFAULT_MODEL_ID else name
+    """Where to load `name` from: the embedded default model's Hub id from its local copy (found offline too), anything
+    else as named."""
+    return default_model_path() if name == DEFAULT_MODEL_ID else name
 
 
 @dataclass
@@ -56,6 +56,7 @@ class BasePlan:
     quantization_config: Any = None
     dtype: str | None = None
     agents: list[int] = field(default_factory=list)
+    trainer_base: bool = False  # the trainer's own `model`: loaded exactly as a one-base team's
 
     def load(self, args):
         """The base model: the trainer's own object as given, or loaded with TRL's `create_model_from_path` and the
@@ -68,7 +69,7 @@ class BasePlan:
         kwargs = model_init_kwargs_for(args, self.quantization_config)
         if self.dtype is not None:
             kwargs["dtype"] = self.dtype
-        return create_model_from_path(loadable(self.source), **kwargs)
+        return create_model_from_path(self.source if self.trainer_base else loadable(self.source), **kwargs)
 
 
 def spec_bases(spec: dict) -> dict[str, list[int]]:
@@ -93,7 +94,7 @@ def plan_bases(args, model: Any, quantization_config=None) -> list[BasePlan]:
         trainer_name = getattr(getattr(model, "config", None), "_name_or_path", "") or "the trainer's model"
         trainer_4bit = bool(getattr(model, "is_loaded_in_4bit", False))
         trainer_dtype = str(getattr(model, "dtype", "")).removeprefix("torch.") or None
-    trainer_dtype = None if trainer_dtype in (None, "auto") else str(trainer_dtype).removeprefix("torch.")
+    trainer_dtype = None if trainer_dtype is None else str(trainer_dtype).removeprefix("torch.")
     trainer_key = model_key(trainer_name)
     plans: dict[str, BasePlan] = {}
     asked: dict[str, list[tuple[str, bool, str | None]]] = {}  # per base: (who, 4-bit, dtype) of everyone on it
@@ -102,19 +103,12 @@ def plan_bases(args, model: Any, quantization_config=None) -> list[BasePlan]:
         key = trainer_key if own is None else model_key(own)
         load_in_4bit = agent.get("load_in_4bit", trainer_4bit)
         dtype = agent.get("dtype", trainer_dtype)
-        dtype = None if dtype == "auto" else dtype
         if key not in plans:
             if key == trainer_key:  # loaded as the trainer loads its model
-                plans[key] = BasePlan(trainer_name, model, quantization_config)
+                plans[key] = BasePlan(trainer_name, model, quantization_config, trainer_base=True)
                 asked[key] = [("the trainer's model", trainer_4bit, trainer_dtype)]
             else:
-                if "load_in_4bit" not in agent:
-                    four_bit = quantization_config if trainer_4bit else None
-                else:
-                    from .precision import four_bit_config
-
-                    four_bit = four_bit_config() if load_in_4bit else None
-                plans[key], asked[key] = BasePlan(own, own, four_bit, agent.get("dtype")), []
+                plans[key], asked[key] = BasePlan(own, own), []
         plans[key].agents.append(index)
         asked[key].append((f"agent '{agent['name']}'", load_in_4bit, dtype))
     for key, settings in asked.items():
@@ -126,10 +120,18 @@ def plan_bases(args, model: Any, quantization_config=None) -> list[BasePlan]:
                 f"`agents`: {plans[key].name} is loaded once for every agent on it, but they ask for different "
                 f"loadings ({listed}). Give them the same `load_in_4bit` and `dtype`."
             )
+    for key, plan in plans.items():
+        if not plan.trainer_base:  # loaded with the loading its agents agree on
+            _, four_bit, plan.dtype = asked[key][0]
+            if four_bit:
+                from .precision import four_bit_config
+
+                given = quantization_config is not None and getattr(quantization_config, "load_in_4bit", False)
+                plan.quantization_config = quantization_config if given else four_bit_config()
     bases = list(plans.values())
     for base in bases:
-        if base.source is not model:
-            check_base_exists(base.name, [args.agents[i]["name"] for i in base.agents])
+        if not base.trainer_base:
+            check_base_exists(base.name, [args.agents[i]["name"] for i in base.agents], args.trust_remote_code)
     if not isinstance(model, str) and trainer_key not in plans:
         raise ValueError(
             f"Every agent names its own `model`, so the model passed to the trainer ({trainer_name}) carries none. "
@@ -140,13 +142,16 @@ def plan_bases(args, model: Any, quantization_config=None) -> list[BasePlan]:
     return bases
 
 
-def check_base_exists(name: str, agents: Sequence[str]) -> None:
+def check_base_exists(name: str, agents: Sequence[str], trust_remote_code: bool = False) -> None:
     """An agent's own model must be found before anything loads: its config.json read from a local folder, the Hub or
-    its cache (a few kilobytes); otherwise a `ValueError` naming the agents and the model."""
+    its cache (a few kilobytes; the embedded default model is always found); otherwise a `ValueError` naming the
+    agents and the model."""
     from transformers import AutoConfig
 
+    if model_key(name) == DEFAULT_MODEL_ID:
+        return
     try:
-        AutoConfig.from_pretrained(loadable(name))
+        AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as error:
         who = ", ".join(f"'{agent}'" for agent in agents)
         raise ValueError(
@@ -171,11 +176,11 @@ def check_several_bases_supported(args, model: Any, names: Sequence[str]) -> Non
             f"`adapter_mode='shared'` with agents on {bases}: one adapter cannot sit on several bases. Use "
             "`adapter_mode='per_agent'`."
         )
-    if args.world_size > 1:
+    if args.world_size > 1 or args.deepspeed or args.fsdp:
         raise ValueError(
-            f"Agents on {bases} train in one process for now ({args.world_size} processes were started): every "
-            "base but the first runs outside the distributed wrapper of the first. Launch one process, or put every "
-            "agent on one base."
+            f"Agents on {bases} train in one process without DeepSpeed or FSDP for now ({args.world_size} "
+            "processes were started): every base but the first would run outside the first one's distributed "
+            "wrapper. Launch one process without `deepspeed` / `fsdp`, or put every agent on one base."
         )
     if isinstance(model, PeftModel):
         raise ValueError(
@@ -235,7 +240,7 @@ def other_base(
         raise ValueError(
             f"`agents`: {with_template} has a chat template and {without} has none, but one team's prompts are "
             "either conversations or plain text for every agent. Put the agents on bases that agree (e.g. both "
-            "instruct models), or give the one without a template a `chat_template`."
+            "instruct models)."
         )
     router = AdapterRouter(model, [agent_adapters[i] for i in plan.agents])
     decoder = captured_decoder(model, router, captured) if captured is not False else None
@@ -297,9 +302,16 @@ def prepare_base(model, args, temperature: float) -> None:
 
     if args.gradient_checkpointing:
         model.enable_input_require_grads()
-        model.get_base_model().gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs
-        )
+        # As Trainer does for its model: `every_n_layers` and `offload` are its own keys, the rest goes to torch.
+        kwargs = dict(args.gradient_checkpointing_kwargs or {})
+        every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+        base = model.get_base_model()
+        if hasattr(base, "activation_checkpointing_enable"):
+            base.activation_checkpointing_enable(
+                activation_checkpointing_kwargs=kwargs or None, every_n_layers=every_n_layers, offload=offload
+            )
+        else:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
     if getattr(model, "is_loaded_in_4bit", False) or getattr(model, "is_loaded_in_8bit", False):
         for name, param in model.named_parameters():
             if param.requires_grad and "lora_magnitude_vector" not in name:

@@ -18,6 +18,7 @@ tells what moves when the TRL pin moves (docs/design.md, §10).
 Everything else (loss types, clipping, KL to the base, gradient accumulation, logging) is TRL's.
 """
 
+import contextlib
 import functools
 import logging
 import os
@@ -159,6 +160,12 @@ class TeamTrainer(GRPOTrainer):
         # The team's bases: one, unless agents name their own `model` (`team_bases.py`); checked before any loads,
         # then each loaded once.
         base_plans = plan_bases(args, model, quantization_config)
+        if processing_class is not None and not base_plans[0].trainer_base:
+            raise ValueError(
+                f"`processing_class` is given, but the first agent sits on its own model ({base_plans[0].name}), "
+                "whose tokenizer TRL would then use. Put the first agent on the trainer's model, or leave "
+                "`processing_class` out (each base loads its own tokenizer)."
+            )
         base_models = [plan.load(args) for plan in base_plans]
 
         self.agent_names = args.agent_names
@@ -495,8 +502,8 @@ class TeamTrainer(GRPOTrainer):
             super().save_model(output_dir, _internal_call=_internal_call)
         if self.args.should_save:
             folder = output_dir or self.args.output_dir
-            for base in self.bases[1:]:  # Trainer saved the first base's adapters; each other base's beside them
-                save_base_adapters(folder, base, self._base_adapters(self.bases.index(base)))
+            for index, base in enumerate(self.bases[1:], start=1):  # Trainer saved the first base's; each other's
+                save_base_adapters(folder, base, self._base_adapters(index))
             spec = self._team_spec()
             save_team(folder, spec, self.adapter_names, self._team_card(spec, folder))
 
@@ -607,6 +614,14 @@ class TeamTrainer(GRPOTrainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         unwrapped = self.accelerator.unwrap_model(model or self.model)
+        if len(self.bases) > 1:
+            # Trainer would load every adapter folder of the checkpoint onto the first base, the other bases' too:
+            # each base loads its own agents' adapters, in place, in the parameters the optimizer holds.
+            for index, base in enumerate(self.bases):
+                load_base_adapters(resume_from_checkpoint, base.model, self._base_adapters(index))
+            self._set_adapter_trainability([base.model for base in self.bases])
+            self._serve_loaded_adapters()
+            return
         kept = {name: param for name, param in unwrapped.named_parameters() if "lora_" in name}
         super()._load_from_checkpoint(resume_from_checkpoint, model=model)
         # Trainer reloads every adapter with PEFT's `load_adapter`, which may replace its parameters with float32 ones
@@ -621,9 +636,7 @@ class TeamTrainer(GRPOTrainer):
                     param.copy_(loaded)
                     module, _, attribute = name.rpartition(".")
                     setattr(unwrapped.get_submodule(module), attribute, param)
-        for index, base in enumerate(self.bases[1:], start=1):  # Trainer reloads the first base's adapters only
-            load_base_adapters(resume_from_checkpoint, base.model, self._base_adapters(index))
-        self._set_adapter_trainability([base.model for base in self.bases])
+        self._set_adapter_trainability([unwrapped])
         self._adapter_parameters = adapter_parameters(unwrapped, self.adapter_names)
         self._serve_loaded_adapters()
 
@@ -764,7 +777,11 @@ class TeamTrainer(GRPOTrainer):
         batch_size = self.args.per_device_train_batch_size if mode == "train" else self.args.per_device_eval_batch_size
         self._rows_agent_index = samples["agent_index"]
         logps = {}
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+        with torch.no_grad(), contextlib.ExitStack() as no_checkpointing:
+            for model in [self.model, *(base.model for base in self.bases[1:])]:  # every base recomputes nothing
+                no_checkpointing.enter_context(
+                    disable_gradient_checkpointing(model, self.args.gradient_checkpointing_kwargs)
+                )
             if need_old:
                 logps["old_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
                     self.model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size

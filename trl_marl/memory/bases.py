@@ -39,13 +39,14 @@ class PlannedBase:
 def planned_bases(config: MAGRPOConfig, model_name_or_path: str | None, load_in_4bit: bool) -> list[PlannedBase]:
     """The team's bases from its `agents` (an agent without `model` on `model_name_or_path`, the default model when
     None), the first agent's first, each agent's own `load_in_4bit` and `dtype` in place of the team's."""
+    from ..default_model import DEFAULT_MODEL_ID
     from ..team_bases import model_key
 
     groups: dict[str, list[int]] = {}
     first: dict[str, dict] = {}
     for index, agent in enumerate(config.agents):
         name = agent.get("model", model_name_or_path)
-        key = model_key(name) if name is not None else ""
+        key = model_key(name or DEFAULT_MODEL_ID)
         groups.setdefault(key, []).append(index)
         first.setdefault(key, {**agent, "model": name})
     return [
@@ -87,10 +88,14 @@ def estimate_team_memory(
             f"`use_vllm=True` with agents on {len(bases)} base models: a team's vLLM engine serves one base. Plan "
             "without vLLM (each base generates with transformers)."
         )
-    configs = dict(model_configs or {})
+    from ..team_bases import model_key
+
+    configs = {model_key(name): value for name, value in (model_configs or {}).items()}
     parts = []
     for index, base in enumerate(bases):
-        given = model_config if index == 0 and base.model == model_name_or_path else configs.get(base.model)
+        given = model_config if index == 0 and base.model == model_name_or_path else None
+        if given is None and base.model is not None:
+            given = configs.get(model_key(base.model))
         parts.append(
             estimate_memory(
                 config,
