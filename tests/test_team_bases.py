@@ -5,6 +5,7 @@ the card and `team.json` name both bases; a resumed run equals the uninterrupted
 anything loads."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -19,7 +20,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, Team, load_team
 from trl_marl.default_model import DEFAULT_MODEL_ID
+from trl_marl.evaluation import evaluate_task
 from trl_marl.scheduling import parallel
+from trl_marl.tasks import resolve_task
 from trl_marl.team_bases import plan_bases
 
 PROMPTS = ["Say hi.", "Count to three."]
@@ -292,3 +295,104 @@ def test_trl_marl_train_refuses_an_agents_missing_model_in_one_line_before_anyth
     ]
     message = one_line_error(capsys, ["train", dataset_config(tmp_path, "unused", agents=agents)])
     assert "agent 'checker': load_in_4bit=True" in message and "agent 'tester': load_in_4bit=False" in message
+
+
+@pytest.fixture(scope="module")
+def tiny_two_base_team(tiny_model_dir, other_base_dir, tmp_path_factory):
+    """The `explain` task's team on two tiny bases (a Llama and a Qwen2 of other vocabularies), trained 2 steps with a
+    KL term and saved: fast enough for the checks below."""
+    out = tmp_path_factory.mktemp("tiny-two-bases") / "out"
+    concise, detailed = resolve_task("explain").agents
+    args = MAGRPOConfig.for_task(
+        "explain",
+        output_dir=str(out),
+        agents=[concise, {**detailed, "model": other_base_dir}],
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=4,
+        max_steps=2,
+        beta=0.04,
+        **TINY_RUN,
+        seed=5,
+    )
+    trainer = MAGRPOTrainer(tiny_model_dir, args=args, task="explain")
+    randomize_lora_b(trainer.model)
+    trainer.train()
+    trainer.save_model()
+    return trainer, out
+
+
+def test_the_kl_term_of_a_two_base_team_is_each_agents_distance_to_its_own_base(tiny_two_base_team):
+    trainer, _ = tiny_two_base_team
+    kl = [log["kl"] for log in trainer.state.log_history if "kl" in log]
+    assert len(kl) == 2 and all(math.isfinite(value) for value in kl) and kl[-1] > 0
+
+
+def test_a_mixed_batchs_log_probs_equal_each_row_alone_on_its_own_base(tiny_two_base_team):
+    trainer, _ = tiny_two_base_team
+    trainer.model.eval()
+    first, other = trainer.bases
+    conversation = [{"role": "user", "content": "Why is the sky blue?"}]
+    rows = []  # (agent, prompt ids, completion ids), tokenized by each agent's own base
+    for agent, base, completion in ((0, first, " Because light"), (1, other, " Light scatters"), (0, first, " Air")):
+        prompt = base.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        prompt = prompt["input_ids"] if isinstance(prompt, dict) else list(prompt)
+        rows.append((agent, prompt[: 5 + 4 * agent], base.tokenizer(completion)["input_ids"][:3]))
+    batch = trainer._pad_samples([r[1] for r in rows], [r[2] for r in rows], agents=[r[0] for r in rows])
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    trainer._rows_agent_index = torch.tensor([r[0] for r in rows])
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, input_ids, attention_mask, batch["completion_ids"].size(1)
+        )
+    trainer._clear_routing()
+    for row, (agent, prompt, completion) in enumerate(rows):
+        base = trainer.bases[trainer.agent_base[agent]]
+        base.model.set_adapter(trainer.agent_names[agent])
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = base.model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / trainer.temperature
+        alone = torch.log_softmax(logits.float(), dim=-1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+        torch.testing.assert_close(logps[row, : len(completion)], alone, rtol=1e-4, atol=1e-4)
+
+
+def test_evaluate_task_scores_a_saved_two_base_team_with_its_trained_adapters(tiny_two_base_team, monkeypatch):
+    trainer, out = tiny_two_base_team
+    rebuilt = []
+    load = MAGRPOTrainer._load_from_checkpoint
+
+    def recorded(self, folder, model=None):
+        load(self, folder, model)
+        rebuilt.append(self)
+
+    monkeypatch.setattr(MAGRPOTrainer, "_load_from_checkpoint", recorded)
+    metrics = evaluate_task("explain", team=str(out), limit=2, use_cpu=True, max_completion_length=4)
+    assert math.isfinite(metrics["reward"])
+    (evaluator,) = rebuilt
+    assert [base.agents for base in evaluator.bases] == [[0], [1]]
+    trained = {n: p for n, p in trainer.model.named_parameters() if "lora_" in n}
+    loaded = {n: p for n, p in evaluator.model.named_parameters() if "lora_" in n}
+    assert trained.keys() == loaded.keys() and any(n.startswith("team_bases.") for n in loaded)
+    for name in trained:
+        torch.testing.assert_close(loaded[name], trained[name], msg=name)
+
+
+def test_the_planner_sums_the_bases_and_lists_them(tiny_model_dir, other_base_dir):
+    from transformers import AutoConfig
+
+    from trl_marl.memory import estimate_memory, estimate_team_memory
+
+    agents = [{"name": "writer"}, {"name": "checker", "model": other_base_dir}, {"name": "editor"}]
+    config = MAGRPOConfig(output_dir="unused", agents=agents, num_generations=2, use_cpu=True)
+    team = estimate_team_memory(config, model_name_or_path=tiny_model_dir, device="cuda")
+    first = estimate_memory(config, AutoConfig.from_pretrained(tiny_model_dir), device="cuda", agents=[0, 2])
+    second = estimate_memory(config, AutoConfig.from_pretrained(other_base_dir), device="cuda", agents=[1])
+    assert team.base_weights == first.base_weights + second.base_weights
+    assert team.adapters == first.adapters + second.adapters and first.details["adapters"] == 2
+    assert team.saved_activations == first.saved_activations + second.saved_activations
+    assert team.backward_working_set == max(first.backward_working_set, second.backward_working_set)
+    assert team.kv_cache == first.kv_cache + second.kv_cache  # the captured decode step keeps every base's caches
+    table = team.table()
+    assert f"base 1: {tiny_model_dir} (the team's dtype; writer, editor)" in table
+    assert f"base 2: {other_base_dir} (the team's dtype; checker)" in table

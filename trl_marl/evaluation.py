@@ -22,6 +22,7 @@ import os
 import tempfile
 from typing import Any
 
+from .agents import BASE_KEYS
 from .cli_train import ALGORITHMS
 from .metrics import is_training_metric
 from .tasks import Task, resolve_task, task_defaults
@@ -73,6 +74,7 @@ def evaluate_task(
     from .default_model import default_model_path
     from .hub import resolve_team_folder
     from .team import load_team, read_team_file
+    from .team_bases import loadable, spec_bases
 
     if baseline not in BASELINES:
         raise ValueError(f"`baseline` must be one of {list(BASELINES)}, got {baseline!r}.")
@@ -90,10 +92,16 @@ def evaluate_task(
     settings = {**task_defaults(task), "num_generations": 2, "num_generations_eval": candidates, "report_to": "none"}
     settings["per_device_eval_batch_size"] = 2
     reward_funcs = list(task.reward_funcs)
+    saved_adapters = None
     if baseline == "team":
         team = resolve_team_folder(team)  # a folder, or the Hub id of a pushed team
-        settings.update(team_settings(read_team_file(team)))
-        model = load_team(team).model
+        spec = read_team_file(team)
+        settings.update(team_settings(spec))
+        if len(spec_bases(spec)) > 1:  # a trainer on the team's bases, its saved adapters loaded into it below
+            model, saved_adapters = loadable(spec["base_model"]), team
+            settings.update(saved_lora_settings(team, spec))
+        else:
+            model = load_team(team).model
     elif baseline in ("parallel", "sequential"):
         settings["scheduler"] = baseline
     else:
@@ -113,6 +121,8 @@ def evaluate_task(
             eval_dataset=dataset,
             task=task,  # its transition, and its environment state if it keeps one
         )
+        if saved_adapters is not None:
+            trainer._load_from_checkpoint(str(saved_adapters))  # every base's adapters, as a checkpoint's
         try:
             metrics = trainer.evaluate()
         finally:
@@ -129,9 +139,31 @@ def team_settings(spec: dict) -> dict[str, Any]:
     keeps the config's default."""
     from .team import GENERATION_FIELDS
 
-    agents = [{"name": agent["name"], "system_prompt": agent["system_prompt"]} for agent in spec["agents"]]
+    agents = [
+        {
+            "name": agent["name"],
+            "system_prompt": agent["system_prompt"],
+            **{k: agent[k] for k in BASE_KEYS if k in agent},
+        }
+        for agent in spec["agents"]
+    ]
     recorded = {name: spec[name] for name in GENERATION_FIELDS if name in spec}
     return {"agents": agents, "adapter_mode": spec["adapter_mode"], "num_turns": spec["num_turns"], **recorded}
+
+
+def saved_lora_settings(folder, spec: dict) -> dict[str, Any]:
+    """The `lora_*` fields that rebuild a saved team's adapters: their rank, alpha and dropout, and every module they
+    adapt on any base (each base adapts those it has)."""
+    from pathlib import Path
+
+    from peft import LoraConfig
+
+    adapters = list(dict.fromkeys(agent["adapter"] for agent in spec["agents"]))
+    configs = [LoraConfig.from_pretrained(str(Path(folder) / adapter)) for adapter in adapters]
+    targets = sorted({module for config in configs for module in config.target_modules})
+    first = configs[0]
+    return {"lora_r": first.r, "lora_alpha": first.lora_alpha, "lora_dropout": first.lora_dropout,
+            "lora_target_modules": targets}  # fmt: skip
 
 
 def resolve_reward(func):
