@@ -335,8 +335,9 @@ def test_a_mixed_batchs_log_probs_equal_each_row_alone_on_its_own_base(tiny_two_
     conversation = [{"role": "user", "content": "Why is the sky blue?"}]
     rows = []  # (agent, prompt ids, completion ids), tokenized by each agent's own base
     for agent, base, completion in ((0, first, " Because light"), (1, other, " Light scatters"), (0, first, " Air")):
-        prompt = base.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
-        prompt = prompt["input_ids"] if isinstance(prompt, dict) else list(prompt)
+        prompt = base.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
         rows.append((agent, prompt[: 5 + 4 * agent], base.tokenizer(completion)["input_ids"][:3]))
     batch = trainer._pad_samples([r[1] for r in rows], [r[2] for r in rows], agents=[r[0] for r in rows])
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)

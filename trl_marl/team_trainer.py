@@ -421,7 +421,9 @@ class TeamTrainer(GRPOTrainer):
             input_ids,
             attention_mask,
             # the first base is the model TRL passed (it may be wrapped), the others their own PeftModels
-            lambda index, base, *args: self._routed_logps(model if index == 0 else base.model, base.generation, *args),
+            lambda index, base, *args, **kwargs: self._routed_logps(
+                model if index == 0 else base.model, base.generation, *args, **kwargs
+            ),
             logits_to_keep,
             batch_size,
             **kwargs,
