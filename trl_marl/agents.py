@@ -56,8 +56,8 @@ def normalize_agents(agents: Any) -> list[dict[str, str]]:
         unknown = set(agent) - {"name", "system_prompt", "role", *BASE_KEYS}
         if unknown:
             raise ValueError(
-                f"`agents[{index}]` has unknown keys {sorted(unknown)}; allowed keys are 'name', 'system_prompt' and "
-                f"the agent's own base model: {', '.join(repr(key) for key in BASE_KEYS)}."
+                f"`agents[{index}]` has unknown keys {sorted(unknown)}; allowed keys are 'name' and 'system_prompt', "
+                f"and for an agent's own base model {', '.join(repr(key) for key in BASE_KEYS)}."
             )
         name = agent["name"]
         if not isinstance(name, str) or not _AGENT_NAME_PATTERN.match(name) or name in RESERVED_AGENT_NAMES:
