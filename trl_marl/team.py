@@ -40,7 +40,8 @@ from .rollout import RolloutSettings, default_transition
 from .routing import AdapterRouter
 from .scheduling import Prompt, resolve_scheduler
 from .tasks import resolve_task
-from .team_bases import loadable, spec_bases
+from .team_bases import loadable, spec_bases, tokenize_text_prompts
+from .team_generation import left_padded
 
 TEAM_FORMAT = "trl_marl.team/1"
 # How the team sampled in training and in the trainer's evaluation (config fields of these names), recorded in
@@ -240,16 +241,10 @@ class Team:
 
     def _generate_on(self, base: BasePart, model_inputs: list, agent_index: list[int], max_new_tokens, do_sample):
         tokenizer, model = base.tokenizer, base.model
-        if isinstance(model_inputs[0], list):  # conversations, rendered as TRL's `_tokenize_prompts` does
-            prompt_ids = tokenizer.apply_chat_template(
-                model_inputs,
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-                **self.spec.get("chat_template_kwargs", {}),
-            )["input_ids"]
-        else:
-            prompt_ids = tokenizer(text=model_inputs)["input_ids"]
+        # rendered as TRL's `_tokenize_prompts` does (conversations through the chat template)
+        prompt_ids, _, _ = tokenize_text_prompts(
+            tokenizer, self.spec.get("chat_template_kwargs", {}), None, model_inputs
+        )
         width = max(len(ids) for ids in prompt_ids)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         adapters = [self._adapters[a] for a in agent_index]
@@ -259,11 +254,7 @@ class Team:
                 prompt_ids, adapters, max_new_tokens, do_sample, eos_ids, model.generation_config
             )
         else:
-            device = next(model.parameters()).device
-            input_ids = torch.tensor([[pad_id] * (width - len(ids)) + list(ids) for ids in prompt_ids], device=device)
-            attention_mask = torch.tensor(
-                [[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=device
-            )
+            input_ids, attention_mask = left_padded(prompt_ids, pad_id, None, next(model.parameters()).device)
             if base.router is not None:
                 base.router.route(adapters)
             generate = base.decoder.generate if base.decoder is not None else model.generate

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from trl.data_utils import is_conversational
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import create_model_from_path, pad
+from trl.trainer.utils import create_model_from_path
 
 from .default_model import DEFAULT_MODEL_ID, default_model_path, is_default_model
 from .routing import OTHER_BASES as TEAM_BASES  # the attribute of the first base's PeftModel holding the others
@@ -359,19 +359,6 @@ def tokenize_text_prompts(tokenizer, chat_template_kwargs: dict, tools, prompts:
     return prompt_ids, None, {}
 
 
-def left_padded(prompt_ids: list[list[int]], pad_id: int, pad_to_multiple_of: int | None, device) -> tuple:
-    """Prompts left-padded as TRL pads them for `generate`: `(input_ids, attention_mask)` on `device`."""
-    prompts = [torch.tensor(ids) for ids in prompt_ids]
-    input_ids = pad(prompts, padding_value=pad_id, padding_side="left", pad_to_multiple_of=pad_to_multiple_of)
-    attention_mask = pad(
-        [torch.ones_like(ids) for ids in prompts],
-        padding_value=0,
-        padding_side="left",
-        pad_to_multiple_of=pad_to_multiple_of,
-    )
-    return input_ids.to(device), attention_mask.to(device)
-
-
 def base_single_turn(
     model,
     decoder,
@@ -385,7 +372,7 @@ def base_single_turn(
     """TRL's `_generate_single_turn` (text, without vLLM) for a base other than the trainer's: its prompts
     left-padded with its pad token, `generate` (or its captured decoder) with its special tokens, completions cut
     after its first EOS."""
-    from .team_generation import completions_through_eos
+    from .team_generation import completions_through_eos, left_padded
 
     eos_token_ids = list(generation_config.eos_token_id)
 

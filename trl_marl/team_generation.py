@@ -108,16 +108,9 @@ def captured_single_turn(
     """TRL's `_generate_single_turn` for text without vLLM (its transformers branch: left-padded prompts, the model
     unwrapped for generation, completions cut after their first EOS), with `decoder.generate` in place of the model's
     `generate`: `(completion ids per row, None)`. Re-read when the TRL pin moves."""
-    pad_to = trainer.pad_to_multiple_of
-    prompts = [torch.tensor(ids) for ids in prompt_ids]
-    input_ids = pad(
-        prompts, padding_value=trainer._tokenizer.pad_token_id, padding_side="left", pad_to_multiple_of=pad_to
+    input_ids, attention_mask = left_padded(
+        prompt_ids, trainer._tokenizer.pad_token_id, trainer.pad_to_multiple_of, trainer.accelerator.device
     )
-    attention_mask = pad(
-        [torch.ones_like(ids) for ids in prompts], padding_value=0, padding_side="left", pad_to_multiple_of=pad_to
-    )
-    device = trainer.accelerator.device
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     with (
         profiling_context(trainer, "transformers.generate"),
         unwrap_model_for_generation(
@@ -139,3 +132,16 @@ def completions_through_eos(completion_ids: torch.Tensor, eos_token_ids: Sequenc
     is_eos = torch.isin(completion_ids, torch.tensor(list(eos_token_ids), device=completion_ids.device))
     length = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1) + 1, completion_ids.size(1))
     return [row[:n].tolist() for row, n in zip(completion_ids.cpu(), length.tolist(), strict=True)]
+
+
+def left_padded(prompt_ids: list[list[int]], pad_id: int, pad_to_multiple_of: int | None, device) -> tuple:
+    """Prompts left-padded as TRL pads them for `generate`: `(input_ids, attention_mask)` on `device`."""
+    prompts = [torch.tensor(ids) for ids in prompt_ids]
+    input_ids = pad(prompts, padding_value=pad_id, padding_side="left", pad_to_multiple_of=pad_to_multiple_of)
+    attention_mask = pad(
+        [torch.ones_like(ids) for ids in prompts],
+        padding_value=0,
+        padding_side="left",
+        pad_to_multiple_of=pad_to_multiple_of,
+    )
+    return input_ids.to(device), attention_mask.to(device)
