@@ -228,8 +228,17 @@ def test_seeds_for_power_is_the_smallest_n_whose_t_test_has_80_percent_power_at_
     assert report.seeds_for_power([0.0011, -0.001]) == "> 1000"  # mean 5e-5, SD 1.5e-3
 
 
-def test_version_2_comes_from_its_settings_file_and_changes_one_thing_per_claim(bench, versions):
-    assert versions.LATEST == 2 and versions.VERSION["congestion"] == versions.VERSION["pick_new_hidden"] == 2
+@pytest.fixture
+def version_2(versions):
+    """Version 2's tables in force (version 3 benchmarks its tasks again), the latest's again afterwards."""
+    versions.select_version(2)
+    yield versions
+    versions.select_version(versions.LATEST)
+
+
+def test_version_2_comes_from_its_settings_file_and_changes_one_thing_per_claim(bench, version_2):
+    versions = version_2
+    assert versions.VERSION["congestion"] == versions.VERSION["pick_new_hidden"] == 2
     assert versions.tasks_of(1) == ["distinct_items", "pick_new"]
     assert versions.results_file(2).endswith("results/bench_learning_v2.json")
     # congestion: the same trainer on the team reward alone (no local reward) or on each agent's own points (α = 0)
@@ -257,6 +266,61 @@ def test_version_2_comes_from_its_settings_file_and_changes_one_thing_per_claim(
         saved = json.load(f)["runs"]
     first_round = [(t, m, s) for t in versions.tasks_of(1) for m in versions.METHODS[t] for s in versions.SEEDS[1]]
     assert sorted(versions.identity(r) for r in versions.current(saved, None, None)) == sorted(first_round)
+
+
+def test_version_3_is_version_2_with_a_strict_one_agent_scorer_and_a_held_out_split_of_unseen_categories(versions):
+    assert versions.LATEST == 3 and versions.tasks_of(3) == ["congestion", "pick_new_hidden"]
+    assert versions.HELD_OUT[3] == ["eval", "unseen"] and versions.HELD_OUT[2] == ["eval"]
+    assert versions.results_file(3).endswith("results/bench_learning_v3.json")
+    latest = {(t, m): versions.run_settings(t, m, 32, 16) for t in versions.tasks_of(3) for m in versions.METHODS[t]}
+    versions.select_version(2)
+    try:
+        before = {key: versions.run_settings(*key, 32, 16) for key in latest}
+    finally:
+        versions.select_version(3)
+    changed = {key for key in latest if latest[key] != before[key]}
+    assert changed == {("pick_new_hidden", "solo")}  # every other run trains and is scored exactly as in version 2
+    assert latest[("pick_new_hidden", "solo")]["reward_funcs"] == ["exactly_two_new_options_reward"]
+    assert before[("pick_new_hidden", "solo")]["reward_funcs"] == ["two_new_options_reward"]
+
+
+def test_a_run_is_scored_on_every_held_out_split_of_its_version_and_records_its_code_commit(bench, monkeypatch):
+    trained = {"settings": {}, "training": {}, "train_minutes": 1.0}
+    monkeypatch.setattr(bench, "train", lambda *args: trained)
+    seen = []
+
+    def score_team(task_name, folder, rows, max_new_tokens):
+        seen.append((folder.rsplit("/", 1)[-1], rows[0]["options"]))
+        return {"scores": [float(len(seen))]}
+
+    monkeypatch.setattr(bench, "score_team", score_team)
+    result = bench.run("congestion", "at_grpo", 0, 2, 2)
+    eval_rows, unseen_rows = (bench.TASKS["congestion"]().dataset(split)[0]["options"] for split in ("eval", "unseen"))
+    assert seen == [("step-0", eval_rows), ("step-0", unseen_rows), ("step-2", eval_rows), ("step-2", unseen_rows)]
+    assert [(e["step"], e["scores"], e["unseen"]["scores"]) for e in result["evaluations"]] == [
+        (0, [1.0], [2.0]),
+        (2, [3.0], [4.0]),
+    ]
+    assert result["code_commit"] is None or len(result["code_commit"].removesuffix("-dirty")) == 40
+
+
+def test_the_report_gives_each_held_out_split_its_own_tables(report):
+    runs = []
+    for seed, (seen_scores, unseen_scores) in enumerate([([1.0, 1.0], [0.5, 0.0]), ([1.0, 0.5], [0.5, 0.5])]):
+        for method, shift in (("at_grpo", 0.0), ("solo", 0.5)):
+            final = {"step": 32, "scores": [v - shift for v in seen_scores], "success": 0.0}
+            final["unseen"] = {"scores": [v * 2 - shift for v in unseen_scores], "success": 0.0}
+            start = {"step": 0, "scores": [0.0, 0.0], "success": 0.0, "unseen": {"scores": [0.0, 0.0], "success": 0.0}}
+            runs.append({"task": "pick_new_hidden", "method": method, "seed": seed, "minutes": 1.0})
+            runs[-1]["evaluations"] = [start, final]
+    # at_grpo − solo is +0.5 on every problem of both splits; at_grpo's own means differ by split: seeds 0 and 1 score
+    # 1.0 and 0.75 on the training categories (mean 0.875, half-width 12.706 · 0.177 / √2 = 1.588), 0.5 and 1.0 on
+    # the unseen ones (0.750 ± 12.706 · 0.354 / √2 = 3.176)
+    assert report.paired_difference(runs[0::2], runs[1::2], "unseen") == [0.5, 0.5]
+    seen_lines = report.table(runs, ["pick_new_hidden"])
+    unseen_lines = report.table(runs, ["pick_new_hidden"], "unseen")
+    assert "| pick_new_hidden | at_grpo | 2 | 0.875 ± 1.588 |" in seen_lines
+    assert "| pick_new_hidden | at_grpo | 2 | 0.750 ± 3.176 |" in unseen_lines
 
 
 def test_held_out_runs_need_the_settings_file_committed_and_record_its_commit(versions, tmp_path):
@@ -301,15 +365,19 @@ def test_held_out_runs_refuse_seeds_outside_the_registered_ones_and_results_of_a
     ):
         pytest.skip("the version 2 settings file is not committed as it is here")
     results = tmp_path / "v2.json"
-    monkeypatch.setattr("sys.argv", ["bench_learning.py", "--seeds", "0", "7", "--results", str(results)])
+    argv = ["bench_learning.py", "--version", "2", "--seeds", "0", "7", "--results", str(results)]
+    monkeypatch.setattr("sys.argv", argv)
     with pytest.raises(
         SystemExit, match=r"--seeds: \[7\] are not among version 2's registered seeds \[0, 1, 2, 3, 4\]"
     ):
         bench.main()
     results.write_text(json.dumps({"runs": [{"task": "congestion", "settings_commit": "0123abc"}]}))
-    monkeypatch.setattr("sys.argv", ["bench_learning.py", "--seeds", "0", "--results", str(results)])
-    with pytest.raises(SystemExit, match="holds runs made under settings commit 0123abc.*a new version"):
-        bench.main()
+    monkeypatch.setattr("sys.argv", ["bench_learning.py", "--version", "2", "--seeds", "0", "--results", str(results)])
+    try:
+        with pytest.raises(SystemExit, match="holds runs made under settings commit 0123abc.*a new version"):
+            bench.main()
+    finally:
+        versions.select_version(versions.LATEST)
     assert json.loads(results.read_text())["runs"] == [{"task": "congestion", "settings_commit": "0123abc"}]
 
 

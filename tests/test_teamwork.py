@@ -10,7 +10,7 @@ import pytest
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, load_team
 from trl_marl.rollout import NextTurn
 from trl_marl.tasks import resolve_task, task_defaults
-from trl_marl.tasks.categories import CATEGORIES, listed_items, mentioned
+from trl_marl.tasks.categories import ALIASES, CATEGORIES, UNSEEN_CATEGORIES, listed_items, mentioned
 from trl_marl.tasks.teamwork import (
     EVAL_PROBLEMS,
     POINTS,
@@ -18,6 +18,7 @@ from trl_marl.tasks.teamwork import (
     PickNewHidden,
     congestion_reward,
     distinct_items_reward,
+    exactly_two_new_options_reward,
     new_option_gain,
     new_options_reward,
     one_option,
@@ -263,6 +264,52 @@ def test_the_one_agent_baseline_poses_the_same_problems_and_scores_both_picks_al
     assert score("red, red") == 0.5
     assert score("pink, green, red") == 1.0  # the first two
     assert score("blue, green, red") == 0.5  # the first two: blue (named) and green
+
+
+def test_the_strict_one_agent_scorer_holds_one_answer_as_the_team_holds_two():
+    row = {"options": [["red", "blue", "green", "pink"]], "named": [["blue", "grey"]], "goal": [2]}
+
+    def score(text):
+        return exactly_two_new_options_reward(None, [[{"role": "assistant", "content": text}]], **row)[0]
+
+    assert score("red, pink") == 1.0
+    assert score("I pick red and then pink.") == 1.0  # words around the options are allowed, as in a teammate's
+    assert score("Red and blue") == 0.5  # blue was named already: as a teammate repeating a named option
+    assert score("red, red") == 0.5  # a repeat adds nothing, as the second teammate repeating the first
+    assert score("green") == 0.5  # one option: as one teammate answering and the other naming none
+    assert score("pink, green, red") == 0.0  # three options: as a teammate naming two, it counts for nothing
+    assert score("Options: red, blue, green, pink") == 0.0  # echoing the list scores 0 (0.5 on the old scorer)
+    assert two_new_options_reward(None, ["Options: red, blue, green, pink"], **row) == [0.5]
+
+
+def test_echoing_the_prompt_scored_two_thirds_for_one_agent_alone_and_scores_nothing_now():
+    solo = resolve_task("pick_new_hidden").solo_dataset("eval")
+    columns = {key: solo[key] for key in ("options", "named", "goal")}
+    echoes = [row["prompt"][0]["content"].split(". Already")[0] for row in solo]  # "Options: a, b, c, d, e, f"
+    assert sum(two_new_options_reward(None, echoes, **columns)) / len(echoes) == pytest.approx(0.672, abs=5e-4)
+    assert exactly_two_new_options_reward(None, echoes, **columns) == [0.0] * len(echoes)
+
+
+@pytest.mark.parametrize("task_name", ["congestion", "pick_new", "pick_new_hidden"])
+def test_the_unseen_split_draws_its_problems_from_categories_no_training_problem_comes_from(task_name):
+    task = resolve_task(task_name)
+    train, eval_split, unseen = (task.dataset(split) for split in ("train", "eval", "unseen"))
+    assert len(eval_split) == len(unseen) == 64
+    trained_options = {option for options in train["options"] for option in options}
+    unseen_options = {option for options in unseen["options"] for option in options}
+    assert not trained_options & unseen_options
+    assert unseen_options <= {member for members in UNSEEN_CATEGORIES.values() for member in members}
+    assert len({tuple(options) for options in unseen["options"]}) == 64
+    with pytest.raises(ValueError, match="`split` must be 'train' or one of the held-out splits.*'test'"):
+        task.dataset("test")
+
+
+def test_no_unseen_member_shares_a_word_with_a_training_category_or_an_alias():
+    training_words = {word for members in CATEGORIES.values() for member in members for word in member.split()}
+    training_words |= {word for alias in (*ALIASES, *ALIASES.values()) for word in alias.split()}
+    for category, members in UNSEEN_CATEGORIES.items():
+        assert len(members) >= 12, category
+        assert not {word for member in members for word in member.split()} & training_words, category
 
 
 def test_pick_new_hidden_trains_with_at_grpo_and_plays_both_turns_on_the_same_text(

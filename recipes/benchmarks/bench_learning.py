@@ -2,10 +2,15 @@
 
 Teamwork tasks (`trl_marl/tasks/teamwork.py`) on the embedded default model (SmolLM2-135M-Instruct), on the CPU;
 every method of a task is trained with the same settings and seeds and scored on the same 64 held-out problems,
-greedily, at step 0 (the untrained team: LoRA starts as the identity) and every few steps. Two versions
+greedily, at step 0 (the untrained team: LoRA starts as the identity) and every few steps. Three versions
 (docs/benchmarks.md#teamwork):
 
-**Version 2** (round 2, the default; settings pre-registered in `settings/bench_learning_v2.json`): tasks where the
+**Version 3** (round 3, the default; settings pre-registered in `settings/bench_learning_v3.json`): version 2's tasks,
+methods and training, with the one-agent baseline held as strictly as the team (`exactly_two_new_options_reward`:
+an answer naming more than two options scores 0, as a teammate's naming more than one does) and a second held-out
+split, `unseen`: 64 problems of eight categories that no training problem comes from. Each run is scored on both.
+
+**Version 2** (round 2, superseded by version 3; `settings/bench_learning_v2.json`, `--version 2`): tasks where the
 team reward is provably needed.
 - `congestion` (one turn, blind picks worth 4/3/2/1; the team scores its distinct picks): `at_grpo` (team reward
   alone), `per_role` (the same trainer, α = 0: each agent's own points), `magrpo`.
@@ -66,7 +71,6 @@ from trl_marl.tasks.teamwork import (
     own_items_reward,
     own_points_reward,
     picked,
-    two_new_options_reward,
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -74,6 +78,7 @@ from learning_report import report  # noqa: E402
 from learning_versions import (  # noqa: E402
     COARSE,
     COMMONS,
+    HELD_OUT,
     LATEST,
     METHODS,
     RESULTS,
@@ -84,12 +89,14 @@ from learning_versions import (  # noqa: E402
     TASK_VARIANTS,
     TASKS,
     VERSION,
+    code_commit,
     evaluation_steps,
     identity,
     registered_commit,
     results_file,
     run_settings,
     schedule,
+    select_version,
     tasks_of,
 )
 
@@ -193,9 +200,10 @@ def score_team(task_name: str, folder: str, rows: list[dict], max_new_tokens: in
     }
 
 
-def score_solo(folder: str, rows: list[dict], max_new_tokens: int) -> dict:
+def score_solo(folder: str, rows: list[dict], max_new_tokens: int, reward_func) -> dict:
     """Answer every held-out one-agent problem greedily with the adapter saved in `folder` (TRL's `save_model`) on the
-    default model, through the chat template as `GRPOTrainer` prompted it: per-problem rewards."""
+    default model, through the chat template as `GRPOTrainer` prompted it: per-problem rewards by `reward_func` (the
+    reward the method trains on: the version's one-agent scorer)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -207,7 +215,7 @@ def score_solo(folder: str, rows: list[dict], max_new_tokens: int) -> dict:
         output = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
     completions = tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
     columns = {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
-    scores = two_new_options_reward(None, completions, **columns)
+    scores = reward_func(None, completions, **columns)
     return {
         "scores": scores,
         "success": statistics.mean(score == 1.0 for score in scores),
@@ -338,7 +346,9 @@ def run(
     only trains (its training rewards are what settings may be chosen on). With `saves_dir`, the saves are kept in
     `saves_dir/<task>/<method>/seed-<seed>` (a later run with the same settings scores them without training)."""
     solo = METHODS[task_name][method][0] == "solo"
-    rows = (TASKS[task_name]().solo_dataset if solo else TASKS[task_name]().dataset)("eval").to_list()
+    splits = HELD_OUT[VERSION[task_name]]  # scored on each; the first split's scores are the record's own
+    make_rows = TASKS[task_name]().solo_dataset if solo else TASKS[task_name]().dataset
+    rows = {split: make_rows(split).to_list() for split in splits}
     max_new_tokens = {**SETTINGS[task_name], **METHODS[task_name][method][1]}["max_completion_length"]
     evaluations, kept = [], None
     with tempfile.TemporaryDirectory() as scratch:
@@ -347,12 +357,19 @@ def run(
         scoring = time.perf_counter()
         for step in [] if pilot else evaluation_steps(steps, eval_every):
             folder = os.path.join(saves, f"step-{step}")
-            if solo:
-                result = score_solo(folder, rows, max_new_tokens)
-            else:
-                result = score_team(task_name, folder, rows, max_new_tokens)
-            evaluations.append({"step": step, **result})
-            print(f"   step {step}: held-out team reward {statistics.mean(result['scores']):.3f}", flush=True)
+            evaluation = {"step": step}
+            for split in splits:
+                if solo:
+                    result = score_solo(folder, rows[split], max_new_tokens, REWARDS[(task_name, method)][0])
+                else:
+                    result = score_team(task_name, folder, rows[split], max_new_tokens)
+                if split == splits[0]:
+                    evaluation.update(result)
+                else:
+                    evaluation[split] = result
+                score = statistics.mean(result["scores"])
+                print(f"   step {step}: held-out ({split}) team reward {score:.3f}", flush=True)
+            evaluations.append(evaluation)
         if keep_dir and not pilot:
             kept = keep_team(os.path.join(saves, f"step-{steps}"), keep_dir, task_name, method, seed)
     return {
@@ -367,6 +384,7 @@ def run(
         "train_minutes": trained["train_minutes"],
         "minutes": trained["train_minutes"]
         + (time.perf_counter() - scoring) / 60,  # training (maybe earlier) + scoring
+        "code_commit": code_commit(),
         **({"kept": kept} if kept else {}),
     }
 
@@ -413,6 +431,7 @@ def main() -> None:
     )
     options = parser.parse_args()
     version = options.version
+    select_version(version)
     tasks = tasks_of(version)
     if options.task != "all" and options.task not in tasks:
         raise SystemExit(f"--task: {options.task!r} is not a task of version {version} ({tasks}).")

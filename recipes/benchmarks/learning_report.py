@@ -8,6 +8,7 @@ import statistics
 from learning_versions import (
     CLAIMS,
     DOCS,
+    HELD_OUT,
     METHODS,
     REWARDS,
     SETTINGS_FILES,
@@ -28,6 +29,10 @@ T_80 = [1.376, 1.061, 0.978, 0.941, 0.920, 0.906, 0.896, 0.889, 0.883, 0.879, 0.
 T_80 += [0.865, 0.863, 0.862, 0.861, 0.860, 0.859, 0.858, 0.858, 0.857, 0.856, 0.856, 0.855, 0.855, 0.854, 0.854]
 T_80 = dict(enumerate(T_80, 1))  # one-sided 80 % quantiles of Student's t (power 0.8), by degrees of freedom
 NORMAL = {0.975: 1.959964, 0.8: 0.841621}  # the standard normal's quantiles
+SPLIT_TITLES = {
+    "eval": "64 problems of the training categories",
+    "unseen": "64 problems of eight categories never trained on",
+}
 
 
 def t_quantile(probability: float, degrees: int) -> float:
@@ -57,11 +62,22 @@ def interval(values: list[float]) -> tuple[float, float]:
     return mean, t_quantile(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
 
 
-def paired_difference(runs_a: list[dict], runs_b: list[dict]) -> list[float]:
+def scored(evaluation: dict, split: str = "eval") -> dict:
+    """An evaluation's result on a held-out split: the record's own for `"eval"` (every version's first split), the
+    entry under the split's name for another."""
+    return evaluation if split == "eval" else evaluation[split]
+
+
+def at_end(run: dict, split: str = "eval") -> dict:
+    """A run's last evaluation, on `split`."""
+    return scored(run["evaluations"][-1], split)
+
+
+def paired_difference(runs_a: list[dict], runs_b: list[dict], split: str = "eval") -> list[float]:
     """Per seed present in both: the mean over held-out problems of (score under A − score under B), at the end."""
-    by_seed = {run["seed"]: run["evaluations"][-1]["scores"] for run in runs_b}
+    by_seed = {run["seed"]: at_end(run, split)["scores"] for run in runs_b}
     return [
-        statistics.mean(a - b for a, b in zip(run["evaluations"][-1]["scores"], by_seed[run["seed"]], strict=True))
+        statistics.mean(a - b for a, b in zip(at_end(run, split)["scores"], by_seed[run["seed"]], strict=True))
         for run in runs_a
         if run["seed"] in by_seed
     ]
@@ -86,7 +102,7 @@ def fmt(values: list[float]) -> str:
     return f"{mean:.3f} ± {half:.3f}" if len(values) > 1 else f"{mean:.3f}"
 
 
-def table(runs: list[dict], tasks: list[str] | None = None) -> str:
+def table(runs: list[dict], tasks: list[str] | None = None, split: str = "eval") -> str:
     lines = [
         "| task | method | seeds | held-out team reward | success rate | paired difference: method − reference (seeds "
         "of both) | "
@@ -97,9 +113,10 @@ def table(runs: list[dict], tasks: list[str] | None = None) -> str:
         reference = next(iter(METHODS[task_name]))
         of_task = dict(with_untrained(runs, task_name))
         for method, done in of_task.items():
-            finals = [statistics.mean(r["evaluations"][-1]["scores"]) for r in done]
-            success = [r["evaluations"][-1]["success"] for r in done if "success" in r["evaluations"][-1]]
-            difference = "-" if method == reference else fmt(paired_difference(done, of_task.get(reference, [])))
+            finals = [statistics.mean(at_end(r, split)["scores"]) for r in done]
+            success = [at_end(r, split)["success"] for r in done if "success" in at_end(r, split)]
+            reference_runs = of_task.get(reference, [])
+            difference = "-" if method == reference else fmt(paired_difference(done, reference_runs, split))
             minutes = "-" if method == "untrained" else f"{statistics.mean(r['minutes'] for r in done):.1f}"
             lines.append(
                 f"| {task_name} | {method} | {len(done)} | {fmt(finals)} | {fmt(success)} | {difference} | {minutes} |"
@@ -134,7 +151,7 @@ def seeds_for_power(differences: list[float]) -> str:
     return "> 1000"
 
 
-def claims_table(runs: list[dict], tasks: list[str] | None = None) -> str:
+def claims_table(runs: list[dict], tasks: list[str] | None = None, split: str = "eval") -> str:
     """One line per claim of CLAIMS with runs of both methods: the paired difference, whether it is resolved, the
     seeds' SD and how many seeds would give 80 % power at the measured effect."""
     lines = [
@@ -147,7 +164,7 @@ def claims_table(runs: list[dict], tasks: list[str] | None = None) -> str:
         for winner, other in CLAIMS[task_name]:
             if winner not in of_task or other not in of_task:
                 continue
-            differences = paired_difference(of_task[winner], of_task[other])
+            differences = paired_difference(of_task[winner], of_task[other], split)
             by_seed = ", ".join(f"{d:+.3f}" for d in differences)
             spread = f"{statistics.stdev(differences):.3f}" if len(differences) > 1 else "-"
             lines.append(
@@ -222,7 +239,7 @@ def group_label(key: str) -> str:
     return "all" if len(parts) == 1 else f"turn {parts[1]}" + (f" {parts[3]}" if len(parts) > 3 else "")
 
 
-def diagnostics_table(runs: list[dict], tasks: list[str] | None = None) -> str:
+def diagnostics_table(runs: list[dict], tasks: list[str] | None = None, split: str = "eval") -> str:
     """Per method, means over seeds (the second teammate's rates pooled over the seeds' episodes): what the teammates
     did on the held-out problems at the end, and how often a training group carried no signal (all its rewards
     tied)."""
@@ -232,7 +249,7 @@ def diagnostics_table(runs: list[dict], tasks: list[str] | None = None) -> str:
     ]
     for task_name in tasks or METHODS:
         for method, done in with_untrained(runs, task_name):
-            finals = [r["evaluations"][-1] for r in done]
+            finals = [at_end(r, split) for r in done]
             if task_name == "distinct_items":
                 own = [mean_of(f["own"][i] for f in finals) for i in range(2)]
                 overlap = mean_of(f.get("overlap") for f in finals)
@@ -314,7 +331,13 @@ def report(record: dict, results: str, steps: int | None, eval_every: int | None
         print(text)
         return
     tasks = tasks_of(version)
-    text = table(runs, tasks) + "\n\n" + claims_table(runs, tasks) + "\n\n" + diagnostics_table(runs, tasks)
+    parts = []
+    for split in HELD_OUT[version]:
+        tables = [table(runs, tasks, split), claims_table(runs, tasks, split), diagnostics_table(runs, tasks, split)]
+        if len(HELD_OUT[version]) > 1:
+            tables.insert(0, f"**Held out: {SPLIT_TITLES.get(split, split)}** (`{split}`)")
+        parts.append("\n\n".join(tables))
+    text = "\n\n".join(parts)
     print(text)
     stem = os.path.splitext(results)[0]
     with open(stem + ".md", "w") as f:

@@ -3,7 +3,9 @@ seeds and claims, and the pre-registration of a version's settings file.
 
 Version 1 (the first round: distinct_items and pick_new) is the constants below. Later versions are settings files,
 `settings/bench_learning_v<N>.json`, registered at import: held-out runs refuse to start while the file differs from
-its last commit, and record that commit. Task names are unique across versions.
+its last commit, and record that commit. A later version may benchmark an earlier one's tasks again (version 3 those
+of version 2): the tables below hold one version's entries for a task at a time, the latest's after import;
+`select_version` puts another's in force.
 """
 
 import json
@@ -75,6 +77,7 @@ VERSION = dict.fromkeys(METHODS, 1)  # task -> the version that benchmarks it
 COMMONS = {1: COMMON}
 SEEDS = {1: [0, 1, 2]}
 SETTINGS_FILES = {1: None}
+HELD_OUT = {1: ["eval"]}  # per version: the held-out splits its runs are scored on, the first the claims' main one
 # (task, method) -> attributes set on the task instance: `local_reward_funcs = {}` trains on the team reward alone
 TASK_VARIANTS: dict[tuple[str, str], dict] = {}
 SETTINGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "settings")
@@ -92,9 +95,14 @@ def register_version(path: str) -> int:
         "bf16": torch.cuda.is_available(),
     }
     SEEDS[number], SETTINGS_FILES[number] = spec["seeds"], path
+    HELD_OUT[number] = spec.get("held_out", ["eval"])
     for task_name, task in spec["tasks"].items():
-        if task_name in VERSION:
-            raise ValueError(f"{path}: task {task_name!r} is already benchmarked by version {VERSION[task_name]}.")
+        if VERSION.get(task_name) == 1:
+            raise ValueError(f"{path}: task {task_name!r} is benchmarked by version 1, whose tables are constants.")
+        for table in (REWARDS, TASK_VARIANTS):  # an earlier version's entries for the task
+            for key in [key for key in table if key[0] == task_name]:
+                del table[key]
+        COARSE.difference_update({key for key in COARSE if key[0] == task_name})
         VERSION[task_name], TASKS[task_name] = number, NEW_TASKS[task_name]
         SETTINGS[task_name], SCHEDULE[task_name] = task["settings"], (task["steps"], task["eval_every"])
         CLAIMS[task_name] = [tuple(claim) for claim in task["claims"]]
@@ -111,8 +119,30 @@ def register_version(path: str) -> int:
 
 
 COARSE = {("pick_new", "coarse")}  # (task, method) trained with the coarse-key ablation's trainer
-SETTINGS_NAMES = sorted(name for name in os.listdir(SETTINGS_DIR) if re.fullmatch(r"bench_learning_v\d+\.json", name))
+SETTINGS_NAMES = sorted(  # in version order: the latest's tables are in force after import
+    (name for name in os.listdir(SETTINGS_DIR) if re.fullmatch(r"bench_learning_v\d+\.json", name)),
+    key=lambda name: int(re.search(r"\d+", name).group()),
+)
 LATEST = max(register_version(os.path.join(SETTINGS_DIR, name)) for name in SETTINGS_NAMES)
+
+
+def select_version(number: int) -> None:
+    """Put version `number`'s tables in force for the tasks it benchmarks (the latest's are after import)."""
+    if SETTINGS_FILES[number]:
+        register_version(SETTINGS_FILES[number])
+
+
+def code_commit() -> str | None:
+    """The commit of the code a run is made with (`git rev-parse HEAD`), `-dirty` after it when trl_marl, the
+    project file or the recipes (results aside) differ from it; None outside a git checkout."""
+    folder = os.path.dirname(os.path.abspath(__file__))
+    try:
+        commit = git("rev-parse", "HEAD", cwd=folder, check=False)
+        paths = ("../../trl_marl", "../../pyproject.toml", "..", ":!results")
+        changed = git("status", "--porcelain", "--", *paths, cwd=folder, check=False) if commit else ""
+    except OSError:
+        return None
+    return (commit + ("-dirty" if changed else "")) if commit else None
 
 
 def tasks_of(version: int) -> list[str]:

@@ -56,6 +56,21 @@ ALIASES = {
     "bass guitar": "guitar", "acoustic guitar": "guitar", "south korea": "korea", "wolves": "wolf",
 }  # fmt: skip
 
+# Categories that no task trains on: the teamwork benchmark's second held-out split (`split="unseen"`), which asks
+# whether a team learned a convention or the training categories' options. Their first twelve members share no word
+# with a training category's members or aliases (tests/test_teamwork.py checks it).
+UNSEEN_CATEGORIES: dict[str, list[str]] = {
+    "tools": "hammer screwdriver wrench saw drill pliers chisel shovel rake axe ladder trowel",
+    "sports": "football tennis basketball baseball golf hockey cricket rugby volleyball boxing cycling skiing",
+    "vehicles": "car bus truck bicycle motorcycle train airplane boat helicopter tractor taxi submarine",
+    "furniture": "chair table bed sofa desk shelf cabinet wardrobe dresser stool bench bookcase",
+    "flowers": "rose tulip daisy lily sunflower orchid daffodil carnation poppy marigold jasmine peony",
+    "kitchen utensils": "spoon fork knife plate bowl cup kettle whisk ladle spatula grater colander",
+    "professions": "doctor teacher nurse farmer chef lawyer engineer dentist plumber carpenter baker firefighter",
+    "trees": "oak pine maple birch willow cedar elm spruce fir redwood cypress beech",
+}  # fmt: skip
+UNSEEN_CATEGORIES = {name: members.split() for name, members in UNSEEN_CATEGORIES.items()}
+
 LINES = re.compile(r"\n|\|")
 ITEMS = re.compile(r",|;|/|\band\b|\bor\b")
 NUMBERING = re.compile(r"^\s*(?:\(?\d+\s*[.):\-–]+|[-•*+]|#+)\s*")

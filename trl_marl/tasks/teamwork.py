@@ -22,7 +22,9 @@ are built so that it provably does.
   the same task text (only their system prompts differ) and must follow different conventions; with its one-agent
   baseline (`solo_dataset`).
 
-Offline data: the categories of `categories.py`; held-out problems are never trained on.
+Offline data: the categories of `categories.py`; held-out problems are never trained on. `pick_new`, `congestion` and
+`pick_new_hidden` have two held-out splits: `"eval"`, 64 problems of the training categories, and `"unseen"`, 64
+problems of eight categories that no training problem comes from (`UNSEEN_CATEGORIES`).
 """
 
 import itertools
@@ -33,13 +35,14 @@ from datasets import Dataset
 
 from ..rollout import NextTurn
 from .base import Task
-from .categories import CATEGORIES, listed_items, mentioned
+from .categories import CATEGORIES, UNSEEN_CATEGORIES, listed_items, mentioned
 
 TEAMMATES = [
     {"name": "first", "system_prompt": "You are the first of two teammates."},
     {"name": "second", "system_prompt": "You are the second of two teammates."},
 ]
 EVAL_PROBLEMS = 64
+HELD_OUT_SPLITS = ("eval", "unseen")  # of the tasks that draw options from categories: see the module's docstring
 
 # ------------------------------------------------------------------------------------------------- distinct_items
 
@@ -149,12 +152,12 @@ def one_option(prompts, completions, options, **kwargs) -> list[float]:
     return rewards
 
 
-def pick_dataset(size: int, seed: int, leave_out: set = frozenset()) -> list[tuple]:
+def pick_dataset(size: int, seed: int, leave_out: set = frozenset(), categories: dict = CATEGORIES) -> list[tuple]:
     rng = random.Random(seed)
     problems, seen = [], set(leave_out)
     while len(problems) < size:
-        category = rng.choice(list(CATEGORIES))
-        options = rng.sample(CATEGORIES[category][:OPTIONS_FROM], min(OPTIONS, len(CATEGORIES[category])))
+        category = rng.choice(list(categories))
+        options = rng.sample(categories[category][:OPTIONS_FROM], min(OPTIONS, len(categories[category])))
         named = rng.sample(options, ALREADY_NAMED)
         key = (category, frozenset(options), frozenset(named))
         if key not in seen:
@@ -177,9 +180,14 @@ class PickNew(Task):
     train_problems = 512
 
     def dataset(self, split: str = "train") -> Dataset:
+        """`"train"`, `"eval"` (held out, of the training categories) or `"unseen"` (held out, of categories never
+        trained on)."""
+        check_split(split)
         held_out = pick_dataset(EVAL_PROBLEMS, seed=1)
         if split == "eval":
             problems = held_out
+        elif split == "unseen":
+            problems = pick_dataset(EVAL_PROBLEMS, seed=1, categories=UNSEEN_CATEGORIES)
         else:
             keys = {(c, frozenset(o), frozenset(n)) for c, o, n in held_out}
             problems = pick_dataset(self.train_problems, seed=0, leave_out=keys)
@@ -272,15 +280,21 @@ class Congestion(Task):
     local_reward_funcs = {"first": [own_points_reward], "second": [own_points_reward]}
 
     def dataset(self, split: str = "train") -> Dataset:
+        """`"train"`, `"eval"` (held out, training categories) or `"unseen"` (held out, categories never trained on).
+        The first two come from one draw of ordered option lists, so an `"eval"` problem may list a training
+        problem's options in another order (12 of the 64 do); `"unseen"` shares no option with training."""
+        check_split(split)
+        categories = UNSEEN_CATEGORIES if split == "unseen" else CATEGORIES
+        size = EVAL_PROBLEMS if split == "unseen" else 512 + EVAL_PROBLEMS
         rng = random.Random(0)
         problems, seen = [], set()
-        while len(problems) < 512 + EVAL_PROBLEMS:
-            category = rng.choice(list(CATEGORIES))
-            options = rng.sample(CATEGORIES[category][:OPTIONS_FROM], len(POINTS))
+        while len(problems) < size:
+            category = rng.choice(list(categories))
+            options = rng.sample(categories[category][:OPTIONS_FROM], len(POINTS))
             if tuple(options) not in seen:
                 seen.add(tuple(options))
                 problems.append(options)
-        problems = problems[:EVAL_PROBLEMS] if split == "eval" else problems[EVAL_PROBLEMS:]
+        problems = problems[EVAL_PROBLEMS:] if split == "train" else problems[:EVAL_PROBLEMS]
         return Dataset.from_dict({"prompt": [congestion_prompt(options) for options in problems], "options": problems})
 
 
@@ -298,7 +312,9 @@ class PickNewHidden(PickNew):
     system prompt.
 
     `solo_dataset` and `two_new_options_reward` pose the same problems to one agent alone (the papers' single-agent
-    baseline): name two options not yet named in one answer, scored by the same count.
+    baseline): name two options not yet named in one answer. `exactly_two_new_options_reward` holds that answer
+    as strictly as the team's two answers are held (at most two options named); `two_new_options_reward`, the
+    benchmark's version 2 scorer, took the first two options named and ignored the rest.
     """
 
     name = "pick_new_hidden"
@@ -325,15 +341,39 @@ def two_picks_prompt(options: list[str], named: list[str]) -> list[dict]:
     return [{"role": "user", "content": content}]
 
 
+def exactly_two_new_options_reward(prompts, completions, options, named, goal, **kwargs) -> list[float]:
+    """The one-agent baseline's reward in [0, 1], a TRL reward function held as strictly as the team: an answer that
+    names more than `goal` options scores 0 (as a teammate's answer that names more than one option counts for
+    nothing, so that echoing the option list is worth nothing); otherwise the distinct options it names that were not
+    named yet, over `goal` (as `new_options_reward` scores a team's `goal` picks: a repeat, or an option named before,
+    adds nothing). Other words around the options are allowed, as they are in a teammate's answer."""
+    rewards = []
+    for completion, listed, already, target in zip(completions, options, named, goal):
+        text = completion[-1]["content"] if isinstance(completion, list) else completion
+        choices = mentioned(text, listed)
+        new = [option for option in choices if option not in already] if len(choices) <= target else []
+        rewards.append(min(1.0, len(new) / target))
+    return rewards
+
+
 def two_new_options_reward(prompts, completions, options, named, goal, **kwargs) -> list[float]:
-    """The one-agent baseline's reward in [0, 1], a TRL reward function: the distinct options not yet named among the
-    first two the answer names, over `goal` (as `new_options_reward` scores a team's two picks)."""
+    """The one-agent baseline's reward of the benchmark's version 2, kept to reproduce it; superseded by
+    `exactly_two_new_options_reward`, because it is more lenient than the team's count: the distinct options not yet
+    named among the first two the answer names, over `goal`, whatever else it names (echoing the prompt's option
+    list scores 0.67 on average, where a team that does so scores 0)."""
     rewards = []
     for completion, listed, already, target in zip(completions, options, named, goal):
         text = completion[-1]["content"] if isinstance(completion, list) else completion
         first_two = [option for option in mentioned_in_order(text, listed)][:2]
         rewards.append(min(1.0, len({option for option in first_two if option not in already}) / target))
     return rewards
+
+
+def check_split(split: str) -> None:
+    if split not in ("train", *HELD_OUT_SPLITS):
+        raise ValueError(
+            f"`split` must be 'train' or one of the held-out splits {list(HELD_OUT_SPLITS)}, got {split!r}."
+        )
 
 
 def mentioned_in_order(text: str, options: list[str]) -> list[str]:
