@@ -23,6 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import trl_marl  # noqa: F401 (first: it filters a bitsandbytes notice that importing PEFT would print)
+
+# isort: split
 import torch
 from datasets import Dataset
 from transformers import AutoTokenizer, TrainerCallback

@@ -35,6 +35,9 @@ import time
 import warnings
 from pathlib import Path
 
+import trl_marl  # noqa: F401 (first: it filters a bitsandbytes notice that importing PEFT would print)
+
+# isort: split
 import peft
 import torch
 import transformers

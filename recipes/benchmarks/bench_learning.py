@@ -56,10 +56,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import trl_marl  # first: it filters a bitsandbytes notice that importing PEFT would print
+
+# isort: split
 import torch
 from transformers import TrainerCallback
 
-import trl_marl
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, default_model_path, load_team
 from trl_marl.advantages import group_advantages
 from trl_marl.agents import agent_lora_config

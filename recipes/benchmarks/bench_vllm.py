@@ -17,6 +17,9 @@ import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, as TRL's colocate
 
+import trl_marl  # noqa: E402, F401 (first: it filters a bitsandbytes notice that importing PEFT would print)
+
+# isort: split
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
