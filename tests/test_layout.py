@@ -91,3 +91,30 @@ def test_contributings_layout_table_matches_the_tree():
         if p.name != "__init__.py" and (p.suffix == ".py" or (p / "__init__.py").exists())
     }
     assert sorted(top_level - set(named)) == [], "modules missing from CONTRIBUTING.md's layout table"
+
+
+def loads_bitsandbytes(node: ast.stmt) -> bool:
+    """Whether a top-level import statement imports bitsandbytes on its way: PEFT does, and so do transformers'
+    Trainer and its callbacks (plain `import transformers`, `import torch` or `import trl` do not)."""
+    if isinstance(node, ast.Import):
+        return any(alias.name.split(".")[0] in ("peft", "bitsandbytes") for alias in node.names)
+    if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+        top = node.module.split(".")[0]
+        trainer = top == "transformers" and any("Trainer" in a.name or "Callback" in a.name for a in node.names)
+        return top in ("peft", "bitsandbytes") or trainer
+    return False
+
+
+def test_every_recipe_imports_trl_marl_before_what_loads_bitsandbytes():
+    # trl_marl filters a bitsandbytes notice that cannot concern its runs; the filter must exist before bitsandbytes
+    # is imported, which logs it once, at import.
+    late = []
+    for path in sorted((PACKAGE.parent / "recipes").rglob("*.py")):
+        seen_trl_marl = False
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and "trl_marl" in ast.unparse(node).split()[1]:
+                seen_trl_marl = True
+            elif loads_bitsandbytes(node) and not seen_trl_marl:
+                late.append(f"{path.relative_to(PACKAGE.parent)}: {ast.unparse(node)}")
+                break
+    assert not late, f"import trl_marl first in: {late}"
