@@ -1,0 +1,67 @@
+"""A trained team behind an OpenAI-compatible endpoint: each agent a model name, all on one loaded `Team`, and the
+rows of concurrent requests generated together in routed calls (docs/serving.md).
+
+Files: `requests.py` (the OpenAI request bodies, checked; errors in OpenAI's format), `responses.py` (response bodies,
+stream events, log-probabilities), `rows.py` (what the engine is asked and gives back per row), `step_hooks.py` (each
+row's sampling and stopping inside a `generate` call), `engine.py` (the batching engine), `app.py` (the ASGI app),
+`server.py` (the server and its handle). FastAPI and uvicorn come with the `serve` extra and are imported only when a
+server starts.
+"""
+
+from typing import Any
+
+__all__ = ["serve_team"]
+
+
+def serve_team(
+    team_or_path: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    api_key: str | None = None,
+    max_batch_rows: int = 16,
+    chunk_tokens: int = 16,
+    max_tokens: int | None = None,
+    max_body_bytes: int | None = None,
+    log_level: str = "warning",
+    **load_options: Any,
+):
+    """Serve a team over HTTP from a background thread, as OpenAI's API: `GET /v1/models`, `POST
+    /v1/chat/completions`, `POST /v1/completions`, `GET /health`.
+
+    Args:
+        team_or_path: a loaded `Team`, or what `load_team` takes (a folder written by `save_model`, a Hub id).
+        host: the address to listen on (loopback by default).
+        port: the port; 0 picks a free one (read it from the handle's `base_url`).
+        api_key: when set, `/v1` requests must send `Authorization: Bearer <api_key>` (401 otherwise).
+        max_batch_rows: at most this many rows (completions) in one routed `generate` call.
+        chunk_tokens: a call that has generated this many tokens ends when other rows wait; its unfinished rows
+            continue in the next call, with them.
+        max_tokens: a request's completion length when it sets none (default: team.json's `max_completion_length`),
+            cut to what fits the context.
+        max_body_bytes: larger request bodies are refused with 413 (default 4 MiB).
+        log_level: uvicorn's log level.
+        load_options: `load_team`'s keywords (`load_in_4bit`, `dtype`, `captured_decode`, `base_model`, ...) when
+            `team_or_path` is not a loaded team.
+
+    Returns:
+        A `TeamServer`: `base_url` (`http://127.0.0.1:<port>/v1`) and `close()`; a context manager.
+
+    Raises:
+        ImportError: FastAPI or uvicorn is missing (`pip install "trl-marl[serve]"`).
+        ValueError: a team loaded with vLLM (the server generates with transformers).
+    """
+    from .server import serve_team as start
+
+    return start(
+        team_or_path,
+        host=host,
+        port=port,
+        api_key=api_key,
+        max_batch_rows=max_batch_rows,
+        chunk_tokens=chunk_tokens,
+        max_tokens=max_tokens,
+        max_body_bytes=max_body_bytes,
+        log_level=log_level,
+        **load_options,
+    )

@@ -1,0 +1,295 @@
+"""The ASGI app (FastAPI): OpenAI's endpoints over a `BatchingEngine`, each agent of the team a model.
+
+`GET /v1/models` lists the agents; `POST /v1/chat/completions` renders the messages with the agent's base tokenizer's
+chat template (the agent's system prompt from team.json first, when the messages have no system message) and
+`POST /v1/completions` takes raw prompts; `stream: true` answers with server-sent events ending in `data: [DONE]`.
+Every error is in OpenAI's format (`requests.APIError`), and none stops the server. `GET /health` needs no key.
+"""
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..team_bases import tokenize_text_prompts
+from .engine import BatchingEngine
+from .requests import APIError, GenerationRequest, read_chat_request, read_completion_request
+from .responses import (
+    TextStream,
+    chat_completion,
+    chat_logprobs,
+    completion_logprobs,
+    server_sent_event,
+    text_completion,
+    usage,
+)
+from .rows import GeneratedRow, RowRequest
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+DISCONNECT_POLL_SECONDS = 0.25  # how often a waiting non-streamed request checks that its client is still there
+
+
+@dataclass
+class ServingSettings:
+    """The app's settings.
+
+    Args:
+        api_key: when set, every `/v1` request must send `Authorization: Bearer <api_key>`.
+        max_body_bytes: a larger request body is refused (413).
+        max_tokens: a request's completion length when it sets none; None is team.json's `max_completion_length`.
+    """
+
+    api_key: str | None = None
+    max_body_bytes: int = MAX_BODY_BYTES
+    max_tokens: int | None = None
+
+
+def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -> FastAPI:
+    """The server's app over a started `engine`."""
+    settings = settings or ServingSettings()
+    team = engine.team
+    agents = {name: index for index, name in enumerate(team.agent_names)}
+    default_max_tokens = settings.max_tokens or team.spec["max_completion_length"]
+    # A request without sampling settings samples as the team trained (team.json), else as OpenAI does.
+    default_temperature = team.spec.get("temperature")
+    default_temperature = 1.0 if default_temperature is None else float(default_temperature)
+    default_top_p = float(team.spec.get("top_p") or 1.0)
+    started = int(time.time())
+    app = FastAPI(title="trl-marl team", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:  # unknown paths, methods
+        message = f"{request.method} {request.url.path}: {error.detail}"
+        return JSONResponse(APIError(error.status_code, message).body(), status_code=error.status_code)
+
+    def authorize(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), settings.api_key.encode()):
+            what = "No API key was given" if not given else "The API key is wrong"
+            raise APIError(401, f"{what}: send `Authorization: Bearer <key>`.", code="invalid_api_key")
+
+    def model_entry(name: str) -> dict:
+        return {"id": name, "object": "model", "created": started, "owned_by": "trl-marl"}
+
+    def agent_index(model: str) -> int:
+        if model not in agents:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist: this team's agents are {', '.join(agents)}.",
+                param="model",
+                code="model_not_found",
+            )
+        return agents[model]
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "agents": team.agent_names, **engine.stats()}
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> dict:
+        authorize(request)
+        return {"object": "list", "data": [model_entry(name) for name in agents]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str, request: Request) -> dict:
+        authorize(request)
+        agent_index(model)
+        return model_entry(model)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        authorize(request)
+        return await answer(request, read_chat_request(await read_json(request, settings.max_body_bytes)))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        authorize(request)
+        return await answer(request, read_completion_request(await read_json(request, settings.max_body_bytes)))
+
+    def row_requests(parsed: GenerationRequest) -> tuple[list[RowRequest], int]:
+        """The engine's rows of a request (`n` per prompt) and its prompt tokens."""
+        agent = agent_index(parsed.model)
+        tokenizer = engine.tokenizer_of(agent)
+        prompts = parsed.prompts
+        if parsed.kind == "chat":
+            prompts = [with_system_prompt(parsed.prompts, team.agents[agent].get("system_prompt"))]
+        try:
+            kwargs = (team.spec.get("chat_template_kwargs") or {}) if parsed.kind == "chat" else {}
+            prompt_ids, _, _ = tokenize_text_prompts(tokenizer, kwargs, None, prompts)
+        except Exception as error:  # a chat template that refuses the conversation (roles, order)
+            param = "messages" if parsed.kind == "chat" else "prompt"
+            raise APIError(400, f"The prompt cannot be rendered for `{parsed.model}`: {error}", param=param) from error
+        max_tokens = completion_budget(parsed, prompt_ids, engine.context_length(agent), default_max_tokens)
+        temperature = default_temperature if parsed.temperature is None else parsed.temperature
+        top_p = default_top_p if parsed.top_p is None else parsed.top_p
+        requests = [
+            RowRequest(
+                agent,
+                list(ids),
+                max_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=None if parsed.seed is None else parsed.seed + choice,
+                stop=parsed.stop,
+                top_logprobs=parsed.top_logprobs or 0,
+            )
+            for ids in prompt_ids
+            for choice in range(parsed.n)
+        ]
+        return requests, sum(len(ids) for ids in prompt_ids)
+
+    async def answer(request: Request, parsed: GenerationRequest):
+        requests, prompt_tokens = row_requests(parsed)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def listener(row: GeneratedRow, finished: bool) -> None:
+            if finished or parsed.stream:
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, row)
+                except RuntimeError:  # the server's loop has closed
+                    pass
+
+        rows = engine.submit(requests, listener)
+        prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
+        completion_id, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+        tokenizer = engine.tokenizer_of(requests[0].agent)
+        if parsed.stream:
+            stream = stream_events(parsed, rows, events, completion_id, created, prompt_tokens, tokenizer)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        try:
+            while not all(row.done for row in rows):
+                try:
+                    await asyncio.wait_for(events.get(), DISCONNECT_POLL_SECONDS)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return None
+        finally:
+            engine.cancel([row for row in rows if not row.done])
+        raise_failure(rows)
+        build = chat_completion if parsed.kind == "chat" else text_completion
+        logprobs = parsed.top_logprobs is not None
+        return build(completion_id, created, parsed.model, rows, prompt_tokens, tokenizer, logprobs)
+
+    async def stream_events(parsed, rows, events, completion_id, created, prompt_tokens, tokenizer):
+        chat = parsed.kind == "chat"
+        head = {
+            "id": completion_id,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": parsed.model,
+        }
+
+        def chunk(index: int, text: str, logprobs=None, finish_reason=None, role: bool = False) -> str:
+            if chat:
+                delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            else:
+                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            return server_sent_event({**head, "choices": [choice]})
+
+        position = {id(row): index for index, row in enumerate(rows)}
+        streams = [TextStream(engine.decoder_of(row.request.agent), parsed.stop) for row in rows]
+        try:
+            if chat:
+                for index in range(len(rows)):
+                    yield chunk(index, "", role=True)
+            finished = set()
+            while len(finished) < len(rows):
+                row = await events.get()
+                index = position[id(row)]
+                if index in finished:
+                    continue
+                if row.finish_reason == "error":
+                    yield server_sent_event(failure(row).body())
+                    return
+                stream, done = streams[index], row.done
+                end = len(row.completion_ids)
+                text = stream.delta(row)
+                logprobs = None
+                if parsed.top_logprobs is not None and end > stream.tokens_sent:
+                    if chat:
+                        logprobs = chat_logprobs(tokenizer, row, stream.tokens_sent, end)
+                    else:
+                        offset = len(stream.sent) - len(text)
+                        logprobs = completion_logprobs(tokenizer, row, stream.tokens_sent, end, offset)
+                    stream.tokens_sent = end
+                if text or logprobs is not None:
+                    yield chunk(index, text, logprobs)
+                if done:
+                    finished.add(index)
+                    yield chunk(index, "", finish_reason=row.finish_reason)
+            yield server_sent_event({**head, "choices": [], "usage": usage(prompt_tokens, rows)})
+            yield server_sent_event("[DONE]")
+        finally:  # the client went away (or the stream failed): stop generating for it
+            engine.cancel([row for row in rows if not row.done])
+
+    return app
+
+
+def with_system_prompt(messages: list[dict], system_prompt: str | None) -> list[dict]:
+    """The conversation the agent sees: its recorded role (team.json's `system_prompt`) first when the messages carry
+    no system message of their own."""
+    if not system_prompt or any(message["role"] == "system" for message in messages):
+        return messages
+    return [{"role": "system", "content": system_prompt}, *messages]
+
+
+def completion_budget(parsed: GenerationRequest, prompt_ids: list[list[int]], context: int, default: int) -> int:
+    """The completion length of a request's rows: its `max_tokens`, which must fit the context with the longest
+    prompt, else the default cut to what fits. Raises `APIError` (400, `context_length_exceeded`)."""
+    longest = max(len(ids) for ids in prompt_ids)
+    param = "messages" if parsed.kind == "chat" else "prompt"
+    requested = parsed.max_tokens if parsed.max_tokens is not None else 1
+    if longest + requested > context:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {context} tokens. However, you requested {longest + requested} "
+            f"tokens ({longest} in the {param}, {requested} for the completion). Please reduce the length of the "
+            f"{param} or the completion.",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return parsed.max_tokens if parsed.max_tokens is not None else min(default, context - longest)
+
+
+def failure(row: GeneratedRow) -> APIError:
+    return APIError(500, f"Generation failed: {type(row.error).__name__}: {row.error}", code="generation_failed")
+
+
+def raise_failure(rows: list[GeneratedRow]) -> None:
+    for row in rows:
+        if row.finish_reason == "error":
+            raise failure(row)
+
+
+async def read_json(request: Request, max_bytes: int):
+    """The request's body as JSON, read up to `max_bytes` (413 past it; 400 when it is not JSON)."""
+    declared = request.headers.get("content-length")
+    too_large = APIError(413, f"The request body is larger than this server's limit of {max_bytes} bytes.")
+    too_large.code = "request_too_large"
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    body, size = [], 0
+    async for piece in request.stream():
+        size += len(piece)
+        if size > max_bytes:
+            raise too_large
+        body.append(piece)
+    try:
+        return json.loads(b"".join(body))
+    except (ValueError, UnicodeDecodeError) as error:
+        raise APIError(400, f"The request body is not valid JSON: {error}", code="invalid_json") from error

@@ -1,0 +1,194 @@
+"""The batching engine behind the server: rows of any agents, from any number of concurrent requests, generated
+together in routed `generate` calls on a loaded `Team`.
+
+One thread runs the calls, one after another. A call takes the waiting rows in order (those of one base, up to
+`max_batch_rows`), routes each to its agent's adapter (`AdapterRouter.route`, as `Team` does) and generates through
+the base's captured decoder or `model.generate`, with per-row sampling and stopping (`step_hooks.CallHooks`).
+
+A long row does not hold the others back: once a call has generated `chunk_tokens` tokens, it ends as soon as a row is
+waiting, and its unfinished rows go to the back of the queue; the next call takes the waiting rows and those, each
+continuing from its prompt and what it has generated so far (prefilled again). A row that arrives while a call runs so
+waits at most `chunk_tokens` tokens of that call (and its own prefill), while a request alone runs in one call, as a
+direct `Team` call does.
+"""
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from ..team import Team
+from ..team_generation import left_padded
+from .rows import GeneratedRow, RowRequest
+from .step_hooks import CallHooks, finish
+
+
+class BatchingEngine:
+    """Generates `RowRequest`s on `team` in shared routed calls, from a thread of its own (`start`, `close`).
+
+    Args:
+        team: a loaded team (`load_team`) generating with transformers (its vLLM engine, if any, is not used).
+        max_batch_rows: at most this many rows in one call.
+        chunk_tokens: a call that has generated this many tokens ends when rows are waiting (its unfinished rows
+            continue in the next call).
+    """
+
+    def __init__(self, team: Team, max_batch_rows: int = 16, chunk_tokens: int = 16):
+        if max_batch_rows < 1 or chunk_tokens < 1:
+            raise ValueError(
+                f"max_batch_rows and chunk_tokens must be at least 1, got {max_batch_rows} and {chunk_tokens}."
+            )
+        self.team, self.max_batch_rows, self.chunk_tokens = team, max_batch_rows, chunk_tokens
+        self._queue: list[GeneratedRow] = []
+        self._condition = threading.Condition()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self.calls = 0  # routed calls made so far
+        self._running: list[GeneratedRow] = []
+        self._finished: Counter = Counter()  # rows done so far, by finish reason
+
+    def stats(self) -> dict:
+        """The calls made, the rows waiting and running now, and the rows done so far by finish reason."""
+        return {
+            "calls": self.calls,
+            "rows_waiting": len(self._queue),
+            "rows_running": len(self._running),
+            "rows_finished": dict(self._finished),
+        }
+
+    def start(self) -> "BatchingEngine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="trl-marl-serving-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the engine's thread after its current call; rows still waiting finish as "cancelled"."""
+        with self._condition:
+            self._closing = True
+            waiting, self._queue = self._queue, []
+            self._condition.notify_all()
+        self._finish_cancelled(waiting)
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def tokenizer_of(self, agent: int):
+        """The tokenizer of the base the agent (its index) sits on."""
+        return self.team.bases[self.team.agent_base[agent]].tokenizer
+
+    def decoder_of(self, agent: int) -> Callable[[list[int]], str]:
+        tokenizer = self.tokenizer_of(agent)
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+    def context_length(self, agent: int) -> int:
+        """The most tokens (prompt and completion) the agent's base model takes."""
+        config = self.team.bases[self.team.agent_base[agent]].model.config.get_text_config(decoder=True)
+        return int(config.max_position_embeddings)
+
+    def submit(
+        self, requests: list[RowRequest], listener: Callable[[GeneratedRow, bool], None] | None = None
+    ) -> list[GeneratedRow]:
+        """Queue `requests`; their rows fill in as the calls run (`GeneratedRow.done_event` is set when one is done,
+        and `listener` is called from the engine's thread, see `GeneratedRow`)."""
+        rows = [GeneratedRow(request, listener) for request in requests]
+        with self._condition:
+            if self._closing:
+                raise RuntimeError("The serving engine is closed.")
+            self._queue.extend(rows)
+            self._condition.notify_all()
+        return rows
+
+    def generate(self, requests: list[RowRequest]) -> list[GeneratedRow]:
+        """`submit` and wait until every row is done."""
+        rows = self.submit(requests)
+        for row in rows:
+            row.done_event.wait()
+        return rows
+
+    def cancel(self, rows: list[GeneratedRow]) -> None:
+        """Stop generating `rows`: a waiting row finishes now, a running one after the call's next token."""
+        with self._condition:
+            for row in rows:
+                row.cancelled = True
+            waiting = [row for row in rows if row in self._queue]
+            self._queue = [row for row in self._queue if not row.cancelled]
+        self._finish_cancelled(waiting)
+
+    def _finish_cancelled(self, rows: list[GeneratedRow]) -> None:
+        for row in rows:
+            finish(row, "cancelled", self.decoder_of(row.request.agent))
+            self._finished[row.finish_reason] += 1
+
+    def _serve(self) -> None:
+        while True:
+            with self._condition:
+                while not self._queue and not self._closing:
+                    self._condition.wait()
+                if self._closing:
+                    return
+                rows = self._running = self._take_rows()
+            try:
+                self._call(rows)
+            finally:
+                self._finished.update(row.finish_reason for row in rows if row.done)
+                self._running = []
+
+    def _take_rows(self) -> list[GeneratedRow]:
+        """The first waiting rows on the base of the longest-waiting one, up to `max_batch_rows`, in queue order."""
+        base = self.team.agent_base[self._queue[0].request.agent]
+        taken = [row for row in self._queue if self.team.agent_base[row.request.agent] == base]
+        taken = taken[: self.max_batch_rows]
+        self._queue = [row for row in self._queue if row not in taken]
+        return taken
+
+    def _waiting(self) -> bool:
+        return bool(self._queue)
+
+    @torch.no_grad()
+    def _call(self, rows: list[GeneratedRow]) -> None:
+        """One routed `generate` call over `rows`; unfinished rows go back to the end of the queue."""
+        self.calls += 1
+        team = self.team
+        base = team.bases[team.agent_base[rows[0].request.agent]]
+        tokenizer, model = base.tokenizer, base.model
+        decode = self.decoder_of(rows[0].request.agent)
+        hooks = CallHooks(
+            rows,
+            team._eos_token_ids(base),
+            decode,
+            should_yield=lambda steps: steps >= self.chunk_tokens and self._waiting(),
+        )
+        try:
+            pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            prompts = [row.request.prompt_ids + row.completion_ids for row in rows]
+            input_ids, attention_mask = left_padded(prompts, pad_id, None, next(model.parameters()).device)
+            if base.router is not None:
+                base.router.route([team.agents[row.request.agent]["adapter"] for row in rows])
+            generate = base.decoder.generate if base.decoder is not None else model.generate
+            try:
+                generate(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    max_new_tokens=max(row.remaining_tokens for row in rows),
+                    do_sample=False,
+                    pad_token_id=pad_id,
+                    **hooks.generate_kwargs(),
+                )
+            finally:
+                if base.router is not None:
+                    base.router.route(None)
+        except Exception as error:  # the call's rows fail; the engine serves the next call
+            for row in rows:
+                if not row.done:
+                    row.error = error
+                    finish(row, "error", decode)
+            return
+        unfinished = [row for row in rows if not row.done]
+        for row in unfinished:
+            if row.cancelled:
+                finish(row, "cancelled", decode)
+        with self._condition:
+            self._queue.extend(row for row in unfinished if not row.cancelled)
+            self._condition.notify_all()

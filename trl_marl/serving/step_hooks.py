@@ -1,0 +1,146 @@
+"""The per-row work of one routed `generate` call, as the hooks `generate` calls at every token: each row samples
+with its own settings and generator, records its token and log-probabilities, and stops on its own terms.
+
+`generate` itself runs greedy (`do_sample=False`): for a sampled row, `choose` draws the token from the row's own
+distribution and leaves only that token's score finite, so the argmax takes it; a greedy row's scores are left as they
+are, so its tokens are exactly those of greedy `generate` (and `Team.run`). That keeps rows with different
+temperatures, top-p and seeds in one call, and a seeded row's tokens independent of the rows beside it.
+"""
+
+from collections.abc import Callable
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+from .rows import GeneratedRow
+
+
+def nucleus_sample(scores: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """A token drawn from `softmax(scores / temperature)` restricted to the smallest set of most likely tokens whose
+    probability reaches `top_p` (`scores`: one row's, `(vocabulary,)`)."""
+    probs = torch.softmax(scores.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the mass before a token already reaches top_p
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class CallHooks:
+    """Both hooks of one call over `rows` (the call's batch rows, in order; `generate` may add padding rows after
+    them, which are left alone and reported finished).
+
+    Args:
+        rows: the rows of the call.
+        eos_token_ids: the base's end-of-sequence tokens (kept in the completion, as `Team` keeps them).
+        decode: the base tokenizer's decoding of completion ids (special tokens skipped), for stop strings.
+        should_yield: called after each step with the number of tokens this call has generated; True ends the call
+            for every row (unfinished rows continue in a later call).
+    """
+
+    def __init__(
+        self,
+        rows: list[GeneratedRow],
+        eos_token_ids: list[int],
+        decode: Callable[[list[int]], str],
+        should_yield: Callable[[int], bool],
+    ):
+        self.rows, self.eos_token_ids, self.decode, self.should_yield = rows, set(eos_token_ids), decode, should_yield
+        self.steps = 0
+        self._chosen: list[tuple[int, float, list[tuple[int, float]]] | None] = [None] * len(rows)
+
+    def generate_kwargs(self) -> dict:
+        """The `logits_processor` and `stopping_criteria` keywords of `generate` that call these hooks."""
+        return {
+            "logits_processor": LogitsProcessorList([ChooseTokens(self)]),
+            "stopping_criteria": StoppingCriteriaList([RecordAndStop(self)]),
+        }
+
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """Each live row's next token (the argmax, or sampled), its log-probability and the most likely others."""
+        log_probs = torch.log_softmax(scores[: len(self.rows)].float(), dim=-1)
+        for index, row in enumerate(self.rows):
+            if row.done:
+                continue
+            request = row.request
+            if request.temperature > 0:
+                generator = row.random_generator(scores.device)
+                token = nucleus_sample(scores[index], request.temperature, request.top_p, generator)
+                chosen_score = scores[index, token].clone()
+                scores[index] = float("-inf")
+                scores[index, token] = chosen_score if torch.isfinite(chosen_score) else 0.0
+            else:
+                token = int(scores[index].argmax())
+            top = []
+            if request.top_logprobs:
+                values, ids = log_probs[index].topk(request.top_logprobs)
+                top = list(zip(ids.tolist(), values.tolist()))
+            self._chosen[index] = (token, float(log_probs[index, token]), top)
+        return scores
+
+    def stop(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Record each live row's new token; whether each batch row is done (all, when the call yields)."""
+        self.steps += 1
+        finished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        new_tokens = input_ids[: len(self.rows), -1].tolist()
+        for index, row in enumerate(self.rows):
+            chosen, self._chosen[index] = self._chosen[index], None
+            if row.done or chosen is None:
+                continue
+            _, log_prob, top = chosen
+            token = new_tokens[index]  # what `generate` appended: the chosen token
+            row.completion_ids.append(token)
+            row.logprobs.append(log_prob)
+            row.top_logprobs.append(top)
+            reason = None
+            if row.cancelled:
+                reason = "cancelled"
+            elif token in self.eos_token_ids:
+                reason = "stop"
+            elif row.request.stop and self._stop_string_index(row) is not None:
+                reason = "stop"
+            elif row.remaining_tokens <= 0:
+                reason = "length"
+            if reason is None:
+                finished[index] = False
+                row.notify(False)
+            else:
+                finish(row, reason, self.decode)
+        if not bool(finished.all()) and self.should_yield(self.steps):
+            finished[:] = True
+        return finished
+
+    def _stop_string_index(self, row: GeneratedRow) -> int | None:
+        return stop_string_index(self.decode(row.completion_ids), row.request.stop)
+
+
+class ChooseTokens(LogitsProcessor):
+    def __init__(self, hooks: CallHooks):
+        self.hooks = hooks
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return self.hooks.choose(scores)
+
+
+class RecordAndStop(StoppingCriteria):
+    def __init__(self, hooks: CallHooks):
+        self.hooks = hooks
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self.hooks.stop(input_ids)
+
+
+def stop_string_index(text: str, stop: tuple[str, ...]) -> int | None:
+    """Where the first of the stop strings begins in `text`, or None."""
+    found = [text.find(string) for string in stop if string and string in text]
+    return min(found) if found else None
+
+
+def finish(row: GeneratedRow, reason: str, decode: Callable[[list[int]], str]) -> None:
+    """Mark `row` done: its text decoded and cut before its first stop string, its listener told."""
+    text = decode(row.completion_ids)
+    cut = stop_string_index(text, row.request.stop) if row.request.stop else None
+    row.text = text if cut is None else text[:cut]
+    row.finish_reason = "stop" if cut is not None and reason == "length" else reason
+    row.notify(True)
