@@ -22,6 +22,7 @@ from .magrpo_trainer import MAGRPOTrainer
 from .registry import PluginError, register_reward, register_scheduler, register_task
 from .reward_checks import RewardFunctionError, for_agent
 from .rollout import NextTurn, RolloutSettings, TransitionError, default_transition
+from .serving import serve_team  # FastAPI and uvicorn are imported only when a server starts
 from .tasks import Task
 from .team import Team, TeamRun, load_team
 from .team_trainer import TeamTrainer
@@ -69,5 +70,6 @@ __all__ = [
     "register_reward",
     "register_scheduler",
     "register_task",
+    "serve_team",
     "team_rewards",
 ]

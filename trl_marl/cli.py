@@ -19,6 +19,10 @@
                                                   predicted peak memory of a `train` config on one GPU (in RAM with
                                                   use_cpu: true; no weights load), each base of the team listed,
                                                   with use_vllm the vLLM engine's pool and KV cache on each card
+    trl-marl serve TEAM [--host H] [--port P] [--api_key KEY] [--load_in_4bit] [--dtype D]
+                        [--captured_decode auto|on|off] [--max_batch_rows N] [--chunk_tokens N] [--max_tokens N]
+                                                  a saved team behind an OpenAI-compatible endpoint (each agent a
+                                                  model); prints its base URL; needs the `serve` extra
 
 A mistake the command can see (an unknown flag, key or plugin, no data, a dataset without a `prompt` column) ends it
 with one line on stderr and exit status 2, before any model loads where it can be known then; `--debug` (or
@@ -112,6 +116,39 @@ def vllm_settings(arguments) -> dict[str, Any]:
     if arguments.vllm_max_model_length is not None:
         settings["vllm_max_model_length"] = arguments.vllm_max_model_length
     return settings
+
+
+def serve(arguments) -> int:
+    """`trl-marl serve`: the team (a folder or Hub id, checked before any model loads) served until interrupted."""
+    from .hub import resolve_team_folder
+    from .serving.server import require_serving_packages, serve_forever
+    from .team import read_team_file
+
+    try:
+        require_serving_packages()
+        team = resolve_team_folder(arguments.team)
+        read_team_file(team)
+    except (ImportError, FileNotFoundError, ValueError) as error:
+        raise UsageError(f"trl-marl serve: {error}") from None
+    load_options = {"captured_decode": {"auto": None, "on": True, "off": False}[arguments.captured_decode]}
+    if arguments.load_in_4bit:
+        load_options["load_in_4bit"] = True
+    for name in ("dtype", "base_model"):
+        if getattr(arguments, name) is not None:
+            load_options[name] = getattr(arguments, name)
+    serve_forever(
+        team,
+        host=arguments.host,
+        port=arguments.port,
+        api_key=arguments.api_key,
+        max_batch_rows=arguments.max_batch_rows,
+        chunk_tokens=arguments.chunk_tokens,
+        max_tokens=arguments.max_tokens,
+        max_body_bytes=arguments.max_body_bytes,
+        log_level=arguments.log_level,
+        **load_options,
+    )
+    return 0
 
 
 def estimate_config(
@@ -264,6 +301,29 @@ def run(argv: list[str]) -> int:
     estimating.add_argument("--model_config", action="append", default=None, metavar="NAME=FOLDER",
                             help="an agent's own base: read the config.json of the model it names NAME from FOLDER "
                                  "(offline); repeatable")  # fmt: skip
+    serving = commands.add_parser(
+        "serve",
+        help="serve a saved team behind an OpenAI-compatible endpoint",
+        description="Serve a team saved by save_model behind an OpenAI-compatible endpoint: each agent is a model "
+        "(GET /v1/models), requests of any agents are generated together in routed calls. Prints the base URL "
+        "(http://HOST:PORT/v1) once listening; runs until interrupted. Needs the serve extra (FastAPI, uvicorn).",
+    )
+    serving.add_argument("team", help="a folder written by save_model, or a pushed team's Hub id")
+    serving.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
+    serving.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    serving.add_argument("--api_key", default=None, help="require `Authorization: Bearer KEY` on /v1 requests")
+    serving.add_argument("--load_in_4bit", action="store_true", help="load the base model in 4-bit NF4")
+    serving.add_argument("--dtype", default=None, help="the base model's dtype (default: as the team recorded)")
+    serving.add_argument("--base_model", default=None, help="where the base model is, if not where team.json says")
+    serving.add_argument("--captured_decode", default="auto", choices=["auto", "on", "off"],
+                         help="generate through the captured decode step (auto: on CUDA)")  # fmt: skip
+    serving.add_argument("--max_batch_rows", type=int, default=16, help="most rows in one routed generate call")
+    serving.add_argument("--chunk_tokens", type=int, default=16,
+                         help="a call yields to waiting requests after this many tokens")  # fmt: skip
+    serving.add_argument("--max_tokens", type=int, default=None,
+                         help="completion length of a request that sets none (default: team.json's)")  # fmt: skip
+    serving.add_argument("--max_body_bytes", type=int, default=None, help="largest request body (default 4 MiB)")
+    serving.add_argument("--log_level", default="warning", help="uvicorn's log level")
     if argv[:1] == ["train"]:
         return train_command(argv[1:])
     if argv[:1] == ["estimate"]:  # `--config FILE` as the positional CONFIG
@@ -274,9 +334,11 @@ def run(argv: list[str]) -> int:
         if arguments.config is None:
             raise UsageError("trl-marl estimate: give the YAML file of a `trl-marl train` run, as CONFIG or --config.")
         return estimate(arguments, overrides)
-    check_arguments(evaluating if arguments.command == "evaluate" else listing, overrides)
+    check_arguments({"evaluate": evaluating, "serve": serving}.get(arguments.command, listing), overrides)
     if arguments.command == "evaluate":
         return evaluate(arguments)
+    if arguments.command == "serve":
+        return serve(arguments)
     return list_plugins([arguments.kind] if arguments.kind else list(GROUPS))
 
 
