@@ -120,6 +120,7 @@ class BatchingEngine:
         for row in rows:
             finish(row, "cancelled", self.decoder_of(row.request.agent))
             self._finished[row.finish_reason] += 1
+            row.done_event.set()
 
     def _serve(self) -> None:
         while True:
@@ -134,6 +135,9 @@ class BatchingEngine:
             finally:
                 self._finished.update(row.finish_reason for row in rows if row.done)
                 self._running = []
+                for row in rows:
+                    if row.done:
+                        row.done_event.set()
 
     def _take_rows(self) -> list[GeneratedRow]:
         """The first waiting rows on the base of the longest-waiting one, up to `max_batch_rows`, in queue order."""

@@ -50,7 +50,8 @@ class GeneratedRow:
     the row is done: "stop" (an end-of-sequence token or a stop string), "length" (`max_new_tokens`), "cancelled"
     (`cancel`), "error" (`error` holds the exception). `text` is the completion decoded (special tokens skipped), cut
     before the first stop string. `listener(row, finished)` is called from the engine's thread after each step that
-    added tokens and once when the row is done."""
+    added tokens and once when the row is done; `done_event` is set once the row is done and the call that finished
+    it has returned (the model is the caller's again when the engine is idle)."""
 
     request: RowRequest
     listener: Callable[["GeneratedRow", bool], None] | None = None
@@ -80,7 +81,5 @@ class GeneratedRow:
         return self.generator
 
     def notify(self, finished: bool) -> None:
-        if finished:
-            self.done_event.set()
         if self.listener is not None:
             self.listener(self, finished)

@@ -1,0 +1,159 @@
+"""The serving engine (`trl_marl.serving.engine`): rows of any agents and settings in shared routed calls, each row
+generating as it would alone; a long row yields to waiting ones; seeded rows sample the same tokens whatever shares
+their call; stop strings, log-probabilities."""
+
+import json
+import threading
+
+import pytest
+import torch
+from datasets import Dataset
+
+from trl_marl import MAGRPOConfig, MAGRPOTrainer, load_team
+from trl_marl.serving.engine import BatchingEngine
+from trl_marl.serving.rows import RowRequest
+from trl_marl.serving.step_hooks import nucleus_sample
+from trl_marl.team_bases import tokenize_text_prompts
+
+AGENTS = [{"name": "planner", "system_prompt": "Plan briefly."}, {"name": "checker", "system_prompt": "Check."}]
+QUESTION = [{"role": "user", "content": "Suggest a name for a cat."}]
+
+
+def no_reward(prompts, completions, **kwargs):
+    return [0.0] * len(prompts)
+
+
+def save_tiny_team(model_dir: str, folder) -> str:
+    """A two-agent team on `model_dir`, saved as `save_model` saves one, its agents' LoRA weights made to differ (a
+    fresh LoRA B is zero, which would leave both agents equal to the base)."""
+    args = MAGRPOConfig(
+        output_dir=str(folder),
+        agents=AGENTS,
+        num_turns=1,
+        max_completion_length=12,
+        lora_r=4,
+        lora_alpha=8,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+    )
+    trainer = MAGRPOTrainer(model_dir, no_reward, args=args, train_dataset=Dataset.from_dict({"prompt": ["Hi."]}))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    trainer.save_model()
+    assert json.loads((folder / "team.json").read_text())["agents"][0]["name"] == "planner"
+    return str(folder)
+
+
+def agent_prompt_ids(team, agent: int, messages=QUESTION) -> list[int]:
+    conversation = [{"role": "system", "content": team.agents[agent]["system_prompt"]}, *messages]
+    return tokenize_text_prompts(team.tokenizer, {}, None, [conversation])[0][0]
+
+
+@pytest.fixture(scope="module")
+def team(tiny_model_dir, tmp_path_factory):
+    return load_team(save_tiny_team(tiny_model_dir, tmp_path_factory.mktemp("served-team")))
+
+
+@pytest.fixture
+def engine(team):
+    engine = BatchingEngine(team, max_batch_rows=8, chunk_tokens=4).start()
+    yield engine
+    engine.close()
+
+
+def test_rows_of_both_agents_in_one_call_answer_as_each_agent_alone_and_as_team_run(team, engine):
+    requests = [RowRequest(agent, agent_prompt_ids(team, agent), 12) for agent in (0, 1, 0, 1)]
+    together = engine.generate(requests)
+    alone = [engine.generate([request])[0] for request in requests[:2]]
+    episode = team.run(QUESTION, num_turns=1)
+    assert [row.text for row in together] == [row.text for row in alone] * 2
+    assert [row.text for row in alone] == [episode.final["planner"], episode.final["checker"]]
+    assert alone[0].text != alone[1].text  # the agents' adapters differ
+
+
+def test_a_long_row_yields_to_a_waiting_one_after_chunk_tokens(team, engine):
+    long_started, progress = threading.Event(), {}
+
+    def on_long(row, finished):
+        if len(row.completion_ids) >= 2:
+            long_started.set()
+
+    (long,) = engine.submit([RowRequest(0, agent_prompt_ids(team, 0), 300)], on_long)
+    assert long_started.wait(60)
+    progress["submitted"] = len(long.completion_ids)
+    (short,) = engine.submit(
+        [RowRequest(1, agent_prompt_ids(team, 1), 3)],
+        lambda row, finished: finished and progress.setdefault("short_done", len(long.completion_ids)),
+    )
+    assert short.done_event.wait(60) and long.done_event.wait(120)
+    assert short.finish_reason == "length" and len(short.completion_ids) == 3
+    # the short row waited at most `chunk_tokens` (4) of the long row's tokens, then ran 3 beside it
+    assert progress["short_done"] - progress["submitted"] <= 4 + 3
+    assert long.finish_reason == "length" and len(long.completion_ids) == 300
+    assert long.text == engine.generate([long.request])[0].text  # continuing in a later call changed nothing
+
+
+def test_a_seeded_row_samples_the_same_tokens_alone_and_beside_other_rows(team, engine):
+    seeded = RowRequest(0, agent_prompt_ids(team, 0), 10, temperature=1.0, top_p=0.9, seed=7)
+    alone = engine.generate([seeded])[0]
+    others = [RowRequest(1, agent_prompt_ids(team, 1), 10, temperature=0.7, seed=1), RowRequest(1, [1, 2, 3], 5)]
+    beside = engine.generate([others[0], seeded, others[1]])[1]
+    other_seed = engine.generate([RowRequest(0, seeded.prompt_ids, 10, temperature=1.0, top_p=0.9, seed=8)])[0]
+    assert beside.completion_ids == alone.completion_ids
+    assert other_seed.completion_ids != alone.completion_ids
+
+
+def test_nucleus_sampling_keeps_only_the_tokens_that_reach_top_p():
+    scores = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    generator = torch.Generator().manual_seed(0)
+    drawn = {nucleus_sample(scores, 1.0, 0.7, generator) for _ in range(200)}
+    assert drawn == {0, 1}  # 0.5 < 0.7 <= 0.5 + 0.3
+    assert {nucleus_sample(scores, 1.0, 0.5, generator) for _ in range(50)} == {0}
+
+
+def test_a_stop_string_ends_the_row_and_is_cut_from_its_text(team, engine):
+    full = engine.generate([RowRequest(0, agent_prompt_ids(team, 0), 12)])[0]
+    stop = full.text[5:8]
+    row = engine.generate([RowRequest(0, agent_prompt_ids(team, 0), 12, stop=(stop,))])[0]
+    assert row.finish_reason == "stop"
+    assert row.text == full.text[: full.text.index(stop)]
+
+
+def test_rows_record_each_tokens_log_probability_under_the_model(team, engine):
+    request = RowRequest(1, agent_prompt_ids(team, 1), 3, top_logprobs=2)
+    row = engine.generate([request])[0]
+    model = team.model
+    model.set_adapter("checker")
+    with torch.no_grad():
+        ids = torch.tensor([request.prompt_ids + row.completion_ids])
+        logits = model(input_ids=ids).logits[0, len(request.prompt_ids) - 1 : -1]
+    expected = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(row.completion_ids)[:, None])[:, 0]
+    assert row.logprobs == pytest.approx(expected.tolist(), abs=1e-4)
+    assert [top[0][0] for top in row.top_logprobs] == row.completion_ids  # greedy: the most likely token
+    assert all(len(top) == 2 for top in row.top_logprobs)
+
+
+def test_a_failing_call_fails_its_rows_and_the_next_call_is_served(team, engine, monkeypatch):
+    model = team.bases[0].model
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the device fell over")
+
+    monkeypatch.setattr(model, "generate", broken)
+    failed = engine.generate([RowRequest(0, [1, 2, 3], 4)])[0]
+    monkeypatch.undo()
+    assert failed.finish_reason == "error" and "fell over" in str(failed.error)
+    assert engine.generate([RowRequest(0, [1, 2, 3], 4)])[0].finish_reason == "length"
+
+
+def test_cancelled_rows_stop_generating(team, engine):
+    started = threading.Event()
+    (row,) = engine.submit([RowRequest(0, agent_prompt_ids(team, 0), 400)], lambda row, finished: started.set())
+    assert started.wait(60)
+    engine.cancel([row])
+    assert row.done_event.wait(30)
+    assert row.finish_reason == "cancelled" and len(row.completion_ids) < 400
