@@ -96,7 +96,7 @@ def read_completion_request(body: Any) -> GenerationRequest:
         raise invalid("prompt", f"`prompt` must be a string or a non-empty list of strings, got {short(prompt)}.")
     request = read_common(body, "completion", prompts)
     if boolean(body.get("echo", False), "echo"):
-        raise unsupported("echo", "`echo: true` is not supported by this server.")
+        raise unsupported("echo", "`echo` must be false: echoing the prompt is not supported by this server.")
     if body.get("suffix") is not None:
         raise unsupported("suffix", "`suffix` is not supported by this server.")
     best_of = body.get("best_of")

@@ -1,0 +1,138 @@
+"""The server's refusals, each in OpenAI's error format (`{"error": {"message", "type", "param", "code"}}`) with the
+status a client expects and a message naming the field; none of them stops the server."""
+
+import pytest
+
+pytest.importorskip("fastapi", reason="serving needs the `serve` extra (FastAPI, uvicorn)")
+openai = pytest.importorskip("openai", reason="the serving tests drive the server with the `openai` client")
+httpx = pytest.importorskip("httpx", reason="the serving tests send raw requests with httpx")
+
+import test_serving  # noqa: E402
+
+API_KEY = test_serving.API_KEY
+team_dir, server, client = test_serving.team_dir, test_serving.server, test_serving.client  # the same fixtures
+
+CHAT = {"model": "planner", "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+COMPLETION = {"model": "planner", "prompt": "Hi.", "max_tokens": 2}
+AUTHORIZED = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def post(server, path: str, body=None, headers=AUTHORIZED, **kwargs) -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", json=body, headers=headers, **kwargs)
+
+
+def error_of(response: httpx.Response) -> dict:
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+@pytest.mark.parametrize(
+    "path, fields, param",
+    [
+        ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ("/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+        ("/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+        ("/chat/completions", {"frequency_penalty": -1}, "frequency_penalty"),
+        ("/chat/completions", {"logit_bias": {"50": 10}}, "logit_bias"),
+        ("/chat/completions", {"top_k": 5}, "top_k"),
+        ("/chat/completions", {"not_a_field": 1}, "not_a_field"),
+        ("/chat/completions", {"temperature": 3}, "temperature"),
+        ("/chat/completions", {"temperature": "hot"}, "temperature"),
+        ("/chat/completions", {"top_p": 0}, "top_p"),
+        ("/chat/completions", {"n": 0}, "n"),
+        ("/chat/completions", {"max_tokens": 0}, "max_tokens"),
+        ("/chat/completions", {"max_completion_tokens": 3}, "max_completion_tokens"),  # disagrees with max_tokens
+        ("/chat/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ("/chat/completions", {"seed": 1.5}, "seed"),
+        ("/chat/completions", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs
+        ("/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+        ("/chat/completions", {"messages": []}, "messages"),
+        ("/chat/completions", {"messages": [{"role": "robot", "content": "Hi."}]}, "messages[0].role"),
+        ("/chat/completions", {"messages": [{"role": "user", "content": "Hi.", "name": "x"}]}, "messages[0].name"),
+        (
+            "/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0]",
+        ),
+        ("/chat/completions", {"model": 3}, "model"),
+        ("/completions", {"echo": True}, "echo"),
+        ("/completions", {"suffix": "end"}, "suffix"),
+        ("/completions", {"best_of": 3}, "best_of"),
+        ("/completions", {"logprobs": 6}, "logprobs"),
+        ("/completions", {"prompt": [1, 2, 3]}, "prompt"),
+    ],
+)
+def test_an_unsupported_or_bad_parameter_is_a_400_naming_it(server, path, fields, param):
+    response = post(server, path, {**(CHAT if path == "/chat/completions" else COMPLETION), **fields})
+    error = error_of(response)
+    assert response.status_code == 400
+    assert error["param"] == param and f"`{param}`" in error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def test_the_openai_client_sees_a_refused_parameter_as_a_bad_request_naming_it(client):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="planner", messages=CHAT["messages"], response_format={"type": "text"})
+    assert refused.value.status_code == 400 and "response_format" in refused.value.message
+
+
+def test_an_unknown_model_is_a_404_naming_the_agents(client):
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.chat.completions.create(model="gpt-4o", messages=CHAT["messages"])
+    assert unknown.value.code == "model_not_found"
+    assert "gpt-4o" in unknown.value.message and "planner, checker" in unknown.value.message
+
+
+def test_a_prompt_past_the_context_is_a_400_with_the_limit(server):
+    long_prompt = " ".join(["word"] * 600)  # the tiny model's context is 512 tokens
+    response = post(server, "/completions", {**COMPLETION, "prompt": long_prompt})
+    error = error_of(response)
+    assert response.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert "512 tokens" in error["message"] and error["param"] == "prompt"
+    fits_alone = post(server, "/chat/completions", {**CHAT, "max_tokens": 510})
+    assert fits_alone.status_code == 400 and "512 tokens" in error_of(fits_alone)["message"]
+    assert error_of(fits_alone)["param"] == "messages"
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}])
+def test_a_missing_or_wrong_api_key_is_a_401(server, headers):
+    response = post(server, "/chat/completions", CHAT, headers=headers)
+    assert response.status_code == 401 and error_of(response)["code"] == "invalid_api_key"
+    assert httpx.get(f"{server.base_url}/models", headers=headers).status_code == 401
+
+
+def test_health_needs_no_key(server):
+    response = httpx.get(server.base_url.removesuffix("/v1") + "/health")
+    assert response.status_code == 200 and response.json()["agents"] == ["planner", "checker"]
+
+
+def test_a_body_that_is_not_json_or_not_an_object_is_a_400(server):
+    headers = {**AUTHORIZED, "Content-Type": "application/json"}
+    broken = httpx.post(f"{server.base_url}/chat/completions", content=b'{"model": "planner",', headers=headers)
+    assert broken.status_code == 400 and "not valid JSON" in error_of(broken)["message"]
+    listed = post(server, "/chat/completions", [CHAT])
+    assert listed.status_code == 400 and "JSON object" in error_of(listed)["message"]
+
+
+def test_a_body_past_the_size_limit_is_a_413_and_the_server_stays_up(server):
+    huge = {**CHAT, "messages": [{"role": "user", "content": "x" * 200_000}]}  # the fixture's limit: 100,000 bytes
+    response = post(server, "/chat/completions", huge)
+    assert response.status_code == 413 and "100000 bytes" in error_of(response)["message"]
+
+    def chunks():
+        yield b'{"model": "planner", "messages": [{"role": "user", "content": "'
+        for _ in range(30):
+            yield b"x" * 10_000  # no Content-Length: the body is counted as it arrives
+        yield b'"}]}'
+
+    streamed = httpx.post(f"{server.base_url}/chat/completions", content=chunks(), headers=AUTHORIZED)
+    assert streamed.status_code == 413
+    assert post(server, "/chat/completions", CHAT).status_code == 200
+
+
+def test_an_unknown_path_is_a_404_in_openais_format(server):
+    response = post(server, "/embeddings", {"model": "planner", "input": "Hi."})
+    assert response.status_code == 404 and "/v1/embeddings" in error_of(response)["message"]
