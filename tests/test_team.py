@@ -2,6 +2,8 @@
 a full-precision or 4-bit base and replays the trained agents' greedy episodes."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from trl_marl.tasks.coding.code_tester import code_tester_feedback
 from trl_marl.tasks.coding.coop_coding import coding_feedback
 from trl_marl.tasks.math_tool import math_feedback
 from trl_marl.tasks.toy import word_count_feedback
+from trl_marl.team import saved_base_loading
 
 AGENTS = [{"name": "planner", "system_prompt": "Plan briefly."}, {"name": "checker", "system_prompt": "Check."}]
 NEW_PROMPT = [{"role": "user", "content": "Suggest a name for a cat."}]
@@ -98,7 +101,7 @@ def test_save_model_writes_peft_adapters_and_a_team_file(tiny_model_dir, tmp_pat
         assert (out / agent["name"] / "adapter_model.safetensors").is_file()
     spec = json.loads((out / "team.json").read_text())
     assert spec["agents"] == [{**agent, "adapter": agent["name"]} for agent in AGENTS]
-    assert spec["base_model"] == tiny_model_dir
+    assert spec["base_model"] == f"./{Path(tiny_model_dir).name}"  # a local base: its folder's name
     assert (spec["num_turns"], spec["discount"], spec["termination_threshold"]) == (2, 0.8, 3.0)
     assert spec["transition"] == "trl_marl.rollout:default_transition"
     assert spec["scheduler"] == "parallel"
@@ -165,6 +168,41 @@ def test_a_team_trained_with_a_local_transition_needs_it_passed_to_load_team(tin
     with pytest.raises(ValueError, match="cannot be imported .* pass `transition=` to load_team"):
         load_team(tmp_path / "out")
     assert load_team(tmp_path / "out", transition=private_view).run("Say hi.", max_new_tokens=2).turns
+
+
+def test_a_local_base_is_recorded_by_its_folders_name_and_found_here_by_its_path(tiny_model_dir, tmp_path):
+    save_untrained_team_with_transition(tiny_model_dir, tmp_path)
+    out = tmp_path / "out"
+    recorded = f"./{Path(tiny_model_dir).name}"
+    for saved in (out / "team.json", out / "alpha" / "adapter_config.json", out / "beta" / "adapter_config.json"):
+        assert tiny_model_dir not in saved.read_text()
+    assert json.loads((out / "alpha" / "adapter_config.json").read_text())["base_model_name_or_path"] == recorded
+    # The path of this machine's copy stays beside the team, in a file Trainer's uploads leave out ("_*").
+    assert json.loads((out / "_local_bases.json").read_text()) == {recorded: tiny_model_dir}
+    assert load_team(out).model.get_base_model().config._name_or_path == tiny_model_dir
+
+
+def test_load_team_that_cannot_find_a_local_base_says_to_pass_base_model(tiny_model_dir, tmp_path, monkeypatch):
+    save_untrained_team_with_transition(tiny_model_dir, tmp_path)
+    elsewhere = tmp_path / "elsewhere"  # the team on another machine
+    shutil.copytree(tmp_path / "out", elsewhere, ignore=shutil.ignore_patterns("_*"))
+    recorded = f"./{Path(tiny_model_dir).name}"
+    with pytest.raises(FileNotFoundError, match=rf"{recorded!r} \(the base of 'alpha', 'beta'\).*base_model="):
+        load_team(elsewhere)
+    loaded_from = load_team(elsewhere, base_model=tiny_model_dir).model.get_base_model().config._name_or_path
+    assert loaded_from == tiny_model_dir
+    monkeypatch.chdir(Path(tiny_model_dir).parent)  # or the base's folder in the working directory
+    assert load_team(elsewhere).model.get_base_model().config._name_or_path == recorded
+
+
+def test_a_saved_base_loads_as_the_caller_says_else_as_its_agents_recorded():
+    recorded = {"name": "checker", "model": "./qwen", "load_in_4bit": True, "dtype": "bfloat16"}
+    quantization, dtype = saved_base_loading(recorded, None, None, None)
+    assert quantization.load_in_4bit and quantization.bnb_4bit_quant_type == "nf4" and dtype == "bfloat16"
+    assert saved_base_loading(recorded, False, None, "float32") == (None, "float32")  # given: for every base
+    given = BitsAndBytesConfig(load_in_8bit=True)
+    assert saved_base_loading({"name": "writer"}, None, given, None) == (given, "auto")
+    assert saved_base_loading({"name": "writer"}, None, None, None) == (None, "auto")  # nothing recorded
 
 
 def test_load_team_on_a_folder_without_a_team_file_says_what_to_point_it_at(tmp_path):

@@ -6,24 +6,28 @@ anything loads."""
 
 import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from datasets import Dataset
-from peft import PeftModel
+from peft import LoraConfig, PeftModel
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import load_file, save_file
 from test_atgrpo_trainer import Notebook
 from test_atgrpo_trainer import config as notebook_config
 from test_cli import dataset_config, no_model_load, one_line_error  # noqa: F401 (a fixture)
 from test_resume import StopAt, make_trainer
 from tiny_run import TINY_RUN
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, Team, load_team
 from trl_marl.default_model import DEFAULT_MODEL_ID
 from trl_marl.evaluation import evaluate_task
 from trl_marl.scheduling import parallel
 from trl_marl.tasks import resolve_task
-from trl_marl.team_bases import plan_bases
+from trl_marl.team_bases import base_generation_config, base_tokenizer, plan_bases
 
 PROMPTS = ["Say hi.", "Count to three."]
 NEW_PROMPT = [{"role": "user", "content": "Suggest a name for a cat."}]
@@ -196,10 +200,11 @@ def test_the_team_file_adapters_and_card_name_both_bases(magrpo_team, other_base
     trainer, _, out = magrpo_team
     spec = json.loads((out / "team.json").read_text())
     assert spec["base_model"] == DEFAULT_MODEL_ID
-    assert [agent.get("model") for agent in spec["agents"]] == [None, other_base_dir]
+    folder = Path(other_base_dir).name
+    assert [agent.get("model") for agent in spec["agents"]] == [None, f"./{folder}"]  # its folder's name, not its path
     configs = {agent: json.loads((out / agent / "adapter_config.json").read_text()) for agent in ("writer", "checker")}
     assert configs["writer"]["base_model_name_or_path"] == DEFAULT_MODEL_ID
-    assert configs["checker"]["base_model_name_or_path"] == other_base_dir
+    assert configs["checker"]["base_model_name_or_path"] == f"./{folder}"
     # Each adapter file holds its own base's weights only, and the other base's tokenizer sits beside its adapter.
     from safetensors import safe_open
 
@@ -210,7 +215,6 @@ def test_the_team_file_adapters_and_card_name_both_bases(magrpo_team, other_base
         assert len(keys) == len(own) and not any("team_bases" in key for key in keys)
     assert AutoTokenizer.from_pretrained(out / "checker").get_vocab() == trainer.bases[1].tokenizer.get_vocab()
     card = (out / "README.md").read_text()
-    folder = other_base_dir.rstrip("/").split("/")[-1]
     assert "sits on 2 base models" in card
     assert f"[{DEFAULT_MODEL_ID}](https://huggingface.co/{DEFAULT_MODEL_ID})" in card
     assert f"a local checkpoint (`{folder}`)" in card
@@ -360,23 +364,182 @@ def test_a_mixed_batchs_log_probs_equal_each_row_alone_on_its_own_base(tiny_two_
 
 def test_evaluate_task_scores_a_saved_two_base_team_with_its_trained_adapters(tiny_two_base_team, monkeypatch):
     trainer, out = tiny_two_base_team
-    rebuilt = []
-    load = MAGRPOTrainer._load_from_checkpoint
-
-    def recorded(self, folder, model=None):
-        load(self, folder, model)
-        rebuilt.append(self)
-
-    monkeypatch.setattr(MAGRPOTrainer, "_load_from_checkpoint", recorded)
+    built = []
+    evaluate = MAGRPOTrainer.evaluate
+    monkeypatch.setattr(MAGRPOTrainer, "evaluate", lambda self, *a, **k: built.append(self) or evaluate(self, *a, **k))
     metrics = evaluate_task("explain", team=str(out), limit=2, use_cpu=True, max_completion_length=4)
     assert math.isfinite(metrics["reward"])
-    (evaluator,) = rebuilt
+    (evaluator,) = built
     assert [base.agents for base in evaluator.bases] == [[0], [1]]
     trained = {n: p for n, p in trainer.model.named_parameters() if "lora_" in n}
     loaded = {n: p for n, p in evaluator.model.named_parameters() if "lora_" in n}
     assert trained.keys() == loaded.keys() and any(n.startswith("team_bases.") for n in loaded)
     for name in trained:
         torch.testing.assert_close(loaded[name], trained[name], msg=name)
+
+
+def saved_two_base_team(tiny_model_dir, other_base_dir, folder, agents=None, **trainer_kwargs):
+    """The `explain` task's team on the two tiny bases (the detailed agent on the Qwen2 unless `agents` says
+    otherwise), untrained but for its randomised LoRA B, saved to `folder`."""
+    concise, detailed = resolve_task("explain").agents
+    agents = agents or [concise, {**detailed, "model": other_base_dir}]
+    args = MAGRPOConfig.for_task("explain", output_dir=str(folder), agents=agents, num_generations=2, **TINY_RUN)
+    trainer = MAGRPOTrainer(tiny_model_dir, args=args, task="explain", **trainer_kwargs)
+    randomize_lora_b(trainer.model)
+    trainer.save_model()
+    return trainer
+
+
+def evaluator_of(team, monkeypatch):
+    """The trainer `evaluate_task` builds to score the saved `team` (its evaluation itself left out)."""
+    built = []
+    monkeypatch.setattr(MAGRPOTrainer, "evaluate", lambda trainer, *a, **k: built.append(trainer) or {})
+    evaluate_task("explain", team=str(team), limit=1, use_cpu=True)
+    (evaluator,) = built
+    return evaluator
+
+
+def lora_scalings(model, adapter: str) -> dict[str, float]:
+    """Each LoRA layer's scaling of `adapter` on one base (not the bases registered under it)."""
+    return {
+        name: layer.scaling[adapter]
+        for name, layer in model.named_modules()
+        if isinstance(layer, LoraLayer) and adapter in layer.scaling and not name.startswith("team_bases.")
+    }
+
+
+@torch.no_grad()
+def adapter_logits(base, adapter: str) -> torch.Tensor:
+    """A fixed input's logits on a trainer's base (`TeamBase`), every row through `adapter`."""
+    base.model.eval()
+    base.router.route([adapter])
+    try:
+        return base.model(input_ids=torch.arange(5, 12)[None]).logits
+    finally:
+        base.router.route(None)
+
+
+@pytest.mark.parametrize(
+    "lora",
+    [
+        dict(use_rslora=True, alpha_pattern={"v_proj": 16}),  # was scored as plain LoRA: other scalings, no error
+        dict(rank_pattern={"q_proj": 2}, lora_bias=True),  # failed to load
+    ],
+    ids=["rslora-alpha_pattern", "rank_pattern-lora_bias"],
+)
+def test_evaluate_task_rebuilds_each_adapter_of_a_two_base_team_from_its_own_saved_config(
+    tiny_model_dir, other_base_dir, tmp_path, monkeypatch, lora
+):
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM", **lora)
+    trainer = saved_two_base_team(tiny_model_dir, other_base_dir, tmp_path / "team", peft_config=config)
+    evaluator = evaluator_of(tmp_path / "team", monkeypatch)
+    for trained, loaded in zip(trainer.bases, evaluator.bases, strict=True):
+        assert loaded.agents == trained.agents
+        for adapter in (trainer.agent_adapters[agent] for agent in trained.agents):
+            assert lora_scalings(loaded.model, adapter) == lora_scalings(trained.model, adapter)
+            torch.testing.assert_close(adapter_logits(loaded, adapter), adapter_logits(trained, adapter))
+    if lora.get("use_rslora"):  # alpha / sqrt(r) = 8 / 2 on q_proj, 16 / 2 on v_proj (plain LoRA's alpha / r: 2, 4)
+        scalings = lora_scalings(evaluator.bases[1].model, "detailed")
+        assert {s for name, s in scalings.items() if "q_proj" in name} == {4.0}
+        assert {s for name, s in scalings.items() if "v_proj" in name} == {8.0}
+
+
+def base_dtypes(bases) -> list[torch.dtype]:
+    return [base.model.get_base_model().dtype for base in bases]
+
+
+def test_an_agents_recorded_dtype_loads_its_base_alike_in_load_team_and_evaluate_task(
+    tiny_model_dir, other_base_dir, tmp_path, monkeypatch
+):
+    concise, detailed = resolve_task("explain").agents
+    agents = [concise, {**detailed, "model": other_base_dir, "dtype": "bfloat16"}]
+    saved_two_base_team(tiny_model_dir, other_base_dir, tmp_path / "team", agents=agents)
+    assert json.loads((tmp_path / "team" / "team.json").read_text())["agents"][1]["dtype"] == "bfloat16"
+    as_trained = [torch.float32, torch.bfloat16]
+    assert base_dtypes(load_team(tmp_path / "team").bases) == as_trained
+    assert base_dtypes(evaluator_of(tmp_path / "team", monkeypatch).bases) == as_trained
+    # A dtype the caller gives applies to every base.
+    assert base_dtypes(load_team(tmp_path / "team", dtype="float32").bases) == [torch.float32, torch.float32]
+
+
+def test_adapter_weights_missing_from_a_checkpoint_are_refused_naming_the_first(tiny_two_base_team, tmp_path):
+    trainer, out = tiny_two_base_team
+    partial = tmp_path / "partial"
+    shutil.copytree(out, partial)
+    weights = partial / "detailed" / "adapter_model.safetensors"
+    save_file({key: value for key, value in load_file(weights).items() if "v_proj" not in key}, weights)
+    missing = r"adapter 'detailed'.*missing.*model\.layers\.0\.self_attn\.v_proj\.lora_A\.detailed\.weight"
+    with pytest.raises(ValueError, match=missing):
+        trainer._load_from_checkpoint(str(partial))  # a resume, or the best model
+    with pytest.raises(ValueError, match=missing):
+        load_team(partial)  # and evaluate_task, which loads a saved team as load_team does
+
+
+def test_load_team_elsewhere_names_each_base_it_cannot_find_and_takes_them_by_their_recorded_names(
+    tiny_two_base_team, tiny_model_dir, other_base_dir, tmp_path
+):
+    _, out = tiny_two_base_team
+    elsewhere = tmp_path / "elsewhere"  # the team as pushed: no path of the machine that trained it
+    shutil.copytree(out, elsewhere, ignore=shutil.ignore_patterns("_*"))
+    first, second = f"./{Path(tiny_model_dir).name}", f"./{Path(other_base_dir).name}"
+    with pytest.raises(FileNotFoundError) as error:
+        load_team(elsewhere)
+    message = str(error.value)
+    assert f"{first!r} (the base of 'concise')" in message and f"{second!r} (the base of 'detailed')" in message
+    assert f"load_team({str(elsewhere)!r}, base_model=" in message and f"base_models={{{second!r}: " in message
+    team = load_team(elsewhere, base_model=tiny_model_dir, base_models={second: other_base_dir})
+    assert [base.model.get_base_model().config._name_or_path for base in team.bases] == [
+        tiny_model_dir,
+        other_base_dir,
+    ]
+
+
+def test_two_local_bases_in_folders_of_one_name_are_refused_before_anything_loads(
+    tiny_model_dir, other_base_dir, tmp_path
+):
+    for parent in ("a", "b"):
+        shutil.copytree(other_base_dir, tmp_path / parent / "qwen")
+    agents = [
+        {"name": "writer"},
+        {"name": "checker", "model": str(tmp_path / "a" / "qwen")},
+        {"name": "tester", "model": str(tmp_path / "b" / "qwen")},
+    ]
+    args = MAGRPOConfig(output_dir="unused", agents=agents, num_generations=2, use_cpu=True)
+    with pytest.raises(ValueError, match=r"would both be recorded as '\./qwen'"):
+        plan_bases(args, tiny_model_dir)
+
+
+def test_another_bases_generation_config_carries_the_first_bases_token_ids_by_their_text(
+    tiny_model_dir, other_base_dir
+):
+    first, other = AutoTokenizer.from_pretrained(tiny_model_dir), base_tokenizer(other_base_dir)
+    model = AutoModelForCausalLM.from_pretrained(other_base_dir)
+    # " the", " a", "," and " is" are 260, 253, 28 and 314 to SmolLM2's tokenizer, 272, 265, 16 and 296 to the tiny
+    # Qwen2's (hand-checked).
+    config = GenerationConfig(
+        suppress_tokens=[260, 28],
+        begin_suppress_tokens=[253],
+        bad_words_ids=[[260, 314]],
+        force_words_ids=[[314]],
+        sequence_bias={(253, 28): -2.0},
+        forced_bos_token_id=253,
+        forced_eos_token_id=[314],
+    )
+    mapped = base_generation_config(config, model, other, first)
+    assert (mapped.suppress_tokens, mapped.begin_suppress_tokens) == ([272, 16], [265])
+    assert (mapped.bad_words_ids, mapped.force_words_ids) == ([[272, 296]], [[296]])
+    assert mapped.sequence_bias == {(265, 16): -2.0}
+    assert (mapped.forced_bos_token_id, mapped.forced_eos_token_id) == (265, [296])
+    assert (mapped.pad_token_id, mapped.eos_token_id) == (other.pad_token_id, [other.eos_token_id])
+    assert config.suppress_tokens == [260, 28]  # the first base's own config is left as it was
+
+
+def test_a_token_id_another_base_cannot_carry_is_refused_naming_the_field(tiny_model_dir, other_base_dir):
+    first, other = AutoTokenizer.from_pretrained(tiny_model_dir), base_tokenizer(other_base_dir)
+    model = AutoModelForCausalLM.from_pretrained(other_base_dir)
+    config = GenerationConfig(sequence_bias=[[[260], -1.0], [[2644], -1.0]])  # " cat": 2644, two tokens to the Qwen2
+    with pytest.raises(ValueError, match=r"`sequence_bias` holds token id 2644 \(' cat'\).*\[277, 297\]"):
+        base_generation_config(config, model, other, first)
 
 
 def test_the_planner_sums_the_bases_and_lists_them(tiny_model_dir, other_base_dir):

@@ -129,19 +129,43 @@ def test_push_to_hub_uploads_the_whole_team_with_its_card(pushed_team):
     assert f'    "{HUB_ID}",\n    allow_patterns={allow!r},\n    ignore_patterns={ignore!r},\n)' in card.text
 
 
-def test_load_team_by_hub_id_plays_an_episode_offline_from_the_hub_cache(pushed_team, tmp_path, monkeypatch):
+def test_a_pushed_team_names_its_local_base_by_its_folders_name_only(pushed_team, tiny_model_dir):
+    _, uploads = pushed_team
+    uploaded = uploads[0]["copy"]
+    recorded = f"./{Path(tiny_model_dir).name}"
+    assert json.loads((uploaded / "team.json").read_text())["base_model"] == recorded
+    for adapter in ("planner", "checker"):
+        config = json.loads((uploaded / adapter / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == recorded
+    path = tiny_model_dir.encode()
+    assert [name for name in uploads[0]["files"] if path in (uploaded / name).read_bytes()] == []
+    assert "_local_bases.json" not in uploads[0]["files"]  # this machine's path of the base stays here
+
+
+def in_the_bases_parent_folder(monkeypatch, tiny_model_dir) -> None:
+    """Work where the local base's folder is, as another machine's user would (team.json names it `./<folder>`)."""
+    monkeypatch.chdir(Path(tiny_model_dir).parent)
+
+
+def test_load_team_by_hub_id_plays_an_episode_offline_from_the_hub_cache(
+    pushed_team, tmp_path, monkeypatch, tiny_model_dir
+):
     trainer, uploads = pushed_team
     put_in_hub_cache(monkeypatch, tmp_path / "hub", HUB_ID, uploads[0]["copy"])
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    in_the_bases_parent_folder(monkeypatch, tiny_model_dir)
     from_hub = load_team(HUB_ID).run(PROMPT)
     from_folder = load_team(trainer.args.output_dir).run(PROMPT)
     assert set(from_hub.final) == {"planner", "checker"}
     assert from_hub.final == from_folder.final  # the same adapters, greedy
 
 
-def test_the_pushed_cards_load_team_snippet_runs_from_the_hub_cache(pushed_team, tmp_path, monkeypatch, capsys):
+def test_the_pushed_cards_load_team_snippet_runs_from_the_hub_cache(
+    pushed_team, tmp_path, monkeypatch, capsys, tiny_model_dir
+):
     _, uploads = pushed_team
     put_in_hub_cache(monkeypatch, tmp_path / "hub", HUB_ID, uploads[0]["copy"])
+    in_the_bases_parent_folder(monkeypatch, tiny_model_dir)
     card_text = (uploads[0]["copy"] / "README.md").read_text()
     snippet = next(block for block in python_blocks(card_text) if "load_team" in block)
     namespace = {}
@@ -193,10 +217,11 @@ def test_an_agent_named_like_a_checkpoint_keeps_its_adapter_folder():
     assert list(filter_repo_objects(files, allow_patterns=allow, ignore_patterns=ignore)) == files[:1] + files[2:]
 
 
-def test_load_team_by_hub_id_asks_only_for_the_team_files(pushed_team, tmp_path, monkeypatch):
+def test_load_team_by_hub_id_asks_only_for_the_team_files(pushed_team, tmp_path, monkeypatch, tiny_model_dir):
     _, uploads = pushed_team
     put_in_hub_cache(monkeypatch, tmp_path / "hub", HUB_ID, uploads[0]["copy"])
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    in_the_bases_parent_folder(monkeypatch, tiny_model_dir)
     calls = []
 
     def recording_snapshot_download(repo_id, **kwargs):

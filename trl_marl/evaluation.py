@@ -63,7 +63,9 @@ def evaluate_task(
     `model`: the base model of the baselines (default: the embedded default model). `config`: `MAGRPOConfig` fields
     (e.g. `max_completion_length`, `temperature`, `use_cpu`; `use_vllm=True` with `vllm_gpu_memory_utilization` and
     `vllm_max_model_length` generates through vLLM as training does, the engine closed afterwards). A team is
-    evaluated with the generation settings its team.json records (`team_settings`) except those `config` sets.
+    evaluated with the generation settings its team.json records (`team_settings`) except those `config` sets, on
+    its bases loaded as `load_team` loads them (`team.load_saved_bases`: each base at the precision its agents
+    recorded, each adapter from its own saved config).
 
     `algorithm="magrpo"` scores MAGRPO's tree of joint actions (two samples per agent and node): the mean team reward
     over them. `algorithm="at_grpo"` plays each problem as one AT-GRPO episode with a single candidate per agent and
@@ -73,8 +75,7 @@ def evaluate_task(
     from .cli_train import algorithm_classes
     from .default_model import default_model_path
     from .hub import resolve_team_folder
-    from .team import load_team, read_team_file
-    from .team_bases import loadable, spec_bases
+    from .team import load_saved_bases, read_team_file
 
     if baseline not in BASELINES:
         raise ValueError(f"`baseline` must be one of {list(BASELINES)}, got {baseline!r}.")
@@ -92,16 +93,15 @@ def evaluate_task(
     settings = {**task_defaults(task), "num_generations": 2, "num_generations_eval": candidates, "report_to": "none"}
     settings["per_device_eval_batch_size"] = 2
     reward_funcs = list(task.reward_funcs)
-    saved_adapters = None
+    base_models = None
     if baseline == "team":
         team = resolve_team_folder(team)  # a folder, or the Hub id of a pushed team
         spec = read_team_file(team)
         settings.update(team_settings(spec))
-        if len(spec_bases(spec)) > 1:  # a trainer on the team's bases, its saved adapters loaded into it below
-            model, saved_adapters = loadable(spec["base_model"]), team
-            settings.update(saved_lora_settings(team, spec))
-        else:
-            model = load_team(team).model
+        # Every base loaded as `load_team` loads it (precision, each adapter from its own saved config), then handed to
+        # the trainer as it is: the first as its model, the others for their agents' recorded `model` names.
+        first, *others = load_saved_bases(team, spec)
+        model, base_models = first.model, {base.name: base.model for base in others} or None
     elif baseline in ("parallel", "sequential"):
         settings["scheduler"] = baseline
     else:
@@ -120,9 +120,8 @@ def evaluate_task(
             train_dataset=dataset,
             eval_dataset=dataset,
             task=task,  # its transition, and its environment state if it keeps one
+            base_models=base_models,
         )
-        if saved_adapters is not None:
-            trainer._load_from_checkpoint(str(saved_adapters))  # every base's adapters, as a checkpoint's
         try:
             metrics = trainer.evaluate()
         finally:
@@ -149,21 +148,6 @@ def team_settings(spec: dict) -> dict[str, Any]:
     ]
     recorded = {name: spec[name] for name in GENERATION_FIELDS if name in spec}
     return {"agents": agents, "adapter_mode": spec["adapter_mode"], "num_turns": spec["num_turns"], **recorded}
-
-
-def saved_lora_settings(folder, spec: dict) -> dict[str, Any]:
-    """The `lora_*` fields that rebuild a saved team's adapters: their rank, alpha and dropout, and every module they
-    adapt on any base (each base adapts those it has)."""
-    from pathlib import Path
-
-    from peft import LoraConfig
-
-    adapters = list(dict.fromkeys(agent["adapter"] for agent in spec["agents"]))
-    configs = [LoraConfig.from_pretrained(str(Path(folder) / adapter)) for adapter in adapters]
-    targets = sorted({module for config in configs for module in config.target_modules})
-    first = configs[0]
-    return {"lora_r": first.r, "lora_alpha": first.lora_alpha, "lora_dropout": first.lora_dropout,
-            "lora_target_modules": targets}  # fmt: skip
 
 
 def resolve_reward(func):

@@ -3,6 +3,9 @@ Hub repo id as well as by folder, and the team's files gathered for an upload.
 
 - `hub_base_model`: the base model as a Hub id for a model card's metadata (the embedded default model's Hub id
   rather than its local conversion, a Hub cache snapshot's repo id; nothing for another local folder, as TRL).
+- `portable_base_name`: the base model as `team.json` records it: its Hub id, else its local folder's name as a
+  relative path (`./<folder>`), never a path of the machine that trained it; `write_local_bases` keeps that machine's
+  paths of its local bases beside the team in a file Trainer's uploads leave out, where `local_base_path` finds them.
 - `make_adapter_configs_portable`: each adapter's `adapter_config.json` names the base model as `team.json` does,
   never the local conversion of the default model.
 - `resolve_team_folder`: a local folder, or a Hub repo id, for `load_team`: its `team.json` first (a repo without one
@@ -29,6 +32,10 @@ from .default_model import DEFAULT_MODEL_ID, _hub_offline, is_default_model
 
 TEAM_FILE = "team.json"
 CARD_FILE = "README.md"
+# The local paths of a saved team's local bases on the machine that saved it (recorded name -> path). Trainer uploads
+# the output folder (`push_to_hub`, each checkpoint push) without top-level names starting with "_", so these paths
+# stay on that machine (the checkpoint folders that `hub_strategy="checkpoint"` also uploads go whole).
+LOCAL_BASES_FILE = "_local_bases.json"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 # The top-level files of a team's repo that a team needs besides its adapter folders: `team.json`, the card, the
 # tokenizer and chat template (`*.json`, `*.jinja`; `*.txt`, `*.model`, `*.tiktoken` for vocabularies). Patterns are
@@ -56,6 +63,37 @@ def hub_base_model(name_or_path: str | None) -> str | None:
     if os.path.isdir(name) or name.startswith(("/", ".", "~")):
         return None
     return name if _is_repo_id(name) else None
+
+
+def portable_base_name(name_or_path: str | None) -> str:
+    """A base model's name in `team.json` and the adapter configs, one that another machine can use: its Hub id
+    (`hub_base_model`), else a local folder's name as a relative path, `./<folder>` (the `./` keeps it from being
+    taken for a Hub id of that name)."""
+    name = str(name_or_path or "")
+    if not name:
+        return name
+    return hub_base_model(name) or f"./{Path(name).name}"
+
+
+def write_local_bases(folder: str | os.PathLike, paths: dict[str, str]) -> None:
+    """Record in `folder` where this machine keeps the team's local bases (`paths`: recorded name -> folder), so that
+    `load_team` finds them here; without local bases the file is removed (a folder saved over keeps no stale one)."""
+    path = Path(folder) / LOCAL_BASES_FILE
+    if paths:
+        path.write_text(json.dumps({name: os.path.abspath(local) for name, local in paths.items()}, indent=2) + "\n")
+    elif path.is_file():
+        path.unlink()
+
+
+def local_base_path(folder: str | os.PathLike, name: str) -> str | None:
+    """Where the machine that saved the team in `folder` kept its base recorded as `name`, when that folder is here;
+    else None."""
+    path = Path(folder) / LOCAL_BASES_FILE
+    try:
+        local = json.loads(path.read_text()).get(name)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return local if isinstance(local, str) and os.path.isdir(local) else None
 
 
 def hub_snapshot_id(path: str | os.PathLike) -> str | None:

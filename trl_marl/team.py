@@ -9,29 +9,31 @@ per agent, or `out/team/` when the agents share an adapter), the tokenizer, and 
  "num_turns": 2, "transition": "trl_marl.rollout:default_transition", "max_completion_length": 64, ...}
 ```
 
-`load_team(out)` (the folder, or the Hub id of a pushed team) rebuilds the team on one base model (optionally 4-bit)
-and `Team.run(prompt)` plays an episode with the prompt building of training: each agent gets its role and what the
-transition shows it, nothing else.
+`load_team(out)` (the folder, or the Hub id of a pushed team) rebuilds the team on its base model (optionally 4-bit),
+or its base models when agents trained on their own, and `Team.run(prompt)` plays an episode with the prompt building
+of training: each agent gets its role and what the transition shows it, nothing else.
+
+`team.json` names each base as another machine can use it: its Hub id, else its local folder's name (`./<folder>`);
+the machine that saved the team keeps its local bases' paths beside it (`hub.LOCAL_BASES_FILE`, never uploaded).
 """
 
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from peft import PeftModel
-from safetensors import safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from .agents import agent_prompt, keep_4bit_weights_trainable
 from .captured_decode import captured_decoder
 from .config import ATGRPOConfig
-from .default_model import DEFAULT_MODEL_ID, is_default_model
-from .hub import TEAM_FILE, resolve_team_folder
+from .default_model import is_default_model
+from .hub import TEAM_FILE, local_base_path, portable_base_name, resolve_team_folder
 from .importable import import_by_name, importable_name
 from .magrpo_rollout import TreeRollout
 from .precision import four_bit_config
@@ -40,7 +42,7 @@ from .rollout import RolloutSettings, default_transition
 from .routing import AdapterRouter
 from .scheduling import Prompt, resolve_scheduler
 from .tasks import resolve_task
-from .team_bases import loadable, spec_bases, tokenize_text_prompts
+from .team_bases import loadable, saved_adapters_model, spec_bases, tokenize_text_prompts
 from .team_generation import left_padded
 
 TEAM_FORMAT = "trl_marl.team/1"
@@ -51,9 +53,22 @@ GENERATION_FIELDS = ("max_completion_length", *SAMPLING_FIELDS, "chat_template_k
 
 
 def base_model_name(model: Any) -> str:
-    """The base model's Hub id or path, with the locally converted default model recorded as its Hub id."""
-    name = getattr(model.config, "_name_or_path", "") or ""
-    return DEFAULT_MODEL_ID if name and is_default_model(name) else name
+    """A loaded base model's name in `team.json` and its adapters' configs, one another machine can use
+    (`hub.portable_base_name`): its Hub id (the locally converted default model's too), else its local folder's name
+    as `./<folder>`, never its path on this machine."""
+    return portable_base_name(getattr(model.config, "_name_or_path", "") or "")
+
+
+def local_base_paths(models: Sequence[Any]) -> dict[str, str]:
+    """Where this machine keeps the loaded base `models` that `team.json` names otherwise than they were loaded (a
+    local folder, a Hub cache snapshot), by their recorded names: what `hub.write_local_bases` keeps beside a saved
+    team, so that `load_team` finds them here."""
+    paths = {}
+    for model in models:
+        loaded_from = getattr(model.config, "_name_or_path", "") or ""
+        if os.path.isdir(loaded_from) and not is_default_model(loaded_from):
+            paths[base_model_name(model)] = loaded_from
+    return paths
 
 
 def team_spec(
@@ -295,20 +310,6 @@ class Team:
                 base.decoder.release()
 
 
-def keep_saved_dtype(model: PeftModel, adapter: str, folder: Path) -> None:
-    """Give an adapter's weights the dtype they were saved (trained) in. TRL trains adapters in bf16 on a quantized
-    base; PEFT loads them into weights of the base's dtype, and the replay would then round differently."""
-    weights = folder / "adapter_model.safetensors"
-    if not weights.is_file():
-        return
-    with safe_open(str(weights), framework="pt") as saved:
-        dtype = saved.get_slice(next(iter(saved.keys()))).get_dtype()
-    dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(dtype)
-    for name, param in model.named_parameters():
-        if dtype is not None and "lora_" in name and f".{adapter}." in name:
-            param.data = param.data.to(dtype)
-
-
 def read_team_file(path: str | os.PathLike) -> dict:
     team_file = Path(path) / TEAM_FILE
     if not team_file.is_file():
@@ -322,15 +323,121 @@ def read_team_file(path: str | os.PathLike) -> dict:
     return spec
 
 
+@dataclass
+class SavedBase:
+    """One base of a saved team, loaded: its name in `team.json`, where it was loaded from, its `PeftModel` (its
+    agents' adapters), its tokenizer, its agents (indices) and whether it was quantized."""
+
+    name: str
+    source: str
+    model: PeftModel
+    tokenizer: Any
+    agents: list[int]
+    quantized: bool = False
+
+
+def load_saved_bases(
+    path: Path,
+    spec: dict,
+    *,
+    load_in_4bit: bool | None = None,
+    quantization_config: BitsAndBytesConfig | None = None,
+    dtype: str | torch.dtype | None = None,
+    device_map: Any = None,
+    base_model: str | None = None,
+    base_models: dict[str, str] | None = None,
+) -> list[SavedBase]:
+    """Each base of the saved team in `path` (`spec`: its team.json), the first agent's first: found (`find_bases`),
+    loaded once (`saved_base_loading`: the caller's precision, else the one its agents recorded) with its agents'
+    adapters, each from its own saved config (`team_bases.saved_adapters_model`), and its tokenizer (the first base's
+    at the folder's top, another's beside its adapters). What `load_team` and `evaluate_task` load a team with."""
+    groups = spec_bases(spec)
+    sources = find_bases(path, spec, base_model, base_models)
+    bases = []
+    for index, ((name, agents), source) in enumerate(zip(groups.items(), sources)):
+        recorded = spec["agents"][agents[0]]  # agents on one base trained with one loading (`plan_bases`)
+        quantization, base_dtype = saved_base_loading(recorded, load_in_4bit, quantization_config, dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=base_dtype, quantization_config=quantization, device_map=device_map
+        )
+        adapters = list(dict.fromkeys(spec["agents"][agent]["adapter"] for agent in agents))
+        model = saved_adapters_model(model, path, adapters)
+        keep_4bit_weights_trainable(model)  # the 4-bit kernel training used, so greedy episodes replay exactly
+        saved = path if index == 0 else path / adapters[0]
+        tokenizer = AutoTokenizer.from_pretrained(saved if (saved / "tokenizer_config.json").is_file() else source)
+        bases.append(SavedBase(name, source, model, tokenizer, agents, quantization is not None))
+    return bases
+
+
+def saved_base_loading(
+    agent: dict, load_in_4bit: bool | None, quantization_config: BitsAndBytesConfig | None, dtype
+) -> tuple[BitsAndBytesConfig | None, Any]:
+    """A saved base's quantization config and dtype. The caller's `quantization_config` / `load_in_4bit` and `dtype`,
+    when given, apply to every base; else the base loads as its agent (`agent`, its team.json entry) recorded its own
+    model's loading (`load_in_4bit`, `dtype`), as the trainer loaded it; else unquantized in the checkpoint's dtype."""
+    if quantization_config is None:
+        four_bit = agent.get("load_in_4bit", False) if load_in_4bit is None else load_in_4bit
+        quantization_config = four_bit_config() if four_bit else None
+    return quantization_config, agent.get("dtype", "auto") if dtype is None else dtype
+
+
+def find_bases(
+    path: Path, spec: dict, base_model: str | None = None, base_models: dict[str, str] | None = None
+) -> list[str]:
+    """Where each base of the saved team (`spec_bases`, the first agent's first) loads from here: as the caller says
+    (`base_model` for the first, `base_models` by recorded name), else the local folder the saving machine kept it in
+    (`hub.local_base_path`), else its recorded name (a Hub id, the embedded default model, or `./<folder>` in the
+    working directory).
+
+    Raises:
+        ValueError: `base_models` names no base of the team.
+        FileNotFoundError: some bases cannot be found; the message names each, its agents, and the `base_model=` /
+            `base_models=` to pass.
+    """
+    groups = spec_bases(spec)
+    base_models = dict(base_models or {})
+    unknown = [name for name in base_models if name not in groups]
+    if unknown:
+        raise ValueError(
+            f"`base_models` names {unknown}, but the team in {path} sits on {list(groups)} (the names its team.json "
+            "records). Key each model by one of those."
+        )
+    sources, missing = [], []
+    for index, (name, agents) in enumerate(groups.items()):
+        given = base_model if index == 0 and base_model else base_models.get(name)
+        source = loadable(given or local_base_path(path, name) or name)
+        try:
+            AutoConfig.from_pretrained(source)  # config.json alone: found before any weights load
+        except (OSError, ValueError) as error:
+            who = ", ".join(f"'{spec['agents'][agent]['name']}'" for agent in agents)
+            where = f"not at {source!r}" if given else "not found"
+            reason = " ".join(str(error).split())[:160]
+            missing.append((index, name, f"{name!r} (the base of {who}), {where}: {reason}"))
+        sources.append(source)
+    if missing:
+        placeholder = {name: f"'/path/to/{Path(name).name}'" for _, name, _ in missing}
+        first = [f"base_model={placeholder[name]}" for index, name, _ in missing if index == 0]
+        others = [f"{name!r}: {placeholder[name]}" for index, name, _ in missing if index > 0]
+        call = ", ".join([repr(str(path)), *first, *([f"base_models={{{', '.join(others)}}}"] if others else [])])
+        raise FileNotFoundError(
+            f"The team in {path} sits on base models that cannot be found here: "
+            f"{'; '.join(text for _, _, text in missing)}. team.json names a base by its Hub id, or a local one by "
+            "its folder's name ('./<folder>'), which the machine that saved the team finds, or a working directory "
+            f"holding that folder. Say where each is on this machine (a folder or a Hub id): load_team({call})."
+        )
+    return sources
+
+
 def load_team(
     path: str | os.PathLike,
     *,
-    load_in_4bit: bool = False,
+    load_in_4bit: bool | None = None,
     quantization_config: BitsAndBytesConfig | None = None,
     base_model: str | None = None,
+    base_models: dict[str, str] | None = None,
     transition: Callable | None = None,
     scheduler: Any = None,
-    dtype: str | torch.dtype = "auto",
+    dtype: str | torch.dtype | None = None,
     device_map: Any = None,
     use_vllm: bool = False,
     vllm_gpu_memory_utilization: float = 0.3,
@@ -338,17 +445,24 @@ def load_team(
     captured_decode: bool | None = None,
 ) -> Team:
     """Rebuild a team saved by a trainer's `save_model`: each base model once (one for most teams; agents that trained
-    on their own `model` get theirs, `team.json` names it), each agent's adapter on its base.
+    on their own `model` get theirs, `team.json` names it), each agent's adapter on its base, built from its own saved
+    config.
 
     Args:
         path: the saved folder (`output_dir` or a `checkpoint-N` folder), or the Hub repo id of a pushed team
             (fetched with `snapshot_download`; from the Hub cache under `HF_HUB_OFFLINE`).
-        load_in_4bit: load the bases in 4-bit NF4 (bitsandbytes); or pass `quantization_config`.
+        load_in_4bit: load every base in 4-bit NF4 (bitsandbytes), or, with False, none; or pass `quantization_config`.
+            Left None, a base loads as its agents' team.json entries record (an agent's own `load_in_4bit`), else
+            unquantized.
         base_model: a Hub id or path overriding the recorded base model (the first agent's base).
+        base_models: Hub ids or paths of the bases, keyed by the names team.json records (another base is named in
+            its agents' `model`): where a base is on this machine when its recorded name does not find it.
         transition: overrides the recorded transition; needed when the training transition was not importable
             (a lambda or a local function).
         scheduler: overrides the recorded scheduler (a plugin name or object); training's is used by default.
-        dtype, device_map: passed to `from_pretrained`.
+        dtype: passed to `from_pretrained` for every base; left None, a base loads in the `dtype` its agents recorded,
+            else in the checkpoint's ("auto").
+        device_map: passed to `from_pretrained`.
         use_vllm: generate with a vLLM engine (`SavedTeamEngine`) serving the base once and each saved adapter as
             a LoRA, in the loaded model's dtype (NF4 through vLLM's bitsandbytes on a 4-bit base); `Team.close()`
             frees it. `vllm_gpu_memory_utilization` (vLLM's share of the GPU's memory, of the machine's RAM on the
@@ -357,6 +471,10 @@ def load_team(
             `torch.manual_seed` makes `run` sample the same tokens again, as with `generate`.
         captured_decode: without vLLM, generate through the captured decode step (`trl_marl.captured_decode`): None
             chooses by device (on for CUDA), True forces it, False is eager `generate`.
+
+    Raises:
+        FileNotFoundError: a base cannot be found (`find_bases`); the message says what to pass.
+        ValueError: an adapter's saved weights do not match its saved config (`team_bases.load_base_adapters`).
     """
     path = resolve_team_folder(path)
     spec = read_team_file(path)
@@ -391,49 +509,37 @@ def load_team(
                     f"The team in {path} names its transition {spec['transition']!r}, which cannot be imported here "
                     f"({error}): pass `transition=` to load_team."
                 ) from error
-    if load_in_4bit and quantization_config is None:
-        quantization_config = four_bit_config()
     groups = spec_bases(spec)
     if use_vllm and len(groups) > 1:
         raise ValueError(
             f"The team in {path} sits on {len(groups)} base models ({', '.join(groups)}); `use_vllm=True` serves one. "
             "Load it without vLLM."
         )
-    parts = []
-    for index, (name, agents) in enumerate(groups.items()):
-        # Every base is loaded as asked here (4-bit with `load_in_4bit`, in `dtype`), as a one-base team's is.
-        base = base_model if index == 0 and base_model else name
-        model = AutoModelForCausalLM.from_pretrained(
-            loadable(base), dtype=dtype, quantization_config=quantization_config, device_map=device_map
-        )
-        adapters = list(dict.fromkeys(spec["agents"][agent]["adapter"] for agent in agents))
-        model = PeftModel.from_pretrained(model, str(path / adapters[0]), adapter_name=adapters[0])
-        for adapter in adapters[1:]:
-            model.load_adapter(str(path / adapter), adapter_name=adapter)
-        for adapter in adapters:
-            keep_saved_dtype(model, adapter, path / adapter)
-        model.eval()
-        keep_4bit_weights_trainable(model)  # the 4-bit kernel training used, so greedy episodes replay exactly
-        # The first base's tokenizer is the team's (at the folder's top); another base's sits in its adapters' folders.
-        saved = path if index == 0 else path / adapters[0]
-        tokenizer = AutoTokenizer.from_pretrained(
-            saved if (saved / "tokenizer_config.json").is_file() else loadable(base)
-        )
-        parts.append((model, tokenizer, agents))
-    (model, tokenizer, _), other_bases = parts[0], parts[1:]
-    base = loadable(base_model or spec["base_model"])
+    bases = load_saved_bases(
+        path,
+        spec,
+        load_in_4bit=load_in_4bit,
+        quantization_config=quantization_config,
+        dtype=dtype,
+        device_map=device_map,
+        base_model=base_model,
+        base_models=base_models,
+    )
+    first, others = bases[0], bases[1:]
     scheduler = resolve_scheduler(scheduler or spec.get("scheduler", "parallel"))
     engine = None
     if use_vllm:
         from .vllm_serving import SavedTeamEngine
 
+        adapters = list(dict.fromkeys(agent["adapter"] for agent in spec["agents"]))
         engine = SavedTeamEngine(
-            base,
+            first.source,
             {adapter: path / adapter for adapter in adapters},
-            lora_rank=max(config.r for config in model.peft_config.values()),
-            dtype=model.dtype,  # what the trainer's engine serves in (`TeamVLLMGeneration`)
+            lora_rank=max(config.r for config in first.model.peft_config.values()),
+            dtype=first.model.dtype,  # what the trainer's engine serves in (`TeamVLLMGeneration`)
             gpu_memory_utilization=vllm_gpu_memory_utilization,
             max_model_len=vllm_max_model_length,
-            quantization="bitsandbytes" if quantization_config is not None else None,
+            quantization="bitsandbytes" if first.quantized else None,
         )
-    return Team(model, tokenizer, spec, transition, scheduler, task, engine, captured_decode, other_bases)
+    other_bases = [(base.model, base.tokenizer, base.agents) for base in others]
+    return Team(first.model, first.tokenizer, spec, transition, scheduler, task, engine, captured_decode, other_bases)

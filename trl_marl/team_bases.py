@@ -10,7 +10,10 @@ text.
 
 In the trainer the first agent's base is TRL's model; every other base is registered as a submodule of it
 (`TEAM_BASES`), so that what `Trainer` does to its model (the optimizer, gradient clipping, `zero_grad`, train and eval
-modes, moves to a device) reaches every base's adapters exactly as it reaches the first base's.
+modes, moves to a device) reaches every base's adapters exactly as it reaches the first base's. The trainer's
+generation settings are the first base's: another base gets its own special tokens, and the first base's token ids in
+other settings carried over by their text (`base_generation_config`). A saved team's base is rebuilt with each
+adapter from its own saved config (`saved_adapters_model`), for `load_team` and `evaluate_task` alike.
 """
 
 from __future__ import annotations
@@ -29,7 +32,20 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import create_model_from_path
 
 from .default_model import DEFAULT_MODEL_ID, default_model_path, is_default_model
+from .hub import portable_base_name
 from .routing import OTHER_BASES as TEAM_BASES  # the attribute of the first base's PeftModel holding the others
+
+# The generation settings that hold token ids (nested lists of ids; `sequence_bias` maps id sequences to biases): the
+# trainer's are the first base's ids, carried to another base by their text (`base_generation_config`).
+TOKEN_ID_SETTINGS = (
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "bad_words_ids",
+    "force_words_ids",
+    "sequence_bias",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+)
 
 
 def model_key(name: str) -> str:
@@ -81,11 +97,15 @@ def spec_bases(spec: dict) -> dict[str, list[int]]:
     return groups
 
 
-def plan_bases(args, model: Any, quantization_config=None) -> list[BasePlan]:
+def plan_bases(args, model: Any, quantization_config=None, base_models: dict | None = None) -> list[BasePlan]:
     """The team's bases, the first agent's first, from the config's `agents` and the trainer's `model` (an id, a
-    folder or a loaded model): one per distinct model. Raises `ValueError`, before anything loads, naming the agents
-    and fields when agents on one model ask for different loadings, when the trainer's loaded model carries no agent,
-    or when several bases meet what cannot serve them (vLLM, one shared adapter, several processes, a `PeftModel`)."""
+    folder or a loaded model): one per distinct model. `base_models` maps agents' own `model` names to loaded models
+    used as given (a saved team's bases, as `evaluate_task` passes them). Raises `ValueError`, before anything loads,
+    naming the agents and fields when agents on one model ask for different loadings, when the trainer's loaded model
+    carries no agent, when `base_models` names a model no agent names, when two bases would be recorded under one name
+    in `team.json`, or when several bases meet what cannot serve them (vLLM, one shared adapter, several processes, a
+    `PeftModel` without exactly its agents' adapters)."""
+    loaded = {model_key(name): base for name, base in (base_models or {}).items()}
     if isinstance(model, str):
         trainer_name = model
         trainer_4bit = quantization_config is not None and getattr(quantization_config, "load_in_4bit", False)
@@ -108,7 +128,7 @@ def plan_bases(args, model: Any, quantization_config=None) -> list[BasePlan]:
                 plans[key] = BasePlan(trainer_name, model, quantization_config, trainer_base=True)
                 asked[key] = [("the trainer's model", trainer_4bit, trainer_dtype)]
             else:
-                plans[key], asked[key] = BasePlan(own, own), []
+                plans[key], asked[key] = BasePlan(own, loaded.get(key, own)), []
         plans[key].agents.append(index)
         asked[key].append((f"agent '{agent['name']}'", load_in_4bit, dtype))
     for key, settings in asked.items():
@@ -129,17 +149,40 @@ def plan_bases(args, model: Any, quantization_config=None) -> list[BasePlan]:
                 given = quantization_config is not None and getattr(quantization_config, "load_in_4bit", False)
                 plan.quantization_config = quantization_config if given else four_bit_config()
     bases = list(plans.values())
+    own_models = {key for key, plan in plans.items() if not plan.trainer_base}
+    unused = [name for name in base_models or {} if model_key(name) not in own_models]
+    if unused:
+        raise ValueError(
+            f"`base_models` gives models for {unused}, which no agent names as its own `model` (the agents' models: "
+            f"{[base.name for base in bases if not base.trainer_base]}). Key each loaded model by an agent's `model`."
+        )
     for base in bases:
-        if not base.trainer_base:
-            check_base_exists(base.name, [args.agents[i]["name"] for i in base.agents], args.trust_remote_code)
+        if not base.trainer_base and isinstance(base.source, str):
+            check_base_exists(base.source, [args.agents[i]["name"] for i in base.agents], args.trust_remote_code)
     if not isinstance(model, str) and trainer_key not in plans:
         raise ValueError(
             f"Every agent names its own `model`, so the model passed to the trainer ({trainer_name}) carries none. "
             "Leave `model` off the agents that should sit on it, or pass one of the agents' models."
         )
+    check_recorded_names(bases)
     if len(bases) > 1:
-        check_several_bases_supported(args, model, [base.name for base in bases])
+        check_several_bases_supported(args, bases)
     return bases
+
+
+def check_recorded_names(bases: Sequence[BasePlan]) -> None:
+    """Two bases must not be recorded under one name in `team.json` (`hub.portable_base_name`: a local base by its
+    folder's name), or a saved team would load them as one: a `ValueError` naming both, before anything loads."""
+    recorded: dict[str, str] = {}
+    for base in bases:
+        name = portable_base_name(base.name)
+        if name in recorded:
+            raise ValueError(
+                f"`agents`: {recorded[name]} and {base.name} are two base models, but they would both be recorded as "
+                f"{name!r} in team.json (a local base by its folder's name, never its path on this machine), and a "
+                "saved team would load them as one. Rename one of the folders."
+            )
+        recorded[name] = base.name
 
 
 def check_base_exists(name: str, agents: Sequence[str], trust_remote_code: bool = False) -> None:
@@ -160,11 +203,11 @@ def check_base_exists(name: str, agents: Sequence[str], trust_remote_code: bool 
         ) from error
 
 
-def check_several_bases_supported(args, model: Any, names: Sequence[str]) -> None:
+def check_several_bases_supported(args, plans: Sequence[BasePlan]) -> None:
     """Refuse, naming the field, what cannot serve a team on several bases."""
     from peft import PeftModel
 
-    bases = f"{len(names)} base models ({', '.join(names)})"
+    bases = f"{len(plans)} base models ({', '.join(plan.name for plan in plans)})"
     if args.use_vllm:
         raise ValueError(
             f"`use_vllm=True` with agents on {bases}: a team's vLLM engine serves one base and its agents' LoRAs. "
@@ -182,11 +225,14 @@ def check_several_bases_supported(args, model: Any, names: Sequence[str]) -> Non
             "processes were started): every base but the first would run outside the first one's distributed "
             "wrapper. Launch one process without `deepspeed` / `fsdp`, or put every agent on one base."
         )
-    if isinstance(model, PeftModel):
-        raise ValueError(
-            f"A PeftModel passed as `model` carries adapters on one base, but the agents sit on {bases}. Pass the "
-            "base model (or its id) and let the trainer add the adapters."
-        )
+    for plan in plans:
+        agents = [args.agents[i]["name"] for i in plan.agents]  # each agent's adapter is named after it
+        if isinstance(plan.source, PeftModel) and sorted(plan.source.peft_config) != sorted(agents):
+            raise ValueError(
+                f"A PeftModel passed for {plan.name} carries the adapters {sorted(plan.source.peft_config)}, but the "
+                f"agents on it are {agents} and the team sits on {bases}: each base's PeftModel must carry exactly "
+                "its own agents' adapters. Pass the base model (or its id) and let the trainer add the adapters."
+            )
 
 
 @dataclass
@@ -233,7 +279,9 @@ def other_base(
     from .routing import AdapterRouter
     from .team_generation import TeamGeneration, position_limit
 
-    tokenizer = base_tokenizer(plan.name)
+    # A loaded base (`base_models`) has its tokenizer where the model was loaded from, as TRL finds the trainer's.
+    loaded_from = plan.source if isinstance(plan.source, str) else model.get_base_model().config._name_or_path
+    tokenizer = base_tokenizer(loaded_from)
     if (tokenizer.chat_template is None) != (first_tokenizer.chat_template is None):
         first = getattr(first_tokenizer, "name_or_path", "") or "the first base"
         with_template, without = (plan.name, first) if tokenizer.chat_template else (first, plan.name)
@@ -244,7 +292,7 @@ def other_base(
         )
     router = AdapterRouter(model, [agent_adapters[i] for i in plan.agents])
     decoder = captured_decoder(model, router, captured) if captured is not False else None
-    config = base_generation_config(generation_config, model, tokenizer)
+    config = base_generation_config(generation_config, model, tokenizer, first_tokenizer)
     generation = TeamGeneration(
         router,
         agent_adapters,
@@ -283,14 +331,56 @@ def base_eos_token_ids(model, tokenizer) -> list[int]:
     return eos if tokenizer.eos_token_id in eos else [tokenizer.eos_token_id, *eos]
 
 
-def base_generation_config(generation_config, model, tokenizer):
-    """The trainer's generation config with a base's own special tokens (pad, BOS, EOS), as TRL builds it for the
-    trainer's model."""
+def base_generation_config(generation_config, model, tokenizer, first_tokenizer):
+    """The trainer's generation config (the first base's, `first_tokenizer`'s ids) for another base: its own special
+    tokens (pad, BOS, EOS), as TRL builds them for the trainer's model, and the first base's token ids in every other
+    setting (`TOKEN_ID_SETTINGS`) carried over token by token by their text (`carried_token_id`). Raises `ValueError`
+    naming the setting when a token cannot be carried, or for `constraints`, objects holding the first base's ids."""
     config = copy.deepcopy(generation_config)
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = tokenizer.bos_token_id
     config.eos_token_id = base_eos_token_ids(model, tokenizer)
+    if getattr(config, "constraints", None):
+        raise ValueError(
+            "`constraints` hold the first base's token ids, which another base's tokenizer does not share, and a team "
+            "on several bases cannot carry them over. Leave `constraints` out of `generation_kwargs`."
+        )
+    for setting in TOKEN_ID_SETTINGS:
+        value = getattr(config, setting, None)
+        if value is None:
+            continue
+
+        def carried(ids, setting=setting):
+            if isinstance(ids, int):
+                return carried_token_id(ids, first_tokenizer, tokenizer, setting)
+            return type(ids)(carried(token_id) for token_id in ids)  # a list, or a tuple (a `sequence_bias` key)
+
+        if setting == "sequence_bias" and isinstance(value, dict):
+            setattr(config, setting, {carried(ids): bias for ids, bias in value.items()})
+        elif setting == "sequence_bias":  # [[ids, bias], ...]
+            setattr(config, setting, [[carried(ids), bias] for ids, bias in value])
+        else:
+            setattr(config, setting, carried(value))
     return config
+
+
+def carried_token_id(token_id: int, first_tokenizer, tokenizer, setting: str) -> int:
+    """The id `tokenizer` gives the text that `first_tokenizer` gives `token_id`: exactly one token, of the same
+    text, whose text each tokenizer writes as that one token. Raises `ValueError` naming `setting`, the id and its text
+    otherwise (a token the other base splits, or one that is no text on its own, such as part of a character)."""
+    text = first_tokenizer.decode([token_id])
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    exact = first_tokenizer.encode(text, add_special_tokens=False) == [token_id] and tokenizer.decode(ids) == text
+    if len(ids) == 1 and exact:
+        return ids[0]
+    first = getattr(first_tokenizer, "name_or_path", "") or "the first base"
+    other = getattr(tokenizer, "name_or_path", "") or "another base"
+    raise ValueError(
+        f"`{setting}` holds token id {token_id} ({text!r}) of the first base's tokenizer ({first}), which the "
+        f"tokenizer of {other} writes as {ids}, not as that one token: a team on several bases cannot carry it to "
+        f"that base. Remove it from `generation_kwargs['{setting}']`, or put these agents on bases whose tokenizers "
+        "share the token."
+    )
 
 
 def prepare_base(model, args, temperature: float) -> None:
@@ -427,20 +517,69 @@ def save_base_adapters(folder: str | os.PathLike, base: TeamBase, adapters: Sequ
 
 def load_base_adapters(checkpoint: str | os.PathLike, model, adapters: Sequence[str]) -> None:
     """Load a base's adapters from `checkpoint/<adapter>/` into the parameters the model already holds (in place, in
-    their own dtype: the optimizer and the router hold them)."""
+    their own dtype: the optimizer and the router hold them). Raises `ValueError` naming the adapter and the first key
+    when the folder holds weights the adapter does not have, or lacks some of its LoRA weights (which would otherwise
+    keep their fresh, untrained values)."""
     from pathlib import Path
 
     from peft.utils import load_peft_weights, set_peft_model_state_dict
 
     device = next(model.parameters()).device
     for adapter in adapters:
-        weights = load_peft_weights(str(Path(checkpoint) / adapter), device=str(device))
+        folder = Path(checkpoint) / adapter
+        weights = load_peft_weights(str(folder), device=str(device))
         result = set_peft_model_state_dict(model, weights, adapter_name=adapter)
         if result.unexpected_keys:
             raise ValueError(
-                f"{Path(checkpoint) / adapter} holds weights the adapter '{adapter}' does not have "
+                f"{folder} holds weights the adapter '{adapter}' does not have "
                 f"({result.unexpected_keys[:3]}...): it was saved from another model or LoRA configuration."
             )
+        # Every parameter the checkpoint does not set is "missing", the base model's too: only this adapter's count.
+        missing = [key for key in result.missing_keys if "lora_" in key and f".{adapter}." in key]
+        if missing:
+            raise ValueError(
+                f"{folder}: {len(missing)} LoRA weights of the adapter '{adapter}' are missing, the first "
+                f"{missing[0]}; they would keep their fresh, untrained values. The folder was saved from another LoRA "
+                "configuration (other target modules or layers) or is incomplete: load a complete save of this team."
+            )
+
+
+def saved_adapters_model(model, folder: str | os.PathLike, adapters: Sequence[str]):
+    """`model` (a loaded base) as a `PeftModel` carrying the saved `adapters` (`folder/<adapter>/`), each built from
+    its own `adapter_config.json` (rank and alpha, their per-module patterns, rsLoRA, biases, targets) and loaded as a
+    checkpoint's adapters are (`load_base_adapters`: missing or unexpected weights refused), in the dtype it was saved
+    in; in eval mode. `load_team` loads a saved team's bases with it, and `evaluate_task` through `load_team`'s
+    loading."""
+    from pathlib import Path
+
+    from peft import PeftConfig, get_peft_model
+
+    configs = [PeftConfig.from_pretrained(str(Path(folder) / adapter)) for adapter in adapters]
+    model = get_peft_model(model, configs[0], adapter_name=adapters[0])
+    for adapter, config in zip(adapters[1:], configs[1:]):
+        model.add_adapter(adapter, config)
+    load_base_adapters(folder, model, adapters)
+    for adapter in adapters:
+        keep_saved_dtype(model, adapter, Path(folder) / adapter)
+    return model.eval()
+
+
+def keep_saved_dtype(model, adapter: str, folder: str | os.PathLike) -> None:
+    """Give an adapter's weights the dtype they were saved (trained) in. TRL trains adapters in bf16 on a quantized
+    base; PEFT creates them in the base's dtype, and the replay would then round differently."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    weights = Path(folder) / "adapter_model.safetensors"
+    if not weights.is_file():
+        return
+    with safe_open(str(weights), framework="pt") as saved:
+        dtype = saved.get_slice(next(iter(saved.keys()))).get_dtype()
+    dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(dtype)
+    for name, param in model.named_parameters():
+        if dtype is not None and "lora_" in name and f".{adapter}." in name:
+            param.data = param.data.to(dtype)
 
 
 def logps_by_base(

@@ -55,7 +55,7 @@ from .checkpoints import (
     save_rollout_state,
 )
 from .config import TeamConfig
-from .hub import CARD_FILE
+from .hub import CARD_FILE, write_local_bases
 from .metrics import log_joint_actions, log_rollout_metrics
 from .reward_checks import (
     TeamRewardFunc,
@@ -66,6 +66,7 @@ from .rows import PER_ROW_LOSS_TYPES, pad_rows, pad_samples, padding_loss_scale
 from .scheduling import resolve_scheduler, scheduled_phases
 from .scoring import TeamScoring
 from .sharing import card_example, card_settings, push_team_files, save_team, team_card, trained_team_spec
+from .team import local_base_paths
 from .team_bases import (
     TeamBase,
     first_base_alone,
@@ -113,6 +114,8 @@ class TeamTrainer(GRPOTrainer):
         scheduler: a scheduler object or plugin name overriding `args.scheduler` (see `trl_marl.scheduling`).
         task: a [`~trl_marl.Task`] or task plugin name; it supplies the reward functions, training data and transition
             when those are not given (build `args` with the config's `for_task` to take its agents and turns too).
+        base_models: loaded models for agents' own `model` names (name -> model), used as given instead of loading
+            them: a `PeftModel` carrying exactly its agents' adapters, as `evaluate_task` passes a saved team's bases.
         The other arguments are TRL's.
     """
 
@@ -134,6 +137,7 @@ class TeamTrainer(GRPOTrainer):
         transition: Callable | None = None,
         scheduler=None,
         task=None,
+        base_models: dict | None = None,
     ):
         config_class = self._config_class
         if config_class is TeamConfig:
@@ -159,7 +163,7 @@ class TeamTrainer(GRPOTrainer):
 
         # The team's bases: one, unless agents name their own `model` (`team_bases.py`); checked before any loads,
         # then each loaded once.
-        base_plans = plan_bases(args, model, quantization_config)
+        base_plans = plan_bases(args, model, quantization_config, base_models)
         if processing_class is not None and not base_plans[0].trainer_base:
             raise ValueError(
                 f"`processing_class` is given, but the first agent sits on its own model ({base_plans[0].name}), "
@@ -498,8 +502,8 @@ class TeamTrainer(GRPOTrainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Each agent's adapter in PEFT format under `output_dir/<adapter>/`, the tokenizer, `team.json` (agents,
-        roles, turn settings, base model), which `trl_marl.load_team` reads, and the team's model card (`sharing.py`).
-        Checkpoints get the same."""
+        roles, turn settings, base model), which `trl_marl.load_team` reads, the team's model card (`sharing.py`),
+        and this machine's paths of its local bases (`hub.write_local_bases`). Checkpoints get the same."""
         with first_base_alone(self.bases[0].model):
             super().save_model(output_dir, _internal_call=_internal_call)
         if self.args.should_save:
@@ -508,6 +512,7 @@ class TeamTrainer(GRPOTrainer):
                 save_base_adapters(folder, base, self._base_adapters(index))
             spec = self._team_spec()
             save_team(folder, spec, self.adapter_names, self._team_card(spec, folder))
+            write_local_bases(folder, local_base_paths([base.model.get_base_model() for base in self.bases]))
 
     def create_model_card(
         self, model_name: str | None = None, dataset_name: str | None = None, tags: str | list[str] | None = None
