@@ -1,5 +1,7 @@
 """The captured decode step (`trl_marl.captured_decode`): the same tokens as eager `generate`, for routed teams of 1, 2
-and 4 agents, a 4-bit base and the trainer; caches and graphs reused across calls without leaking rows.
+and 4 agents (in train mode too, LoRA dropout live), a 4-bit base and the trainer; the same greedy tokens as a forward
+without cache for full, sliding-window and hybrid attention; caches and graphs reused across calls without leaking
+rows.
 
 Compiling costs ~10 s per shape on 2 CPU cores: the default run proves the mechanism on tiny models (the "static"
 path, the same loop with an eager step, where compiling adds nothing to what is checked); the compiled path and the
@@ -11,9 +13,19 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from tiny_run import TINY_RUN
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    Lfm2Config,
+    Llama4TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+)
 
-from trl_marl import MAGRPOConfig, MAGRPOTrainer
+from trl_marl import MAGRPOConfig, MAGRPOTrainer, captured_decode
 from trl_marl.agents import keep_4bit_weights_trainable
 from trl_marl.captured_decode import (
     CapturedDecoder,
@@ -62,10 +74,14 @@ def left_padded(rows: int, width: int, seed: int, vocab: int = 128):
     return input_ids, attention_mask
 
 
-def generate_both(team, router, decoder, adapters, input_ids, attention_mask, **settings):
+def generate_both(team, router, decoder, adapters, input_ids, attention_mask, seed=None, **settings):
+    """Eager `generate`'s output and the decoder's for the same rows and settings (each after `torch.manual_seed(seed)`
+    when a seed is given)."""
     settings = {"max_new_tokens": 10, "pad_token_id": 0, "eos_token_id": 5, **settings}
     outputs = []
     for generate in (team.generate, decoder.generate):
+        if seed is not None:
+            torch.manual_seed(seed)
         if router is not None:
             router.route(adapters)
         try:
@@ -436,4 +452,129 @@ def test_a_call_that_is_wrong_in_itself_raises_and_leaves_the_decoder_captured()
         generate_both(team, router, decoder, ["a", "b", "a"], out_of_vocabulary, attention_mask, do_sample=False)
     assert decoder.failure is None
     eager, captured = generate_both(team, router, decoder, ["a", "b", "a"], input_ids, attention_mask, do_sample=False)
+    assert torch.equal(eager, captured)
+
+
+# Tiny sizes for the attention-layout tests; a wide initialisation keeps greedy choices far from ties.
+TINY_SIZES = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=None,  # greedy runs the whole length, as the reference does
+    pad_token_id=0,
+)
+WINDOW = 8
+ATTENTION_LAYOUTS = {
+    "mistral-every-layer-sliding": lambda: MistralConfig(**TINY_SIZES, sliding_window=WINDOW),
+    "phi3-every-layer-sliding": lambda: Phi3Config(**TINY_SIZES, sliding_window=WINDOW),
+    "qwen2-full-then-sliding": lambda: Qwen2Config(
+        **TINY_SIZES,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        layer_types=["full_attention", "sliding_attention"],
+    ),
+    "qwen2-sliding-then-full": lambda: Qwen2Config(
+        **TINY_SIZES,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "llama-full": lambda: LlamaConfig(**TINY_SIZES),
+}
+
+
+def greedy_without_cache(model, input_ids, attention_mask, new_tokens: int) -> torch.Tensor:
+    """Greedy decoding with no cache at all: each token is the argmax of a forward over the whole sequence so far (the
+    positions counted past the left padding, as `generate` counts them)."""
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            ).logits
+            input_ids = torch.cat([input_ids, logits[:, -1].argmax(-1, keepdim=True)], dim=-1)
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(attention_mask), 1)], dim=-1)
+    return input_ids
+
+
+def assert_greedy_tokens_equal_the_reference_across_the_window(model, decoder):
+    """Prompts shorter than the window with completions that cross it, and prompts longer than it: the captured step
+    decodes the reference's tokens; on a sliding layout, the window really changes them."""
+    for width, new_tokens in ((6, 20), (12, 12)):
+        input_ids, attention_mask = left_padded(3, width, seed=width)
+        reference = greedy_without_cache(model, input_ids, attention_mask, new_tokens)
+        with torch.no_grad():
+            captured = decoder.generate(input_ids, attention_mask, max_new_tokens=new_tokens, do_sample=False)
+        assert torch.equal(captured, reference), (width, new_tokens)
+        if getattr(model.config, "sliding_window", None) is not None:
+            window, model.config.sliding_window = model.config.sliding_window, 10_000
+            try:
+                assert not torch.equal(greedy_without_cache(model, input_ids, attention_mask, new_tokens), reference)
+            finally:
+                model.config.sliding_window = window
+
+
+@pytest.mark.parametrize("layout", ATTENTION_LAYOUTS)
+def test_greedy_tokens_equal_a_no_cache_reference_for_sliding_hybrid_and_full_attention(layout):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(ATTENTION_LAYOUTS[layout]()).eval()
+    assert_greedy_tokens_equal_the_reference_across_the_window(model, CapturedDecoder(model, path="static"))
+
+
+@pytest.mark.slow
+def test_an_every_layer_sliding_model_decodes_the_reference_tokens_compiled():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(ATTENTION_LAYOUTS["mistral-every-layer-sliding"]()).eval()
+    decoder = CapturedDecoder(model, path="compiled")
+    assert_greedy_tokens_equal_the_reference_across_the_window(model, decoder)  # one shape: one compile
+    assert decoder.failure is None
+
+
+@pytest.mark.parametrize(
+    ("config", "layer_type"),
+    [
+        (
+            lambda: Llama4TextConfig(
+                **TINY_SIZES, intermediate_size_mlp=64, head_dim=8, attention_chunk_size=WINDOW, num_local_experts=1
+            ),
+            "chunked_attention",
+        ),
+        (lambda: Lfm2Config(**TINY_SIZES, layer_types=["conv", "full_attention"]), "conv"),
+    ],
+    ids=["chunked", "convolution"],
+)
+def test_a_model_with_other_attention_layers_goes_eager_by_default_and_is_refused_by_name_when_asked_for(
+    monkeypatch, config, layer_type
+):
+    """The decoder's cache holds full and sliding-window attention only; the layer types are read as transformers reads
+    them, or, in releases without its reader, from `layer_types` and the config's window fields."""
+    model = AutoModelForCausalLM.from_config(config()).eval()
+    monkeypatch.setattr("trl_marl.captured_decode.choose_path", lambda requested, device: "static")
+    for reader in (captured_decode.get_layer_types_and_kwargs, None):
+        monkeypatch.setattr(captured_decode, "get_layer_types_and_kwargs", reader)
+        assert captured_decoder(model, None, None) is None
+        with pytest.raises(ValueError, match=f"cannot be captured: .*`{layer_type}` layers.*captured_decode=False"):
+            captured_decoder(model, None, True)
+
+
+def test_in_train_mode_each_row_gets_its_own_adapters_dropout_as_in_eager_generate():
+    """TRL samples in train mode, so LoRA dropout is live while sampling. An adapter the router does not route, listed
+    first in the model with a heavy dropout, must not touch the routed rows: with the same seed, eager `generate` and
+    the captured step sample the same tokens (8 rows fill their bucket, so both draw the same numbers)."""
+    unrouted = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, lora_dropout=0.9)
+    team = get_peft_model(tiny_base(), unrouted, adapter_name="unrouted")
+    for name in NAMES[:2]:
+        team.add_adapter(name, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    router = AdapterRouter(team, NAMES[:2])
+    decoder = CapturedDecoder(team, router, path="static")
+    team.train()
+    eager, captured = generate_both(
+        team, router, decoder, ["a", "b"] * 4, *left_padded(8, 6, seed=12), seed=7, do_sample=True, max_new_tokens=12
+    )
     assert torch.equal(eager, captured)

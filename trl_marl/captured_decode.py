@@ -15,6 +15,14 @@ the attention never reads past a row's own positions). The trainer `release`s th
 training gets that memory back (the next rollout's caches of the same sizes most likely reuse the same blocks of the
 CUDA caching allocator; where they do not, the graphs are recorded again).
 
+Every attention layer of that cache is a full-length `StaticLayer`, sliding-window layers included (Mistral-7B-v0.1,
+Phi-3-mini-4k, Qwen2's `use_sliding_window`): each writes at absolute positions, as long as the call's bucket, and the
+window is enforced by transformers' sliding-window attention mask (`config.sliding_window`). Transformers' own
+`StaticCache` makes a sliding layer a rolling buffer as long as its window, which the loop's mask and positions (sized
+from the cache) do not fit, and whose Python-int length a recorded step cannot follow. A model with layers of another
+type (chunked or linear attention, convolutions, layers reading another's KV, ...) is not served: eager `generate` by
+default, refused naming the layer type with `captured_decode=True` (`unserved_layer_types`).
+
 A 4-bit (bitsandbytes) base compiles too (transformers' own auto-compile declines it; bitsandbytes' 4-bit matmul is a
 registered torch op). Where compiling is not possible or not wanted, the same loop runs the step eagerly on the
 static cache (`path="static"`).
@@ -28,6 +36,12 @@ import math
 
 import torch
 from transformers import GenerationConfig, StaticCache
+from transformers.cache_utils import StaticLayer
+
+try:  # how transformers' own caches read a config's layers (shared-KV and attention-free layers are "dummy")
+    from transformers.cache_utils import get_layer_types_and_kwargs
+except ImportError:  # earlier transformers 5 releases: `layer_types`, else inferred (`attention_layer_types`)
+    get_layer_types_and_kwargs = None
 
 from .routing import BASE, AdapterRouter
 
@@ -50,6 +64,11 @@ UNSERVED_OPTIONS = {
     "streamer": None,
     "stop_strings": None,
 }
+# The attention layers the decoder's cache serves. Each gets a full-length `StaticLayer`, written at absolute
+# positions; a sliding window is then enforced by the mask (transformers' sliding-window mask reads
+# `config.sliding_window`), not by a rolling buffer (transformers' `StaticSlidingWindowLayer` keeps a Python-int length
+# and branches on it).
+SERVED_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Compiles allowed for the decode step: one per shape (row bucket × cache length), per mode (train / eval), and per
 # set of routed forwards (a new router, a grown mask). torch's default of 8 per function would leave a long run, or a
 # process with several trainers, silently uncompiled.
@@ -74,6 +93,37 @@ def default_path(device: torch.device) -> str | None:
     step is compute-bound, not launch-bound, and compiled it was 1.2–2.9x slower on 2 cores, after 30–60 s of
     compiling per shape (docs/benchmarks.md, "Decode step")."""
     return "cuda-graphs" if device.type == "cuda" else None
+
+
+def attention_layer_types(config) -> list[str]:
+    """Each decoder layer's type, as transformers reads it to build a cache (`get_layer_types_and_kwargs`; in releases
+    without it, the text config's `layer_types`, else "sliding_attention" for every layer of a config with a
+    `sliding_window`, "chunked_attention" for one with an `attention_chunk_size`, "full_attention" otherwise)."""
+    config = config.get_text_config(decoder=True)
+    if get_layer_types_and_kwargs is not None:
+        return list(get_layer_types_and_kwargs(config)[0])
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return list(layer_types)
+    if getattr(config, "sliding_window", None) is not None:
+        layer_type = "sliding_attention"
+    elif getattr(config, "attention_chunk_size", None) is not None:
+        layer_type = "chunked_attention"
+    else:
+        layer_type = "full_attention"
+    return [layer_type] * config.num_hidden_layers
+
+
+def unserved_layer_types(config) -> str | None:
+    """Why the decoder's cache cannot serve a model of this config (layers other than full or sliding-window
+    attention: chunked, linear or convolutional, ...), or None."""
+    unserved = sorted(set(attention_layer_types(config)) - set(SERVED_LAYER_TYPES))
+    if unserved:
+        return (
+            f"its {', '.join(f'`{layer_type}`' for layer_type in unserved)} layers have no static cache here (served: "
+            f"{', '.join(SERVED_LAYER_TYPES)})"
+        )
+    return None
 
 
 def choose_path(requested: bool | None, device: torch.device) -> str | None:
@@ -104,7 +154,9 @@ class CapturedDecoder:
     ):
         if path not in PATHS:
             raise ValueError(f"Unknown decode path {path!r}; choose one of {PATHS}.")
-        if router is not None and (reason := router.tensor_routing_unsupported()):
+        if (reason := unserved_layer_types(model.config)) or (
+            router is not None and (reason := router.tensor_routing_unsupported())
+        ):
             raise ValueError(f"This team's decode step cannot be captured: {reason}. Set `captured_decode=False`.")
         self.model, self.router, self.path, self.fall_back = model, router, path, fall_back
         self.failure: str | None = None  # why the captured step failed, once it has (with `fall_back`)
@@ -231,7 +283,15 @@ class CapturedDecoder:
 
     def _cache(self, rows: int, length: int) -> StaticCache:
         """The cache of a row bucket, kept until `release` so that a captured step reads and writes the same memory
-        at every call: one per row bucket, as long as the longest call it has served (a longer call replaces it)."""
+        at every call: one per row bucket, as long as the longest call it has served (a longer call replaces it).
+
+        Every layer, sliding-window ones included, is a `StaticLayer` of the full length, written at absolute
+        positions, so that the loop's mask and cache positions (sized from the cache) hold for every layer, and a
+        window is the attention mask's (transformers' sliding-window mask, from `config.sliding_window`). Transformers'
+        `StaticCache` makes a sliding layer a rolling buffer as long as its window, whose Python-int length and
+        branches on it a recorded step cannot follow. The only state here that changes per step is a tensor (each
+        layer's written length), updated in place. Only full and sliding-window attention get here
+        (`unserved_layer_types`)."""
         cache = self._caches.get(rows)
         if cache is not None and cache.get_max_length() >= length:
             cache.reset()
@@ -239,6 +299,7 @@ class CapturedDecoder:
         length = max(length, cache.get_max_length() if cache is not None else 0)
         config = self.model.config.get_text_config(decoder=True)
         cache = self._caches[rows] = StaticCache(config=config, max_cache_len=length)
+        cache.layers = [StaticLayer(max_cache_len=length) for _ in cache.layers]  # none capped at its window
         return cache
 
     def release(self) -> None:

@@ -224,7 +224,7 @@ class AdapterRouter:
             x = module.lora_dropout[name](args[0].to(lora_a.weight.dtype))
             return (output + lora_b(lora_a(x)) * module.scaling[name]).to(output.dtype)
         lora_a, lora_b = self._concatenated(module)
-        x = module.lora_dropout[self.adapter_names[0]](args[0])
+        x = routed_lora_dropout(module, self.adapter_names)(args[0])
         mask = self._mask(module, lora_a.device, lora_a.dtype)
         return output + routed_lora_delta(x, lora_a, lora_b, mask).to(output.dtype)
 
@@ -248,12 +248,14 @@ class AdapterRouter:
     def tensor_routing(self, row_adapters: Sequence[str]) -> Iterator[None]:
         """Route the rows of the forwards inside the block through forwards that read the routing from tensors only.
 
-        Each plain LoRA layer's forward becomes its base layer plus `routed_lora_delta`, whose matrices and masks
-        live in buffers allocated once and refreshed in place at each entry (the adapters may have trained since), so
-        a decode step captured inside one block (`torch.compile`, CUDA graphs) replays in the next with new weights
-        and rows and no recompilation: nothing in it is a Python list of rows, a hook or a tensor made per call. The
-        hooks of the ordinary routing are idle inside the block. Rows past `len(row_adapters)` of a batch, and rows
-        routed to `BASE`, get no LoRA delta. Unsupported models raise (`tensor_routing_unsupported`)."""
+        Each plain LoRA layer's forward becomes its base layer plus `routed_lora_delta` of its input after the routed
+        adapters' dropout (`routed_lora_dropout`: the module the ordinary routing applies, so that in train mode both
+        draw alike). The matrices and masks live in buffers allocated once and refreshed in place at each entry (the
+        adapters may have trained since), so a decode step captured inside one block (`torch.compile`, CUDA graphs)
+        replays in the next with new weights and rows and no recompilation: nothing in it is a Python list of rows, a
+        hook or a tensor made per call. The hooks of the ordinary routing are idle inside the block. Rows past
+        `len(row_adapters)` of a batch, and rows routed to `BASE`, get no LoRA delta. Unsupported models raise
+        (`tensor_routing_unsupported`)."""
         reason = self.tensor_routing_unsupported()
         if reason:
             raise ValueError(f"This team's routing cannot be captured: {reason}.")
@@ -289,6 +291,13 @@ class AdapterRouter:
             handle.remove()
         self._handles = []
         self.route(None)
+
+
+def routed_lora_dropout(layer: LoraLayer, adapter_names: Sequence[str]) -> torch.nn.Module:
+    """The LoRA dropout of a batch routed to `adapter_names` on `layer`: the first routed adapter's module. A layer on
+    the batched path has one dropout p for all of them (`AdapterRouter._is_plain_lora`); the layer may list other
+    adapters, not routed, whose dropout must not apply."""
+    return layer.lora_dropout[adapter_names[0]]
 
 
 def routed_lora_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -343,9 +352,10 @@ class TensorRouting:
             else:
                 buffers[0].copy_(lora_a)
                 buffers[1].copy_(lora_b)
+            arguments = (layer, routed_lora_dropout(layer, self.adapter_names), *buffers, mask)
             forward = self.forwards.get(id(layer))
-            if forward is None or forward.args[1] is not buffers[0] or forward.args[3] is not mask:
-                self.forwards[id(layer)] = functools.partial(_tensor_routed_forward, layer, *buffers, mask)
+            if forward is None or any(old is not new for old, new in zip(forward.args, arguments)):
+                self.forwards[id(layer)] = functools.partial(_tensor_routed_forward, *arguments)
         for (ranks, _, _), mask in self.masks.items():
             block_of_column = torch.tensor([block for block, rank in enumerate(ranks) for _ in range(rank)])
             rows = torch.tensor(row_index + [-1] * (mask.shape[0] - len(row_index)))
@@ -372,7 +382,7 @@ class TensorRouting:
                 del layer.forward
 
 
-def _tensor_routed_forward(layer: LoraLayer, lora_a, lora_b, mask, x, *args, **kwargs):
+def _tensor_routed_forward(layer: LoraLayer, dropout, lora_a, lora_b, mask, x, *args, **kwargs):
     output = layer.base_layer(x, *args, **kwargs)
-    x = layer.lora_dropout[next(iter(layer.lora_dropout))](x)
+    x = dropout(x)
     return output + routed_lora_delta(x, lora_a, lora_b, mask).to(output.dtype)
