@@ -206,7 +206,8 @@ def test_a_team_on_a_local_base_omits_base_model_and_says_how_to_load_it(tiny_te
     assert "None" not in card.content and "pass `base_model=`" in card.text
     assert "| `planner` | Plan briefly \\| in steps. | `planner/` |" in card.text  # a role's "|" escaped
     config = json.loads((out / "planner" / "adapter_config.json").read_text())
-    assert config["base_model_name_or_path"] == tiny_model_dir  # another base: its name or path as given
+    # a local base: its folder's name, which another machine can pass again (`load_team(..., base_model=...)`)
+    assert config["base_model_name_or_path"] == f"./{Path(tiny_model_dir).name}"
 
 
 def test_the_cards_peft_snippet_loads_every_agents_adapter(tiny_team, tiny_model_dir, monkeypatch):
