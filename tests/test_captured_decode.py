@@ -578,3 +578,16 @@ def test_in_train_mode_each_row_gets_its_own_adapters_dropout_as_in_eager_genera
         team, router, decoder, ["a", "b"] * 4, *left_padded(8, 6, seed=12), seed=7, do_sample=True, max_new_tokens=12
     )
     assert torch.equal(eager, captured)
+
+
+def test_flash_attention_goes_eager_by_default_and_is_refused_by_name_when_asked_for(monkeypatch):
+    """The loop's mask marks the cache's unwritten positions as attended (the causal mask hides them); flash attention
+    reads a mask of ones as none and would attend to them, so it is not captured."""
+    model = tiny_base().eval()
+    monkeypatch.setattr("trl_marl.captured_decode.choose_path", lambda requested, device: "static")
+    assert captured_decoder(model, None, True) is not None  # sdpa: served
+    monkeypatch.setattr(model.config, "_attn_implementation_internal", "flash_attention_2", raising=False)
+    assert model.config._attn_implementation == "flash_attention_2"
+    assert captured_decoder(model, None, None) is None
+    with pytest.raises(ValueError, match="cannot be captured: attention `flash_attention_2`.*captured_decode=False"):
+        captured_decoder(model, None, True)

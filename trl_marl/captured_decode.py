@@ -126,6 +126,16 @@ def unserved_layer_types(config) -> str | None:
     return None
 
 
+def unserved_attention(config) -> str | None:
+    """Why the decode loop's mask cannot serve this attention implementation, or None. The loop's mask covers the whole
+    static cache and marks positions not yet written as attended (the causal mask hides them); flash attention
+    takes a mask of ones as no mask at all and would attend to the cache's empty positions."""
+    implementation = getattr(config.get_text_config(decoder=True), "_attn_implementation", None) or "eager"
+    if "flash" in implementation:
+        return f"attention `{implementation}` would read the static cache's empty positions (served: sdpa, eager)"
+    return None
+
+
 def choose_path(requested: bool | None, device: torch.device) -> str | None:
     """The decode path for a `captured_decode` setting (None: `default_path`; True: captured, with CUDA graphs where
     the device has them, compiled elsewhere; False: eager `generate`)."""
@@ -154,8 +164,10 @@ class CapturedDecoder:
     ):
         if path not in PATHS:
             raise ValueError(f"Unknown decode path {path!r}; choose one of {PATHS}.")
-        if (reason := unserved_layer_types(model.config)) or (
-            router is not None and (reason := router.tensor_routing_unsupported())
+        if (
+            (reason := unserved_layer_types(model.config))
+            or (reason := unserved_attention(model.config))
+            or (router is not None and (reason := router.tensor_routing_unsupported()))
         ):
             raise ValueError(f"This team's decode step cannot be captured: {reason}. Set `captured_decode=False`.")
         self.model, self.router, self.path, self.fall_back = model, router, path, fall_back
