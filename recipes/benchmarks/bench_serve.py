@@ -1,0 +1,179 @@
+"""Requests/s and tokens/s of a team behind `trl-marl serve`, at 1, 4, 8 and 16 concurrent clients (agents mixed),
+against the same requests made one after the other through `Team` directly.
+
+A two-agent team on the embedded SmolLM2-135M-Instruct (saved untrained unless `--team` names one) is served by
+`python -m trl_marl.cli serve TEAM --port 0` in a subprocess; the clients are the official `openai` client
+(`AsyncOpenAI`), all greedy, each asking for at most `--tokens` new tokens. Every request is also made alone through
+the loaded `Team`'s own generation path (the routed `generate` call of one turn, one row), one after another.
+
+Printed per concurrency `c`: the wall time of `c` requests sent at once (median over `--rounds`), requests/s,
+completion tokens/s, and that time over one request's. The targets (docs/serving.md): 8 concurrent clients finish in
+at most 2x the time of one request, and one client's request costs at most 1.2x a direct `Team` call.
+
+    python recipes/benchmarks/bench_serve.py                 # ~3 min on 2 idle CPU cores; --tokens, --rounds, --out
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+from datasets import Dataset
+
+from trl_marl import MAGRPOConfig, MAGRPOTrainer, default_model_path, load_team
+from trl_marl.agents import agent_prompt
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from run_info import run_header  # noqa: E402
+
+AGENTS = [
+    {"name": "writer", "system_prompt": "You write short, vivid stories."},
+    {"name": "critic", "system_prompt": "You review stories and suggest improvements."},
+]
+QUESTIONS = [
+    "Tell a story about a lighthouse keeper.",
+    "Describe a storm over the sea.",
+    "Write about a robot learning to paint.",
+    "Tell a story about a lost cat finding home.",
+    "Describe a market on a rainy morning.",
+    "Write about a dragon who fears heights.",
+    "Tell a story about two friends building a boat.",
+    "Describe a city at midnight.",
+]
+CONCURRENCY = (1, 4, 8, 16)
+
+
+def no_reward(prompts, completions, **kwargs):
+    return [0.0] * len(prompts)
+
+
+def save_team(folder: str) -> str:
+    args = MAGRPOConfig(output_dir=folder, agents=AGENTS, num_turns=1, report_to="none", use_cpu=True, bf16=False)
+    MAGRPOTrainer(
+        default_model_path(), no_reward, args=args, train_dataset=Dataset.from_dict({"prompt": ["Hi."]})
+    ).save_model()
+    return folder
+
+
+def requests_for(count: int, start: int = 0) -> list[tuple[int, list[dict]]]:
+    """`count` (agent index, messages) requests, the agents alternating."""
+    return [
+        (index % len(AGENTS), [{"role": "user", "content": QUESTIONS[index % len(QUESTIONS)]}])
+        for index in range(start, start + count)
+    ]
+
+
+def direct_seconds(team, requests, tokens: int) -> tuple[float, int]:
+    """Each request alone through `Team`'s generation path (one turn's routed call, one row): total seconds, tokens."""
+    total, generated = 0.0, 0
+    for agent, messages in requests:
+        conversation = agent_prompt(team.agents[agent]["system_prompt"], messages, use_chat_template=True)
+        begin = time.perf_counter()
+        _, completions, _ = team._generate([conversation], [agent], tokens, False)
+        total += time.perf_counter() - begin
+        generated += len(completions[0])
+    return total, generated
+
+
+async def served_round(base_url: str, requests, tokens: int) -> tuple[float, int]:
+    """`requests` sent at once by as many clients: wall seconds until the last answer, completion tokens."""
+    from openai import AsyncOpenAI
+
+    clients = [AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0) for _ in requests]
+    begin = time.perf_counter()
+    answers = await asyncio.gather(
+        *[
+            client.chat.completions.create(
+                model=AGENTS[agent]["name"], messages=messages, temperature=0, max_tokens=tokens
+            )
+            for client, (agent, messages) in zip(clients, requests)
+        ]
+    )
+    seconds = time.perf_counter() - begin
+    for client in clients:
+        await client.close()
+    return seconds, sum(answer.usage.completion_tokens for answer in answers)
+
+
+def start_server(team_dir: str, max_batch_rows: int, chunk_tokens: int) -> tuple[subprocess.Popen, str]:
+    command = [sys.executable, "-m", "trl_marl.cli", "serve", team_dir, "--port", "0"]
+    command += ["--max_batch_rows", str(max_batch_rows), "--chunk_tokens", str(chunk_tokens)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = process.stdout.readline()
+    if " at http" not in line:
+        process.terminate()
+        raise RuntimeError(f"The server did not start: it printed {line!r}")
+    return process, line.rsplit(" at ", 1)[1].strip()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--team", default=None, help="a saved team (default: an untrained one on the default model)")
+    parser.add_argument("--tokens", type=int, default=64, help="max new tokens per request")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per concurrency (the median is reported)")
+    parser.add_argument("--max_batch_rows", type=int, default=16)
+    parser.add_argument("--chunk_tokens", type=int, default=16)
+    parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as folder:
+        team_dir = args.team or save_team(folder)
+        team = load_team(team_dir)
+        all_requests = requests_for(max(CONCURRENCY))
+        direct_total, direct_tokens = direct_seconds(team, all_requests[:1], args.tokens)  # warm-up
+        direct_total, direct_tokens = direct_seconds(team, all_requests, args.tokens)
+        direct_one = direct_seconds(team, all_requests[:1], args.tokens)[0]
+        team.close()
+        del team
+
+        process, base_url = start_server(team_dir, args.max_batch_rows, args.chunk_tokens)
+        try:
+            asyncio.run(served_round(base_url, all_requests[:1], args.tokens))  # warm-up
+            served = {}
+            for concurrency in CONCURRENCY:
+                rounds = [
+                    asyncio.run(served_round(base_url, all_requests[:concurrency], args.tokens))
+                    for _ in range(args.rounds)
+                ]
+                seconds = statistics.median(wall for wall, _ in rounds)
+                served[concurrency] = {"seconds": seconds, "completion_tokens": rounds[0][1]}
+        finally:
+            process.terminate()
+            process.wait(30)
+
+    one = served[1]["seconds"]
+    print(f"torch threads: {torch.get_num_threads()}; max {args.tokens} new tokens per request, greedy")
+    print(
+        f"direct Team, one after another: {len(all_requests)} requests in {direct_total:.2f} s "
+        f"({len(all_requests) / direct_total:.2f} req/s, {direct_tokens / direct_total:.1f} tok/s); "
+        f"one request {direct_one:.2f} s"
+    )
+    print(f"{'clients':>7}  {'seconds':>8}  {'req/s':>6}  {'tok/s':>7}  {'x one request':>13}")
+    for concurrency, figures in served.items():
+        seconds = figures["seconds"]
+        print(
+            f"{concurrency:>7}  {seconds:>8.2f}  {concurrency / seconds:>6.2f}  "
+            f"{figures['completion_tokens'] / seconds:>7.1f}  {seconds / one:>13.2f}"
+        )
+    print(f"one served request / one direct Team call: {one / direct_one:.2f} (target <= 1.2)")
+    print(f"8 concurrent clients / one request: {served[8]['seconds'] / one:.2f} (target <= 2)")
+    if args.out:
+        summary = {
+            **run_header(torch_threads=torch.get_num_threads()),
+            "tokens": args.tokens,
+            "direct": {"requests": len(all_requests), "seconds": direct_total, "tokens": direct_tokens},
+            "direct_one_seconds": direct_one,
+            "served": served,
+        }
+        with open(args.out, "w") as file:
+            json.dump(summary, file, indent=2)
+
+
+if __name__ == "__main__":
+    main()
