@@ -157,3 +157,35 @@ def test_cancelled_rows_stop_generating(team, engine):
     engine.cancel([row])
     assert row.done_event.wait(30)
     assert row.finish_reason == "cancelled" and len(row.completion_ids) < 400
+
+
+def test_through_the_captured_decode_loop_rows_generate_as_with_eager_generate(team, monkeypatch):
+    from trl_marl.captured_decode import CapturedDecoder
+
+    requests = [
+        RowRequest(0, agent_prompt_ids(team, 0), 40),
+        RowRequest(1, agent_prompt_ids(team, 1), 6, temperature=1.0, seed=5, top_logprobs=2),
+    ]
+
+    def generated(engine):
+        first = engine.submit(requests[:1])[0]
+        while len(first.completion_ids) < 2:  # the long row is running: the second waits, then shares a call
+            threading.Event().wait(0.01)
+        rows = [first, *engine.submit(requests[1:])]
+        for row in rows:
+            row.done_event.wait()
+        return [(row.completion_ids, row.logprobs, row.finish_reason) for row in rows], engine.calls
+
+    eager_engine = BatchingEngine(team, chunk_tokens=4).start()
+    eager, _ = generated(eager_engine)
+    eager_engine.close()
+    base = team.bases[0]
+    monkeypatch.setattr(base, "decoder", CapturedDecoder(base.model, base.router, path="static"))
+    captured_engine = BatchingEngine(team, chunk_tokens=4).start()
+    captured, calls = generated(captured_engine)
+    captured_engine.close()
+    assert calls >= 2  # the long row yielded and continued
+    assert [ids for ids, _, _ in captured] == [ids for ids, _, _ in eager]
+    assert [reason for _, _, reason in captured] == ["length", "length"]
+    for (_, captured_logprobs, _), (_, eager_logprobs, _) in zip(captured, eager):
+        assert captured_logprobs == pytest.approx(eager_logprobs, abs=1e-4)

@@ -48,6 +48,9 @@ class CallHooks:
     ):
         self.rows, self.eos_token_ids, self.decode, self.should_yield = rows, set(eos_token_ids), decode, should_yield
         self.steps = 0
+        # Once the call yields, every row is finished for `generate`, but a decoding loop may run a few more steps
+        # before it checks (the captured decoder checks every few tokens): those steps are not recorded.
+        self.yielded = False
         self._chosen: list[tuple[int, float, list[tuple[int, float]]] | None] = [None] * len(rows)
 
     def generate_kwargs(self) -> dict:
@@ -59,6 +62,8 @@ class CallHooks:
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
         """Each live row's next token (the argmax, or sampled), its log-probability and the most likely others."""
+        if self.yielded:
+            return scores
         log_probs = torch.log_softmax(scores[: len(self.rows)].float(), dim=-1)
         for index, row in enumerate(self.rows):
             if row.done:
@@ -81,8 +86,10 @@ class CallHooks:
 
     def stop(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Record each live row's new token; whether each batch row is done (all, when the call yields)."""
-        self.steps += 1
         finished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        if self.yielded:
+            return finished
+        self.steps += 1
         new_tokens = input_ids[: len(self.rows), -1].tolist()
         for index, row in enumerate(self.rows):
             chosen, self._chosen[index] = self._chosen[index], None
@@ -108,6 +115,7 @@ class CallHooks:
             else:
                 finish(row, reason, self.decode)
         if not bool(finished.all()) and self.should_yield(self.steps):
+            self.yielded = True
             finished[:] = True
         return finished
 
