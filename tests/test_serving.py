@@ -13,7 +13,7 @@ pytest.importorskip("uvicorn", reason="serving needs the `serve` extra (FastAPI,
 openai = pytest.importorskip("openai", reason="the serving tests drive the server with the `openai` client")
 httpx = pytest.importorskip("httpx", reason="the serving tests read raw responses with httpx")
 
-from test_serving_engine import AGENTS, QUESTION, save_tiny_team  # noqa: E402
+from test_serving_engine import AGENTS, QUESTION, no_reward, save_tiny_team  # noqa: E402
 
 from trl_marl import load_team, serve_team  # noqa: E402
 from trl_marl.team_bases import tokenize_text_prompts  # noqa: E402
@@ -250,3 +250,34 @@ def test_a_langgraph_two_agent_exchange_runs_against_the_server(client, server):
     assert plan == greedy_chat(client, "planner", max_tokens=8).choices[0].message.content
     conversation = [*QUESTION, {"role": "assistant", "content": plan}]
     assert check == greedy_chat(client, "checker", messages=conversation, max_tokens=8).choices[0].message.content
+
+
+@pytest.mark.slow
+def test_on_the_default_model_greedy_answers_through_the_server_equal_load_team_run(default_model_dir, tmp_path):
+    from datasets import Dataset
+
+    from trl_marl import MAGRPOConfig, MAGRPOTrainer
+
+    agents = [
+        {"name": "writer", "system_prompt": "You write one short sentence."},
+        {"name": "critic", "system_prompt": "You point out one weakness, briefly."},
+    ]
+    args = MAGRPOConfig(
+        output_dir=str(tmp_path / "team"),
+        agents=agents,
+        num_turns=1,
+        max_completion_length=24,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+    )
+    data = Dataset.from_dict({"prompt": ["Hi."]})
+    MAGRPOTrainer(default_model_dir, no_reward, args=args, train_dataset=data).save_model()
+    question = [{"role": "user", "content": "Describe the sea in winter."}]
+    team = load_team(tmp_path / "team")
+    expected = team.run(question, num_turns=1).final
+    with serve_team(team) as server:
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        served = {name: greedy_chat(client, name, messages=question).choices[0].message.content for name in expected}
+    assert served == expected
+    assert served["writer"] != served["critic"]  # their roles (system prompts) differ

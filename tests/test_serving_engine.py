@@ -189,3 +189,26 @@ def test_through_the_captured_decode_loop_rows_generate_as_with_eager_generate(t
     assert [reason for _, _, reason in captured] == ["length", "length"]
     for (_, captured_logprobs, _), (_, eager_logprobs, _) in zip(captured, eager):
         assert captured_logprobs == pytest.approx(eager_logprobs, abs=1e-4)
+
+
+def test_without_the_serve_extra_serving_says_what_to_install_and_importing_trl_marl_does_not_need_it(
+    team, monkeypatch, capsys
+):
+    import subprocess
+    import sys
+
+    from trl_marl import serve_team
+    from trl_marl.cli import main
+
+    imported = subprocess.run(
+        [sys.executable, "-c", "import sys, trl_marl; print(sorted({'fastapi', 'uvicorn'} & set(sys.modules)))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert imported.stdout.strip() == "[]"
+    monkeypatch.setitem(sys.modules, "fastapi", None)  # as if it were not installed
+    with pytest.raises(ImportError, match=r'pip install "trl-marl\[serve\]"'):
+        serve_team(team)
+    assert main(["serve", "any-team-folder"]) == 2
+    assert 'pip install "trl-marl[serve]"' in capsys.readouterr().err
