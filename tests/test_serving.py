@@ -180,6 +180,13 @@ def test_max_completion_tokens_and_stop_strings_end_the_answer(client):
     assert stopped.message.content == full.message.content[: full.message.content.index(stop)]
 
 
+def test_a_request_without_max_tokens_gets_the_teams_completion_length_or_the_servers_default(client, team_dir):
+    assert greedy_chat(client, "planner").usage.completion_tokens == 12  # team.json's max_completion_length
+    with serve_team(team_dir, max_tokens=3) as server:
+        other = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        assert greedy_chat(other, "planner").usage.completion_tokens == 3
+
+
 def test_a_client_that_disconnects_mid_stream_stops_its_generation(client, server):
     cancelled_before = health(server)["rows_finished"].get("cancelled", 0)
     stream = greedy_chat(client, "planner", max_tokens=400, stream=True)

@@ -212,3 +212,45 @@ def test_without_the_serve_extra_serving_says_what_to_install_and_importing_trl_
         serve_team(team)
     assert main(["serve", "any-team-folder"]) == 2
     assert 'pip install "trl-marl[serve]"' in capsys.readouterr().err
+
+
+def test_max_batch_rows_bounds_the_rows_of_one_call(team, monkeypatch):
+    engine = BatchingEngine(team, max_batch_rows=2)
+    sizes, call = [], engine._call
+    monkeypatch.setattr(engine, "_call", lambda rows: (sizes.append(len(rows)), call(rows)))
+    requests = [RowRequest(agent % 2, agent_prompt_ids(team, agent % 2), 3) for agent in range(5)]
+    rows = engine.submit(requests)  # all queued before the engine starts
+    engine.start()
+    for row in rows:
+        assert row.done_event.wait(60)
+    engine.close()
+    assert sizes == [2, 2, 1]
+
+
+def test_the_serve_command_passes_its_flags_to_the_server_and_load_team(team, tmp_path, monkeypatch):
+    import trl_marl.serving.server as server_module
+    from trl_marl.cli import main
+
+    team_file = tmp_path / "team.json"
+    team_file.write_text(json.dumps({"format": "trl_marl.team/1", "agents": []}))
+    seen = {}
+    monkeypatch.setattr(server_module, "serve_forever", lambda folder, **options: seen.update(options, folder=folder))
+    flags = ["--host", "0.0.0.0", "--port", "0", "--api_key", "k", "--load_in_4bit", "--dtype", "bfloat16"]
+    flags += ["--base_model", "org/model", "--captured_decode", "off", "--max_batch_rows", "4"]
+    flags += ["--chunk_tokens", "8", "--max_tokens", "32", "--max_body_bytes", "1000", "--log_level", "info"]
+    assert main(["serve", str(tmp_path), *flags]) == 0
+    assert seen == {
+        "folder": tmp_path,
+        "host": "0.0.0.0",
+        "port": 0,
+        "api_key": "k",
+        "load_in_4bit": True,
+        "dtype": "bfloat16",
+        "base_model": "org/model",
+        "captured_decode": False,
+        "max_batch_rows": 4,
+        "chunk_tokens": 8,
+        "max_tokens": 32,
+        "max_body_bytes": 1000,
+        "log_level": "info",
+    }
