@@ -13,6 +13,7 @@ direct `Team` call does.
 """
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -22,6 +23,10 @@ from ..team import Team
 from ..team_generation import left_padded
 from .rows import GeneratedRow, RowRequest
 from .step_hooks import CallHooks, finish
+
+# When a row arrives at an idle engine, the engine waits this long for the rows sent with it (concurrent clients'
+# requests arrive a few milliseconds apart) so that they start in one call rather than the first alone.
+GATHER_SECONDS = 0.01
 
 
 class BatchingEngine:
@@ -125,10 +130,16 @@ class BatchingEngine:
     def _serve(self) -> None:
         while True:
             with self._condition:
-                while not self._queue and not self._closing:
-                    self._condition.wait()
+                if not self._queue and not self._closing:
+                    while not self._queue and not self._closing:
+                        self._condition.wait()
+                    gathered_by = time.monotonic() + GATHER_SECONDS
+                    while not self._closing and (left := gathered_by - time.monotonic()) > 0:
+                        self._condition.wait(left)
                 if self._closing:
                     return
+                if not self._queue:  # its rows were cancelled while gathering
+                    continue
                 rows = self._running = self._take_rows()
             try:
                 self._call(rows)
