@@ -138,7 +138,8 @@ def decode_check(report: Report):
     detail = (
         f"in use: {describe(chosen)}; eager generate {figures['eager_ms']:.1f} ms per decode step, "
         f"{describe(decoder)} {figures['captured_ms']:.1f} ms ({figures['speedup']}x), greedy tokens equal in "
-        f"{figures['equal_rows']} of 8 rows"
+        f"{figures['equal_rows']} of 8 rows; warm-up of the captured path {figures['captured_warmup_s']} s in its "
+        f"first call (recording or compiling per rows x cache length: {figures['captured_shapes_s']})"
     )
     return ("failed" if decoder.failure else "ok"), detail
 

@@ -591,3 +591,106 @@ def test_flash_attention_goes_eager_by_default_and_is_refused_by_name_when_asked
     assert captured_decoder(model, None, None) is None
     with pytest.raises(ValueError, match="cannot be captured: attention `flash_attention_2`.*captured_decode=False"):
         captured_decoder(model, None, True)
+
+
+# -- the recorded step (CUDA graphs on a GPU): everything but the recording itself, on the CPU
+
+
+def emulate_recording(monkeypatch) -> list[tuple[int, int]]:
+    """Replace CUDA-graph recording by its CPU stand-in: the warm-ups and their `restore` as `record_step` runs them,
+    then a "replay" that runs the step again on the same buffers (what a graph does). The shapes recorded, in order."""
+    recorded = []
+
+    def record_step(step, restore, pool, warmup_steps=2):
+        for _ in range(warmup_steps):
+            step()
+            restore()
+        output = step()  # the recording's run: its keys and values written, as a warm-up's were
+        restore()
+        recorded.append(tuple(output.shape))
+        return step
+
+    monkeypatch.setattr(captured_decode, "record_step", record_step)
+    return recorded
+
+
+@pytest.mark.parametrize("agents", [1, 2, 4])
+def test_the_recorded_step_decodes_eager_generates_tokens_and_records_once_per_shape(monkeypatch, agents):
+    recorded = emulate_recording(monkeypatch)
+    team = tiny_team(agents)
+    router = AdapterRouter(team, NAMES[:agents])
+    decoder = CapturedDecoder(team, router, path="cuda-graphs")
+    adapters = [NAMES[row % agents] for row in range(6)]
+    for seed in (1, 2):  # the second call replays the first call's recording: same shape, same cache and buffers
+        eager, captured = generate_both(team, router, decoder, adapters, *left_padded(6, 7, seed=seed))
+        assert torch.equal(eager, captured)
+    assert len(recorded) == 1 and set(decoder.warmups) == {(8, 256)}
+    assert decoder.failure is None
+
+
+def test_a_recorded_step_is_recorded_again_when_its_cache_or_routing_buffers_were_replaced(monkeypatch):
+    recorded = emulate_recording(monkeypatch)
+    team = tiny_team(2)
+    router = AdapterRouter(team, NAMES[:2])
+    decoder = CapturedDecoder(team, router, path="cuda-graphs")
+    call = lambda rows, width, new: generate_both(  # noqa: E731
+        team,
+        router,
+        decoder,
+        ["a", "b"] * (rows // 2),
+        *left_padded(rows, width, seed=rows + width),
+        max_new_tokens=new,
+    )
+    for rows, width, new in ((8, 6, 10), (16, 6, 10), (8, 6, 10), (8, 250, 10), (8, 6, 10)):
+        eager, captured = call(rows, width, new)
+        assert torch.equal(eager, captured), (rows, width, new)
+    # 8 rows; 16 rows (its routing mask grows: a new buffer); 8 rows again, recorded again on the grown mask; 8 rows
+    # needing 260 positions (a longer cache replaces the 8-row one); 8 rows again on that cache, replayed
+    assert recorded == [(8, 128), (16, 128), (8, 128), (8, 128)]
+    assert set(decoder.warmups) == {(8, 256), (16, 256), (8, 512)}
+    decoder.release()
+    call(8, 6, 10)
+    assert len(recorded) == 5  # released: its cache is gone, the step is recorded on the new one
+
+
+def test_the_decode_step_traces_as_one_graph_with_no_host_sync_or_data_dependent_branch(monkeypatch):
+    """What a CUDA graph cannot hold (a `.item()`, a branch on a tensor's value) breaks a `fullgraph` trace: the step
+    of a routed team traces whole, with torch.compile's eager backend (no code generated, so it is fast)."""
+    team = tiny_team(2)
+    router = AdapterRouter(team, NAMES[:2])
+    decoder = CapturedDecoder(team, router, path="static")
+    traced = torch.compile(decoder._step_function, backend="eager", fullgraph=True)
+    monkeypatch.setattr(decoder, "_step", traced)
+    eager, captured = generate_both(team, router, decoder, ["a", "b"] * 3, *left_padded(6, 7, seed=3))
+    assert torch.equal(eager, captured)
+
+
+@pytest.mark.parametrize("layout", ["qwen2-full-then-sliding", "mistral-every-layer-sliding"])
+def test_the_step_traces_as_one_graph_on_sliding_and_hybrid_layouts(monkeypatch, layout):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(ATTENTION_LAYOUTS[layout]()).eval()
+    decoder = CapturedDecoder(model, path="static")
+    monkeypatch.setattr(decoder, "_step", torch.compile(decoder._step_function, backend="eager", fullgraph=True))
+    assert_greedy_tokens_equal_the_reference_across_the_window(model, decoder)
+
+
+def test_eager_attention_gets_an_additive_mask_and_decodes_the_reference_tokens():
+    torch.manual_seed(0)
+    config = ATTENTION_LAYOUTS["qwen2-full-then-sliding"]()
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert model.config._attn_implementation == "eager"
+    assert_greedy_tokens_equal_the_reference_across_the_window(model, CapturedDecoder(model, path="static"))
+
+
+def test_the_step_mask_sees_written_keys_within_the_window_and_never_padding():
+    key_mask = torch.tensor([[False, True, True, True, True, True], [True] * 6])
+    mask = captured_decode.step_attention_mask(key_mask, torch.tensor(3), None, None)
+    assert mask.shape == (2, 1, 1, 6)
+    assert mask[:, 0, 0].tolist() == [[False, True, True, True, False, False], [True, True, True, True, False, False]]
+    sliding = captured_decode.step_attention_mask(key_mask, torch.tensor(3), 2, None)  # keys 2 and 3
+    assert sliding[:, 0, 0].tolist() == [[False, False, True, True, False, False]] * 2
+    additive = captured_decode.step_attention_mask(key_mask, torch.tensor(3), 2, torch.float32)
+    assert (
+        additive[1, 0, 0].tolist() == [torch.finfo(torch.float32).min] * 2 + [0.0, 0.0] + [-3.4028234663852886e38] * 2
+    )

@@ -1,13 +1,13 @@
 """The team's decode step captured once and replayed: transformers' `generate` with a static KV cache, the one-token
-forward compiled (`torch.compile`; on CUDA with CUDA graphs, `mode="reduce-overhead"`), and the routing to each row's
-adapter held in tensors (`routing.AdapterRouter.tensor_routing`).
+forward recorded as a CUDA graph (`path="cuda-graphs"`, the default on CUDA) or compiled (`path="compiled"`,
+`torch.compile`), and the routing to each row's adapter held in tensors (`routing.AdapterRouter.tensor_routing`).
 
 Eager `generate` with LoRA on every linear is bound by kernel launches and Python: on an H100 a decode step of a 135M
 model took 21 ms for the base alone and 55 ms routed to 2 agents, flat from 16 to 64 rows. A captured step launches
 one graph. `CapturedDecoder.generate` keeps `generate`'s preparation (generation config, special tokens, logits
 processors, stopping criteria: sampling settings keep their meaning) and hands it a decoding loop of its own
 (`custom_generate`, transformers' public hook for one): the prompt's prefill runs eagerly, then each token is one call
-of the compiled step on fixed shapes. Shapes are bucketed so a handful of graphs serve every call: a batch is padded
+of the captured step on fixed shapes. Shapes are bucketed so a handful of graphs serve every call: a batch is padded
 with rows that go through the base alone (`ROW_BUCKETS`), and the cache is sized up to a multiple of
 `CACHE_LENGTH_STEP`. One cache per row bucket (as long as the longest call it served) is kept and reset between calls,
 so a replay reads and writes the same memory each time; its rows never reach the next call (the reset zeroes it, and
@@ -23,9 +23,17 @@ from the cache) do not fit, and whose Python-int length a recorded step cannot f
 type (chunked or linear attention, convolutions, layers reading another's KV, ...) is not served: eager `generate` by
 default, refused naming the layer type with `captured_decode=True` (`unserved_layer_types`).
 
-A 4-bit (bitsandbytes) base compiles too (transformers' own auto-compile declines it; bitsandbytes' 4-bit matmul is a
-registered torch op). Where compiling is not possible or not wanted, the same loop runs the step eagerly on the
-static cache (`path="static"`).
+The step (`CapturedDecoder._step_function`) reads only static buffers (`StepBuffers`: each row's token and position,
+the cache position written, the key mask) and builds its 4-D attention mask from them (`step_attention_mask`, one per
+layer type), so transformers' mask creation, with its branches on values, never runs in it: it has no host sync and
+no data-dependent branch (it traces whole with `torch.compile(fullgraph=True)`, tested on the CPU). On CUDA it is
+recorded by hand, as serving engines record their decode graphs (`record_step`): a few warm-up runs on a side stream,
+then one recording per (rows, cache length) in a memory pool every graph of the decoder shares, then replays with the
+inputs copied into the buffers; recording costs a few steps' time instead of a compile's tens of seconds. A graph is
+recorded again when the cache or a routing buffer it reads was replaced. `path="compiled"` compiles the same step
+(CUDA graphs through `mode="reduce-overhead"` on CUDA); `path="static"` runs it eagerly, the same loop and buffers
+(what the CPU tests check token for token). A 4-bit (bitsandbytes) base is served by all three (its 4-bit matmul is
+a registered torch op and can be recorded in a CUDA graph).
 """
 
 import copy
@@ -33,6 +41,10 @@ import functools
 import inspect
 import logging
 import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import GenerationConfig, StaticCache
@@ -55,6 +67,9 @@ CACHE_LENGTH_STEP = 256
 STOP_CHECK_INTERVAL = 8
 
 PATHS = ("cuda-graphs", "compiled", "static")
+# The attention implementations whose mask the decode step builds (`step_attention_mask`): sdpa takes a bool mask,
+# eager an additive one.
+SERVED_ATTENTION = ("sdpa", "eager")
 # `generate` options the decoding loop does not serve, with the value under which they change nothing.
 # (Stop strings: `generate` does not hand a `custom_generate` loop the tokenizer their criteria need.)
 UNSERVED_OPTIONS = {
@@ -130,10 +145,91 @@ def unserved_attention(config) -> str | None:
     """Why the decode loop's mask cannot serve this attention implementation, or None. The loop's mask covers the whole
     static cache and marks positions not yet written as attended (the causal mask hides them); flash attention
     takes a mask of ones as no mask at all and would attend to the cache's empty positions."""
-    implementation = getattr(config.get_text_config(decoder=True), "_attn_implementation", None) or "eager"
+    implementation = attention_implementation(config)
     if "flash" in implementation:
         return f"attention `{implementation}` would read the static cache's empty positions (served: sdpa, eager)"
+    if implementation not in SERVED_ATTENTION:
+        return f"attention `{implementation}` takes no plain mask (served: {', '.join(SERVED_ATTENTION)})"
     return None
+
+
+def attention_implementation(config) -> str:
+    return getattr(config.get_text_config(decoder=True), "_attn_implementation", None) or "eager"
+
+
+def step_attention_mask(
+    key_mask: torch.Tensor, write_position: torch.Tensor, window: int | None, additive_dtype: torch.dtype | None
+) -> torch.Tensor:
+    """The 4-D attention mask of one decode step over the whole static cache, from tensors only (no host sync, no
+    branch on a value: it is recorded into the step's graph).
+
+    Args:
+        key_mask: `(rows, cache length)` bool: the prompt's mask over its columns, True past them (generated tokens).
+        write_position: 0-d long tensor, the cache position this step's token is written at (the query's position).
+        window: a sliding window (a key `k` is seen by the query at `q` when `q - window < k`), or None.
+        additive_dtype: None for a bool mask (True: attend; sdpa), else an additive mask of that dtype (0 or its
+            minimum; eager attention adds it to the scores).
+    Returns:
+        `(rows, 1, 1, cache length)`: keys written so far (`k <= q`), within the window, not padding.
+    """
+    positions = torch.arange(key_mask.shape[1], device=key_mask.device)
+    allowed = key_mask & (positions <= write_position)
+    if window is not None:
+        allowed = allowed & (positions > write_position - window)
+    allowed = allowed[:, None, None, :]
+    if additive_dtype is None:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=additive_dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(additive_dtype).min
+    )
+
+
+def record_step(step, restore, pool, warmup_steps: int = 2):
+    """Record `step()` (no arguments: it reads static buffers only) as a CUDA graph; a callable that replays it and
+    returns its output tensor (overwritten by the next replay).
+
+    As CUDA graphs must be recorded: a few warm-up runs on a side stream first (kernels pick their algorithms and
+    allocate their workspaces outside the graph), `restore()` after each (a step writes its token's keys and values
+    and advances the cache's written length: the warm-ups must leave the cache as they found it), then one recording
+    in the decoder's memory `pool`, shared by every graph of the decoder. Recording runs no kernel."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup_steps):
+            step()
+            restore()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = step()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return output
+
+    return replay
+
+
+@dataclass
+class StepBuffers:
+    """What a decode step reads, at fixed addresses for a (rows, cache length) shape: the token of each row, its
+    position id, the cache position it is written at, and the key mask (`step_attention_mask`'s)."""
+
+    input_ids: torch.Tensor  # (rows, 1)
+    position_ids: torch.Tensor  # (rows, 1)
+    cache_position: torch.Tensor  # (1,): the position this step's token is written at
+    key_mask: torch.Tensor  # (rows, cache length) bool
+
+
+@dataclass
+class RecordedStep:
+    """A recorded decode step: its replay, the cache and routing buffers it was recorded on, and how long recording
+    took (warm-up included)."""
+
+    replay: Callable[[], torch.Tensor]
+    cache: Any
+    routing_version: int
+    seconds: float
 
 
 def choose_path(requested: bool | None, device: torch.device) -> str | None:
@@ -153,8 +249,8 @@ class CapturedDecoder:
         model: the model `generate` is called on.
         router: the model's router, whose current routing (`AdapterRouter.route`) each call follows; None for a model
             without one (a single PEFT adapter or none: then the forward is the model's own).
-        path: "cuda-graphs" (compiled with `mode="reduce-overhead"`), "compiled" (`torch.compile`'s default mode) or
-            "static" (the same loop, the step eager).
+        path: "cuda-graphs" (the step recorded as CUDA graphs by hand), "compiled" (`torch.compile`, with
+            `mode="reduce-overhead"` on CUDA) or "static" (the same loop and buffers, the step eager).
         fall_back: when the captured step fails, log it and generate with eager `generate` from then on (the
             default path's behaviour: `captured_decode=None`), instead of raising.
     """
@@ -177,12 +273,26 @@ class CapturedDecoder:
         forward = self._generation_model.forward
         self.cache_keyword = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
         self._caches: dict[int, StaticCache] = {}  # per row bucket
+        self._buffers: dict[tuple[int, int], StepBuffers] = {}  # per (rows, cache length)
+        self._recorded: dict[tuple[int, int], RecordedStep] = {}  # per (rows, cache length), path "cuda-graphs"
+        self._pool = None  # the memory pool every recorded graph shares
         self._real_rows = 0
+        # Seconds spent recording (or compiling) the step for each (rows, cache length), its first call included.
+        self.warmups: dict[tuple[int, int], float] = {}
+        config = model.config.get_text_config(decoder=True)
+        windows = {"full_attention": None, "sliding_attention": getattr(config, "sliding_window", None)}
+        layer_types = dict.fromkeys(attention_layer_types(config))
+        self._windows = {layer_type: windows[layer_type] for layer_type in layer_types}
+        dtype = self._generation_model.dtype
+        self._additive_dtype = None if attention_implementation(config) == "sdpa" else dtype
         if path == "static":
-            self._step = self._forward_step
+            self._step = self._step_function
+        elif path == "compiled":
+            # fullgraph: a graph break (a host sync, a branch on a value) is an error, not a silent slow path
+            mode = "reduce-overhead" if self._device.type == "cuda" else None
+            self._step = torch.compile(self._step_function, mode=mode, fullgraph=True)
         else:
-            mode = "reduce-overhead" if path == "cuda-graphs" else None
-            self._step = torch.compile(self._forward_step, mode=mode)
+            self._step = self._replay_step
 
     @torch.no_grad()
     def generate(
@@ -315,20 +425,97 @@ class CapturedDecoder:
         return cache
 
     def release(self) -> None:
-        """Free the caches (the trainer calls this when a rollout ends); the next call allocates them again."""
+        """Free the caches, and the steps recorded on them (the trainer calls this when a rollout ends); the next call
+        allocates them again, and records its steps again (a fraction of a second per shape)."""
         self._caches.clear()
+        self._buffers.clear()
+        self._recorded.clear()
 
-    def _forward_step(self, model, input_ids, position_ids, cache_position, attention_mask, cache) -> torch.Tensor:
-        """One token per row through the model: its logits, `(rows, vocabulary)`."""
+    @property
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _step_buffers(self, rows: int, cache) -> StepBuffers:
+        """The static inputs of the step for `rows` rows on `cache` (kept per shape, so a recorded step reads them)."""
+        key = (rows, cache.get_max_length())
+        buffers = self._buffers.get(key)
+        if buffers is None:
+            device = self._device
+            buffers = self._buffers[key] = StepBuffers(
+                input_ids=torch.zeros(rows, 1, dtype=torch.long, device=device),
+                position_ids=torch.zeros(rows, 1, dtype=torch.long, device=device),
+                cache_position=torch.zeros(1, dtype=torch.long, device=device),
+                key_mask=torch.zeros(rows, key[1], dtype=torch.bool, device=device),
+            )
+        return buffers
+
+    def _step_function(self, model, cache, buffers: StepBuffers) -> torch.Tensor:
+        """One token per row through the model, reading `buffers` only: its logits, `(rows, vocabulary)`.
+        Capture-safe: no host sync and no branch on a value (the mask is built from tensors, `step_attention_mask`;
+        transformers' mask creation is skipped by passing a 4-D mask, or one per layer type for a model of
+        several)."""
+        write_position = buffers.cache_position[0]
+        masks = {
+            layer_type: step_attention_mask(buffers.key_mask, write_position, window, self._additive_dtype)
+            for layer_type, window in self._windows.items()
+        }
         output = model(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            cache_position=cache_position,
-            attention_mask=attention_mask,
+            input_ids=buffers.input_ids,
+            position_ids=buffers.position_ids,
+            cache_position=buffers.cache_position,  # what transformers releases before 5.24 write the cache at
+            attention_mask=next(iter(masks.values())) if len(masks) == 1 else masks,
             use_cache=True,
             **{self.cache_keyword: cache},
         )
         return output.logits[:, -1]
+
+    def _timed_step(self, model, cache, buffers: StepBuffers) -> torch.Tensor:
+        """`_step`, timing its first call for a shape on the compiled path (compiling is its warm-up)."""
+        key = (buffers.input_ids.shape[0], buffers.key_mask.shape[1])
+        if self.path != "compiled" or key in self.warmups:
+            if self.path == "compiled" and self._device.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()
+            return self._step(model, cache, buffers)
+        started = time.perf_counter()
+        logits = self._step(model, cache, buffers)
+        if self._device.type == "cuda":
+            torch.cuda.synchronize()
+        self.warmups[key] = time.perf_counter() - started
+        logger.info("Compiled the decode step for %d rows and %d cache positions in %.1f s.", *key, self.warmups[key])
+        return logits
+
+    def _replay_step(self, model, cache, buffers: StepBuffers) -> torch.Tensor:
+        """The step as a recorded CUDA graph: recorded at the first call for a shape, and again when the cache or a
+        routing buffer it reads was replaced since (`AdapterRouter.tensor_buffers_version`)."""
+        key = (buffers.input_ids.shape[0], buffers.key_mask.shape[1])
+        version = self.router.tensor_buffers_version if self.router is not None else 0
+        recorded = self._recorded.get(key)
+        if recorded is None or recorded.cache is not cache or recorded.routing_version != version:
+            recorded = self._recorded[key] = self._record(model, cache, buffers, version)
+        return recorded.replay()
+
+    def _record(self, model, cache, buffers: StepBuffers, version: int) -> RecordedStep:
+        started = time.perf_counter()
+        # Each run of the step advances the cache's written length (transformers 5.24's static layers keep it in a
+        # tensor): the warm-ups put it back
+        lengths = [
+            (layer, layer.cumulative_length.clone())
+            for layer in cache.layers
+            if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)
+        ]
+
+        def restore():
+            for layer, length in lengths:
+                layer.cumulative_length.copy_(length)
+
+        if self._pool is None and self._device.type == "cuda":
+            self._pool = torch.cuda.graph_pool_handle()
+        replay = record_step(functools.partial(self._step_function, model, cache, buffers), restore, self._pool)
+        seconds = time.perf_counter() - started
+        rows, length = buffers.key_mask.shape
+        self.warmups[(rows, length)] = seconds
+        logger.info("Recorded the decode step for %d rows and %d cache positions in %.2f s.", rows, length, seconds)
+        return RecordedStep(replay, cache, version, seconds)
 
     @torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
     def _decode(
@@ -369,7 +556,10 @@ class CapturedDecoder:
             logits_to_keep=1,
             **{self.cache_keyword: cache},
         ).logits[:, -1]
-        position_ids = position_ids[:, -1:]
+        buffers = self._step_buffers(rows, cache)
+        buffers.key_mask.copy_(attention_mask.bool())
+        buffers.position_ids.copy_(position_ids[:, -1:])  # advanced before each step
+        buffers.cache_position.fill_(width - 1)
 
         pad_token_id = generation_config._pad_token_tensor
         has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
@@ -392,17 +582,10 @@ class CapturedDecoder:
                 break
             if (token_index + 1) % STOP_CHECK_INTERVAL == 0 and bool(all_finished_at[-1]):
                 break
-            position_ids = position_ids + 1
-            if self.path == "cuda-graphs":
-                torch.compiler.cudagraph_mark_step_begin()
-            logits = self._step(
-                model,
-                next_tokens[:, None],
-                position_ids,
-                cache_positions[width + token_index : width + token_index + 1],
-                attention_mask,
-                cache,
-            ).clone()  # a CUDA graph's output is overwritten by its next replay
+            buffers.input_ids.copy_(next_tokens[:, None])
+            buffers.position_ids.add_(1)
+            buffers.cache_position.add_(1)
+            logits = self._timed_step(model, cache, buffers).clone()  # a graph's output is overwritten by its replay
         # Drop the tokens generated after every row had finished (the stop is checked only every few tokens).
         finished = torch.stack(all_finished_at).tolist()
         generated = finished.index(True) + 1 if True in finished else len(finished)
@@ -432,7 +615,7 @@ def describe(decoder: CapturedDecoder | None) -> str:
     if decoder.failure is not None:
         return f"eager generate (the captured step failed: {decoder.failure})"
     return {
-        "cuda-graphs": "captured decode step (static cache, torch.compile with CUDA graphs)",
+        "cuda-graphs": "captured decode step (static cache, recorded CUDA graphs)",
         "compiled": "compiled decode step (static cache, torch.compile)",
         "static": "static-cache decode loop (eager step)",
     }[decoder.path]

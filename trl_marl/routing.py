@@ -273,6 +273,12 @@ class AdapterRouter:
         finally:
             self.route(previous)
 
+    @property
+    def tensor_buffers_version(self) -> int:
+        """How many times `tensor_routing`'s buffers were replaced so far (`TensorRouting.version`): a decode step
+        recorded under one version reads stale buffers under another."""
+        return self._tensor_routing.version if self._tensor_routing is not None else 0
+
     # -- PEFT's mixed-batch path
 
     def _inject_adapter_names(self, module, args, kwargs):
@@ -331,6 +337,9 @@ class TensorRouting:
         self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.masks: dict[tuple, torch.Tensor] = {}
         self.forwards: dict[int, functools.partial] = {}
+        # Counts the buffers replaced (a new shape, dtype or device, a grown mask): a step recorded before reads the
+        # old ones, so a recorded CUDA graph is valid while this has not changed since its recording.
+        self.version = 0
 
     def refresh(self, row_index: list[int]) -> None:
         """Copy the adapters' current weights into the buffers and route row `i` to adapter `row_index[i]` (-1: the
@@ -347,6 +356,7 @@ class TensorRouting:
                 getattr(buffers[0], key) != getattr(lora_a, key) for key in ("shape", "dtype", "device")
             ):
                 buffers = self.weights[id(layer)] = (lora_a, lora_b)
+                self.version += 1
                 for buffer in buffers:
                     torch._dynamo.mark_static_address(buffer)  # CUDA graphs read it in place, never copy it
             else:
@@ -367,6 +377,7 @@ class TensorRouting:
         mask = self.masks.get(key)
         if mask is None or mask.shape[0] < rows:
             mask = self.masks[key] = torch.zeros(rows, sum(ranks), device=like.device, dtype=like.dtype)
+            self.version += 1
             torch._dynamo.mark_static_address(mask)
         return mask
 

@@ -112,6 +112,8 @@ def measure(model, decoder, router, adapters, input_ids, attention_mask, tokens:
         many, output = timed(lambda n, e=engine: run(e, n), tokens, repeats)
         result[f"{label}_ms"] = round(1000 * (many - one) / (tokens - 1), 2)
         result[f"{label}_tokens"] = output
+    # each shape's recording (or compiling) alone, as the decoder timed it; the warm-up call above includes it
+    result["captured_shapes_s"] = {f"{rows}x{length}": round(s, 2) for (rows, length), s in decoder.warmups.items()}
     if decoder.failure:  # the captured step failed and fell back: these are eager figures twice
         result["captured_failure"] = decoder.failure
     eager_tokens, captured_tokens = result.pop("eager_tokens"), result.pop("captured_tokens")
