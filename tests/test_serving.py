@@ -217,6 +217,11 @@ def test_a_failure_inside_generation_is_a_500_with_its_message_and_the_next_requ
     assert greedy_chat(client, "planner", max_tokens=2).choices[0].finish_reason == "length"
 
 
+def test_serving_a_team_loaded_with_vllm_is_refused_before_anything_loads(team_dir):
+    with pytest.raises(ValueError, match="without `use_vllm`"):
+        serve_team(team_dir, use_vllm=True)
+
+
 def test_a_langgraph_two_agent_exchange_runs_against_the_server(client, server):
     langgraph = pytest.importorskip("langgraph.graph", reason="the agent-framework test drives LangGraph")
     chat_openai = pytest.importorskip(

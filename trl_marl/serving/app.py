@@ -72,6 +72,11 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
         message = f"{request.method} {request.url.path}: {error.detail}"
         return JSONResponse(APIError(error.status_code, message).body(), status_code=error.status_code)
 
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, error: Exception) -> JSONResponse:  # logged by the server too
+        failure = APIError(500, f"The server failed: {type(error).__name__}: {error}", code="internal_error")
+        return JSONResponse(failure.body(), status_code=500)
+
     def authorize(request: Request) -> None:
         if settings.api_key is None:
             return

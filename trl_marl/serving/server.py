@@ -8,6 +8,11 @@ from typing import Any
 from .engine import BatchingEngine
 
 SERVE_EXTRA_HINT = 'pip install "trl-marl[serve]"'
+VLLM_REFUSAL = (
+    "The server generates with transformers (routed `generate`, or the captured decode step), not with vLLM: its "
+    "engine needs each token's log-probability and a call it can stop for waiting requests. Load the team without "
+    "`use_vllm`."
+)
 
 
 def require_serving_packages() -> None:
@@ -108,6 +113,8 @@ def prepare_server(
     from ..team import Team, load_team
     from .app import MAX_BODY_BYTES, ServingSettings, build_app
 
+    if load_options.get("use_vllm"):
+        raise ValueError(VLLM_REFUSAL)
     if isinstance(team_or_path, Team):
         if load_options:
             raise ValueError(
@@ -118,11 +125,7 @@ def prepare_server(
     else:
         team, owns_team = load_team(team_or_path, **load_options), True
     if team.engine is not None:
-        team.close()
-        raise ValueError(
-            "The server generates with transformers (routed `generate`, the captured decode step where chosen), not "
-            "with vLLM: load the team without `use_vllm`."
-        )
+        raise ValueError(VLLM_REFUSAL)
     engine = BatchingEngine(team, max_batch_rows=max_batch_rows, chunk_tokens=chunk_tokens)
     settings = ServingSettings(api_key=api_key, max_body_bytes=max_body_bytes or MAX_BODY_BYTES, max_tokens=max_tokens)
     app = build_app(engine, settings)
