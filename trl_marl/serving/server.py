@@ -10,8 +10,8 @@ from .engine import BatchingEngine
 SERVE_EXTRA_HINT = 'pip install "trl-marl[serve]"'
 VLLM_REFUSAL = (
     "The server generates with transformers (routed `generate`, or the captured decode step), not with vLLM: its "
-    "engine needs each token's log-probability and a call it can stop for waiting requests. Load the team without "
-    "`use_vllm`."
+    "engine steps each call token by token (each row's sampling and stop, a call ended for waiting requests), which "
+    "the saved team's vLLM engine does not offer. Load the team without `use_vllm`."
 )
 
 
