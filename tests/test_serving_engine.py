@@ -23,12 +23,12 @@ def no_reward(prompts, completions, **kwargs):
     return [0.0] * len(prompts)
 
 
-def save_tiny_team(model_dir: str, folder) -> str:
+def save_tiny_team(model_dir: str, folder, agents=AGENTS) -> str:
     """A two-agent team on `model_dir`, saved as `save_model` saves one, its agents' LoRA weights made to differ (a
     fresh LoRA B is zero, which would leave both agents equal to the base)."""
     args = MAGRPOConfig(
         output_dir=str(folder),
-        agents=AGENTS,
+        agents=agents,
         num_turns=1,
         max_completion_length=12,
         lora_r=4,
@@ -50,7 +50,8 @@ def save_tiny_team(model_dir: str, folder) -> str:
 
 def agent_prompt_ids(team, agent: int, messages=QUESTION) -> list[int]:
     conversation = [{"role": "system", "content": team.agents[agent]["system_prompt"]}, *messages]
-    return tokenize_text_prompts(team.tokenizer, {}, None, [conversation])[0][0]
+    tokenizer = team.bases[team.agent_base[agent]].tokenizer
+    return tokenize_text_prompts(tokenizer, {}, None, [conversation])[0][0]
 
 
 @pytest.fixture(scope="module")
@@ -254,3 +255,14 @@ def test_the_serve_command_passes_its_flags_to_the_server_and_load_team(team, tm
         "max_body_bytes": 1000,
         "log_level": "info",
     }
+
+
+def test_a_team_on_two_bases_answers_each_agent_on_its_own_base_as_team_run(tiny_model_dir, other_base_dir, tmp_path):
+    agents = [AGENTS[0], {**AGENTS[1], "model": other_base_dir}]
+    team = load_team(save_tiny_team(tiny_model_dir, tmp_path / "two-bases", agents))
+    engine = BatchingEngine(team).start()
+    rows = engine.generate([RowRequest(agent, agent_prompt_ids(team, agent), 12) for agent in (0, 1, 1, 0)])
+    engine.close()
+    episode = team.run(QUESTION, num_turns=1)
+    assert [row.text for row in rows] == [episode.final[name] for name in ("planner", "checker", "checker", "planner")]
+    assert engine.calls == 2  # one call per base
