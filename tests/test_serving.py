@@ -202,6 +202,20 @@ def test_a_client_that_disconnects_mid_stream_stops_its_generation(client, serve
     assert greedy_chat(client, "checker", max_tokens=2).usage.completion_tokens == 2  # still serving
 
 
+def test_a_client_that_gives_up_on_a_waiting_request_stops_its_generation(server):
+    cancelled_before = health(server)["rows_finished"].get("cancelled", 0)
+    body = {"model": "planner", "messages": QUESTION, "max_tokens": 450, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                   timeout=httpx.Timeout(10.0, read=0.2))  # fmt: skip
+    for _ in range(100):
+        state = health(server)
+        if state["rows_finished"].get("cancelled", 0) > cancelled_before and not state["rows_running"]:
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert state["rows_finished"].get("cancelled", 0) == cancelled_before + 1
+
+
 def test_a_failure_inside_generation_is_a_500_with_its_message_and_the_next_request_is_served(
     client, server, monkeypatch
 ):
