@@ -266,3 +266,9 @@ def test_a_team_on_two_bases_answers_each_agent_on_its_own_base_as_team_run(tiny
     episode = team.run(QUESTION, num_turns=1)
     assert [row.text for row in rows] == [episode.final[name] for name in ("planner", "checker", "checker", "planner")]
     assert engine.calls == 2  # one call per base
+
+
+def test_an_agents_stop_tokens_are_its_bases_end_of_sequence_tokens(team):
+    eos = team.model.generation_config.eos_token_id
+    expected = {*(eos if isinstance(eos, list) else [eos]), team.tokenizer.eos_token_id}
+    assert set(team.stop_token_ids(0)) == set(team.stop_token_ids(1)) == expected

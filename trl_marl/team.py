@@ -293,6 +293,11 @@ class Team:
         texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         return [list(ids) for ids in prompt_ids], completion_ids, texts
 
+    def stop_token_ids(self, agent: int) -> list[int]:
+        """The tokens that end the completions of `agent` (its index): its base's end-of-sequence tokens, from the
+        base model's generation config and its tokenizer (what `run` cuts completions after)."""
+        return self._eos_token_ids(self.bases[self.agent_base[agent]])
+
     def _eos_token_ids(self, base: BasePart | None = None) -> list[int]:
         base = base or self.bases[0]
         eos = base.model.generation_config.eos_token_id

@@ -171,7 +171,7 @@ class BatchingEngine:
         decode = self.decoder_of(rows[0].request.agent)
         hooks = CallHooks(
             rows,
-            team._eos_token_ids(base),
+            team.stop_token_ids(rows[0].request.agent),
             decode,
             should_yield=lambda steps: steps >= self.chunk_tokens and self._waiting(),
         )
