@@ -231,6 +231,18 @@ def test_a_failure_inside_generation_is_a_500_with_its_message_and_the_next_requ
     assert greedy_chat(client, "planner", max_tokens=2).choices[0].finish_reason == "length"
 
 
+def test_loading_options_reach_load_team_a_4bit_team_answers_as_it_runs(team_dir):
+    bitsandbytes = pytest.importorskip("bitsandbytes", reason="bitsandbytes is needed for 4-bit bases")
+    team = load_team(team_dir, load_in_4bit=True)
+    expected = team.run(QUESTION, num_turns=1).final
+    team.close()
+    with serve_team(team_dir, load_in_4bit=True) as server:
+        assert any(isinstance(module, bitsandbytes.nn.Linear4bit) for module in server.team.model.modules())
+        client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        served = {name: greedy_chat(client, name).choices[0].message.content for name in expected}
+    assert served == expected
+
+
 def test_serving_a_team_loaded_with_vllm_is_refused_before_anything_loads(team_dir):
     with pytest.raises(ValueError, match="without `use_vllm`"):
         serve_team(team_dir, use_vllm=True)
