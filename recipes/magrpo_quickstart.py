@@ -34,10 +34,9 @@ class QuickstartArguments:
     eval_questions: int = field(default=12, metadata={"help": "Held-out questions for the before/after reward."})
 
 
-def main() -> None:
-    parser = TrlParser((QuickstartArguments, MAGRPOConfig))
-    on_gpu = torch.cuda.is_available()
-    parser.set_defaults(
+def quickstart_defaults(on_gpu: bool) -> dict:
+    """The quickstart's `MAGRPOConfig` settings (also what `benchmarks/bench_decode_run.py` times)."""
+    return dict(
         output_dir="outputs/magrpo-quickstart",
         agents=AGENTS,
         num_generations=4,
@@ -57,11 +56,20 @@ def main() -> None:
         use_cpu=not on_gpu,
         gradient_checkpointing=on_gpu,
     )
+
+
+def quickstart_datasets(seed: int, eval_questions: int):
+    """(training questions, held-out questions)."""
+    questions = question_dataset(seed)
+    return questions.select(range(eval_questions, len(questions))), questions.select(range(eval_questions))
+
+
+def main() -> None:
+    parser = TrlParser((QuickstartArguments, MAGRPOConfig))
+    parser.set_defaults(**quickstart_defaults(torch.cuda.is_available()))
     script_args, args = parser.parse_args_and_config()
 
-    questions = question_dataset(args.seed)
-    eval_dataset = questions.select(range(script_args.eval_questions))
-    train_dataset = questions.select(range(script_args.eval_questions, len(questions)))
+    train_dataset, eval_dataset = quickstart_datasets(args.seed, script_args.eval_questions)
     model = script_args.model_name_or_path or default_model_path()
     trainer = MAGRPOTrainer(
         model, explain_ratio_reward, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset

@@ -12,13 +12,17 @@ Usage, from the repository root:
     HF_HUB_OFFLINE=1 PYTHONPATH=. python recipes/benchmarks/bench_decode.py --quick   # check the script (CPU, ~5 min)
     HF_HUB_OFFLINE=1 PYTHONPATH=. python recipes/benchmarks/bench_decode.py           # CPU: fp32, 16 rows
     python recipes/benchmarks/bench_decode.py --rows 16 64 --precision bf16 4bit       # a GPU: graphs, bf16 and 4-bit
+    python recipes/benchmarks/bench_decode.py --rows 16 --precision bf16 \
+        --model_config recipes/paper/model_configs/Qwen2.5-Coder-1.5B-Instruct   # a larger shape (random weights)
     ... [--path compiled|static|cuda-graphs] [--output PATH]   # default results/bench_decode[_quick].json
 """
 
 import argparse
 import gc
 import json
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,7 +32,7 @@ import trl_marl  # noqa: F401 (first: it filters a bitsandbytes notice that impo
 import peft
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from trl_marl import default_model_path
 from trl_marl.agents import agent_lora_config, attach_agent_adapters
@@ -42,11 +46,22 @@ from run_info import run_header  # noqa: E402
 PROMPT = "Name a colour, then a fruit, then a country, in one short sentence."
 
 
-def load(precision: str, device: str):
-    kwargs = {"dtype": {"fp32": torch.float32, "bf16": torch.bfloat16}.get(precision, None)}
+def load(precision: str, device: str, model_config: str | None = None):
+    """The default model, or with `model_config` (a folder holding a `config.json`) a model of that shape with random
+    weights (the decode step's cost does not depend on the weights' values), in `precision` on `device`."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(precision)
+    source = default_model_path()
+    if model_config is not None:  # saved once with random weights, then loaded as a checkpoint is (4-bit included)
+        torch.manual_seed(0)
+        source = tempfile.mkdtemp(prefix="bench-decode-")
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_config), dtype=torch.bfloat16)
+        model.save_pretrained(source)
+    kwargs = {"dtype": dtype}
     if precision == "4bit":
         kwargs = {"quantization_config": four_bit_config()}
-    model = AutoModelForCausalLM.from_pretrained(default_model_path(), device_map=device, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(source, device_map=device, **kwargs)
+    if model_config is not None:
+        shutil.rmtree(source)
     return model.eval()
 
 
@@ -132,6 +147,9 @@ def main():
     parser.add_argument("--path", choices=["cuda-graphs", "compiled", "static"], default=None)
     parser.add_argument("--quick", action="store_true", help="a short check of the script: 8 rows, 8 tokens")
     parser.add_argument("--output", default=None)
+    parser.add_argument(
+        "--model_config", default=None, help="a folder with a config.json: time a model of that shape (random weights)"
+    )
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows_list = args.rows or ([8] if args.quick else [16])
@@ -144,6 +162,7 @@ def main():
     summary = {
         **run_header(gpu=gpu, torch=torch.__version__, transformers=transformers.__version__, peft=peft.__version__),
         "path": path,
+        "model": args.model_config or "SmolLM2-135M-Instruct",
         "tokens": tokens,
         "rows": [],
     }
@@ -156,7 +175,7 @@ def main():
                 ("routed 2 agents", 2),
                 ("routed 4 agents", 4),
             ):
-                model = load(precision, device)
+                model = load(precision, device, args.model_config)
                 router, adapters = None, None
                 if agents:
                     model, names = with_adapters(model, agents)
@@ -171,7 +190,8 @@ def main():
                 print(
                     f"{precision:5} {rows:3} rows  {label:17} eager {figures['eager_ms']:8.2f} ms  "
                     f"captured {figures['captured_ms']:8.2f} ms  ({figures['speedup']}x, greedy equal: "
-                    f"{figures['equal']}; warm-up {figures['captured_warmup_s']} s)",
+                    f"{figures['equal']}; warm-up {figures['captured_warmup_s']} s, recording or compiling "
+                    f"{figures['captured_shapes_s']})",
                     flush=True,
                 )
                 del model, decoder, router
