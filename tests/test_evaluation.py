@@ -121,3 +121,30 @@ def test_a_baseline_still_samples_256_tokens_unless_told(tiny_model_dir, monkeyp
     monkeypatch.setattr(MAGRPOTrainer, "evaluate", lambda trainer, *a, **k: built.append(trainer.args) or {})
     assert main(["evaluate", "reach_target", "--baseline", "single", "--model", tiny_model_dir, "--limit", "1"]) == 0
     assert built[0].max_completion_length == 256 and built[0].temperature == 1.0
+
+
+def test_evaluate_task_takes_where_a_teams_base_is_and_says_so_when_it_cannot_find_it(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    import shutil
+    from pathlib import Path
+
+    team = saved_team(tiny_model_dir, tmp_path / "team")
+    elsewhere = tmp_path / "elsewhere"  # the team on another machine: no path of the one that saved it
+    shutil.copytree(team, elsewhere, ignore=shutil.ignore_patterns("_*"))
+    built = []
+    monkeypatch.setattr(MAGRPOTrainer, "evaluate", lambda trainer, *a, **k: built.append(trainer) or {})
+    with pytest.raises(FileNotFoundError, match=r"base_model=.*to evaluate_task \(trl-marl evaluate: --base_model"):
+        evaluate_task("reach_target", team=elsewhere, limit=1, use_cpu=True)
+    evaluate_task("reach_target", team=elsewhere, base_model=tiny_model_dir, limit=1, use_cpu=True)
+    recorded = f"./{Path(tiny_model_dir).name}"
+    evaluate_task("reach_target", team=elsewhere, base_models={recorded: tiny_model_dir}, limit=1, use_cpu=True)
+    command = ["evaluate", "reach_target", "--team", str(elsewhere), "--limit", "1"]
+    assert main([*command, "--base_model", tiny_model_dir]) == 0
+    assert main([*command, "--base_models", f"{recorded}={tiny_model_dir}"]) == 0
+    loaded = [trainer.model.get_base_model().config._name_or_path for trainer in built]
+    assert loaded == [tiny_model_dir] * 4
+    assert main(command) == 2  # before any model loads
+    assert "--base_model" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"`model` \(.*\) is the base model of a baseline.*pass `base_model=`"):
+        evaluate_task("reach_target", team=elsewhere, model=tiny_model_dir, limit=1, use_cpu=True)

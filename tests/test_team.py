@@ -271,3 +271,81 @@ def test_a_team_sharing_one_adapter_saves_it_once_and_replays(tiny_model_dir, tm
         trainer.model, tokenizer, NEW_PROMPT, 2, 6, adapters={"planner": "team", "checker": "team"}
     )
     assert load_team(out).run(NEW_PROMPT).turns == expected
+
+
+def save_lora_team(model_dir, folder, names, target_modules=("q_proj", "embed_tokens")):
+    """An untrained one-base team of agents `names`, LoRA on `target_modules` (the embeddings too), with every LoRA B
+    randomised (fresh it is zero), saved to `folder`."""
+    from peft import LoraConfig
+    from tiny_run import TINY_RUN
+
+    args = MAGRPOConfig.for_task(
+        "explain", output_dir=str(folder), agents=[{"name": name} for name in names], num_generations=2, **TINY_RUN
+    )
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=list(target_modules), task_type="CAUSAL_LM")
+    trainer = MAGRPOTrainer(model_dir, args=args, task="explain", peft_config=config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name or "lora_embedding_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    trainer.save_model()
+    return trainer
+
+
+def test_agents_named_user_and_model_save_and_load_with_every_lora_weight(tiny_model_dir, tmp_path):
+    # Every parameter name holds ".model.": an agent of that name once made the other agent's weights "missing".
+    trainer = save_lora_team(tiny_model_dir, tmp_path / "team", ["user", "model"])
+    loaded = dict(load_team(tmp_path / "team", captured_decode=False).model.named_parameters())
+    trained = {name: param for name, param in trainer.model.named_parameters() if "lora_" in name}
+    assert any(name.endswith("lora_embedding_B.model") for name in trained)
+    assert any(name.endswith("lora_A.user.weight") for name in trained)
+    for name, param in trained.items():
+        assert torch.equal(loaded[name], param), name
+
+
+def test_a_saved_adapter_without_its_embedding_lora_is_refused_naming_the_weight(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_lora_team(tiny_model_dir, tmp_path / "team", ["concise", "detailed"])
+    weights = tmp_path / "team" / "concise" / "adapter_model.safetensors"
+    save_file({key: value for key, value in load_file(weights).items() if "embed" not in key}, weights)
+    with pytest.raises(ValueError, match=r"adapter 'concise'.*embed_tokens\.lora_embedding_[AB]\.concise"):
+        load_team(tmp_path / "team", captured_decode=False)
+
+
+def test_loading_a_team_on_a_local_base_warns_of_no_renamed_base_model(tiny_model_dir, tmp_path, recwarn):
+    save_untrained_team_with_transition(tiny_model_dir, tmp_path)
+    load_team(tmp_path / "out", captured_decode=False)
+    assert not [str(w.message) for w in recwarn if "base_model_name_or_path" in str(w.message)]
+
+
+def test_a_kept_base_path_that_is_gone_loads_the_working_directorys_folder_with_a_warning(
+    tiny_model_dir, tmp_path, monkeypatch, caplog
+):
+    save_untrained_team_with_transition(tiny_model_dir, tmp_path)
+    recorded, gone = f"./{Path(tiny_model_dir).name}", str(tmp_path / "moved-away")
+    (tmp_path / "out" / "_local_bases.json").write_text(json.dumps({recorded: gone}))
+    here = tmp_path / "elsewhere"
+    shutil.copytree(tiny_model_dir, here / Path(tiny_model_dir).name)  # another model of that folder's name
+    monkeypatch.chdir(here)
+    with caplog.at_level("WARNING", logger="trl_marl"):
+        team = load_team(tmp_path / "out", captured_decode=False)
+    assert team.model.get_base_model().config._name_or_path == recorded
+    (warning,) = [record.getMessage() for record in caplog.records if "does not exist any more" in record.getMessage()]
+    assert recorded in warning and gone in warning and str(here / Path(tiny_model_dir).name) in warning
+    assert "base_model=" in warning
+
+
+def test_a_local_base_found_nowhere_says_which_kept_path_and_folder_it_tried(tiny_model_dir, tmp_path, monkeypatch):
+    save_untrained_team_with_transition(tiny_model_dir, tmp_path)
+    recorded, gone = f"./{Path(tiny_model_dir).name}", str(tmp_path / "moved-away")
+    (tmp_path / "out" / "_local_bases.json").write_text(json.dumps({recorded: gone}))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as error:
+        load_team(tmp_path / "out")
+    message = str(error.value)
+    assert f"the kept path {gone!r} (_local_bases.json) does not exist" in message
+    assert f"the working directory's {recorded!r} ({tmp_path / Path(tiny_model_dir).name}) does not exist" in message
+    assert "base_model=" in message and "evaluate_task" in message
+    assert "Repo id" not in message and ".." not in message

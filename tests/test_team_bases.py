@@ -537,9 +537,65 @@ def test_another_bases_generation_config_carries_the_first_bases_token_ids_by_th
 def test_a_token_id_another_base_cannot_carry_is_refused_naming_the_field(tiny_model_dir, other_base_dir):
     first, other = AutoTokenizer.from_pretrained(tiny_model_dir), base_tokenizer(other_base_dir)
     model = AutoModelForCausalLM.from_pretrained(other_base_dir)
-    config = GenerationConfig(sequence_bias=[[[260], -1.0], [[2644], -1.0]])  # " cat": 2644, two tokens to the Qwen2
-    with pytest.raises(ValueError, match=r"`sequence_bias` holds token id 2644 \(' cat'\).*\[277, 297\]"):
+    config = GenerationConfig(suppress_tokens=[260, 2644])  # " cat": 2644, two tokens to the Qwen2; one is suppressed
+    with pytest.raises(
+        ValueError, match=r"`suppress_tokens` holds token id 2644 \(' cat'\).*\[277, 297\], not as one"
+    ):
         base_generation_config(config, model, other, first)
+
+
+def test_a_sequence_of_token_ids_is_carried_whole_by_its_text(tiny_model_dir, other_base_dir):
+    smol, qwen = AutoTokenizer.from_pretrained(tiny_model_dir), base_tokenizer(other_base_dir)
+    smol_model, qwen_model = (AutoModelForCausalLM.from_pretrained(d) for d in (tiny_model_dir, other_base_dir))
+    # " cat" is 2644 to SmolLM2, [277, 297] to the tiny Qwen2; " the" 260 and 272 (hand-checked).
+    to_qwen = base_generation_config(
+        GenerationConfig(bad_words_ids=[[2644]], force_words_ids=[[[2644], [260]]], sequence_bias={(2644,): -1.0}),
+        qwen_model,
+        qwen,
+        smol,
+    )
+    assert (to_qwen.bad_words_ids, to_qwen.force_words_ids) == ([[277, 297]], [[[277, 297], [272]]])
+    assert to_qwen.sequence_bias == {(277, 297): -1.0}
+    to_smol = base_generation_config(
+        GenerationConfig(bad_words_ids=[[277, 297]], sequence_bias=[[[272, 277, 297], 2.0]]), smol_model, smol, qwen
+    )
+    assert (to_smol.bad_words_ids, to_smol.sequence_bias) == ([[2644]], [[[260, 2644], 2.0]])
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tokenizer():
+    """A Llama tokenizer of SentencePiece's kind (Llama-2, Mistral, TinyLlama: "▁" for a space, the Metaspace
+    pre-tokenizer and decoder), its BPE trained on the standard library's help texts: decoding a single token, it drops
+    that token's leading space ("▁the" alone decodes to "the")."""
+    from pydoc_data.topics import topics
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaTokenizer
+
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=1000, special_tokens=["<unk>", "<s>", "</s>"])
+    trained.train_from_iterator(list(topics.values()), trainer)
+    bpe = json.loads(trained.to_str())["model"]
+    merges = [tuple(merge.split(" ")) if isinstance(merge, str) else tuple(merge) for merge in bpe["merges"]]
+    tokenizer = LlamaTokenizer(vocab=bpe["vocab"], merges=merges)
+    assert tokenizer.decode([tokenizer.convert_tokens_to_ids("\u2581the")]) == "the"  # the space it drops
+    return tokenizer
+
+
+def test_a_sentencepiece_tokens_leading_space_is_carried_both_ways(tiny_model_dir, sentencepiece_tokenizer):
+    llama, smol = sentencepiece_tokenizer, AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)  # only its generation config's EOS is read
+    the, of_the = llama.convert_tokens_to_ids("\u2581the"), llama.encode("of the", add_special_tokens=False)
+    assert llama.convert_ids_to_tokens(of_the) == ["\u2581of", "\u2581the"]
+    config = GenerationConfig(suppress_tokens=[the], bad_words_ids=[of_the])
+    to_smol = base_generation_config(config, model, smol, llama)
+    of_the_smol = smol.encode(" of the", add_special_tokens=False)
+    assert (to_smol.suppress_tokens, to_smol.bad_words_ids) == ([260], [of_the_smol])  # " the", not "the"
+    to_llama = base_generation_config(
+        GenerationConfig(suppress_tokens=[260], bad_words_ids=[[260]]), model, llama, smol
+    )
+    assert (to_llama.suppress_tokens, to_llama.bad_words_ids) == ([the], [[the]])
 
 
 def test_the_planner_sums_the_bases_and_lists_them(tiny_model_dir, other_base_dir):

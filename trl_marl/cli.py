@@ -8,13 +8,15 @@
                                                   `dataset_name` / `dataset_config` / `dataset_train_split` /
                                                   `dataset_test_split` with `rewards`, `model_name_or_path` and
                                                   `load_in_4bit`; flags override the file; `--help` lists every field
-    trl-marl evaluate TASK [--baseline B] [--team PATH] [--model M] [--limit N] [--split S] [--task_source SRC]
+    trl-marl evaluate TASK [--baseline B] [--team PATH [--base_model M] [--base_models NAME=PATH ...]] [--model M]
+                      [--limit N] [--split S] [--task_source SRC]
                       [--algorithm magrpo|at_grpo] [--use_vllm [--vllm_gpu_memory_utilization U]]
                       [--max_completion_length N] [--temperature T] [--top_p P] [--top_k K] [--min_p P]
                       [--repetition_penalty R]
                                                   a saved team or a baseline (single, parallel, sequential) on a task;
                                                   prints the task's metrics as JSON; a team generates as its team.json
-                                                  records unless a flag says otherwise
+                                                  records unless a flag says otherwise; --base_model and
+                                                  --base_models say where a team's bases are, as load_team's
     trl-marl estimate CONFIG.yaml [--prompt_length N] [--gpu_memory_gb 16 24] [--model_config NAME=FOLDER ...]
                                                   predicted peak memory of a `train` config on one GPU (in RAM with
                                                   use_cpu: true; no weights load), each base of the team listed,
@@ -74,18 +76,33 @@ def evaluate(arguments) -> int:
     from .evaluation import evaluate_task
     from .hub import resolve_team_folder
     from .tasks import resolve_task
-    from .team import read_team_file
+    from .team import find_bases, read_team_file
 
     baseline = arguments.baseline or ("team" if arguments.team else "parallel")
     if (baseline == "team") != (arguments.team is not None):
         raise UsageError("trl-marl evaluate: --team PATH goes with --baseline team (its default), and only with it.")
+    if arguments.team is not None and arguments.model is not None:
+        raise UsageError(
+            "trl-marl evaluate: --model is a baseline's base model; a team sits on the bases its team.json names. "
+            "Say where they are with --base_model PATH (the first agent's) or --base_models NAME=PATH."
+        )
+    if arguments.team is None and (arguments.base_model is not None or arguments.base_models):
+        raise UsageError("trl-marl evaluate: --base_model and --base_models go with --team; a baseline's is --model.")
+    base_models = {}
+    for entry in arguments.base_models or []:
+        name, _, where = entry.partition("=")
+        if not name or not where:
+            raise UsageError(
+                f"trl-marl evaluate: --base_models takes NAME=PATH (a name team.json records), got {entry!r}."
+            )
+        base_models[name] = where
     options = {"source": arguments.task_source} if arguments.task_source else {}
     try:
         task = resolve_task(arguments.task, **options)
         team = None
-        if arguments.team is not None:  # a folder or Hub id without a team fails before any model loads
+        if arguments.team is not None:  # a folder or Hub id without a team, or a base not here, fails before any load
             team = resolve_team_folder(arguments.team)
-            read_team_file(team)
+            find_bases(team, read_team_file(team), arguments.base_model, base_models)
     except (PluginError, TypeError, FileNotFoundError, ValueError) as error:
         raise UsageError(str(error)) from None
     # Only the generation flags given: a team's own settings (its team.json) are the defaults of the others.
@@ -97,6 +114,8 @@ def evaluate(arguments) -> int:
         baseline,
         team=team,
         model=arguments.model,
+        base_model=arguments.base_model,
+        base_models=base_models or None,
         split=arguments.split,
         limit=arguments.limit,
         algorithm=arguments.algorithm,
@@ -269,6 +288,10 @@ def run(argv: list[str]) -> int:
                             help="default: team with --team, else parallel")  # fmt: skip
     evaluating.add_argument("--team", default=None, help="a folder written by save_model")
     evaluating.add_argument("--model", default=None, help="base model of a baseline (default: the embedded model)")
+    evaluating.add_argument("--base_model", default=None,
+                            help="with --team: where its first agent's base is (a folder or Hub id)")  # fmt: skip
+    evaluating.add_argument("--base_models", action="append", default=None, metavar="NAME=PATH",
+                            help="with --team: where the base team.json records as NAME is (repeatable)")  # fmt: skip
     evaluating.add_argument("--split", default="eval", choices=["train", "eval"], help="the task's split to score")
     evaluating.add_argument(
         "--algorithm", default="magrpo", choices=list(ALGORITHMS),

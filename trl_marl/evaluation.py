@@ -57,10 +57,15 @@ def evaluate_task(
     split: str = "eval",
     limit: int | None = None,
     algorithm: str = "magrpo",
+    base_model: str | None = None,
+    base_models: dict[str, str] | None = None,
     **config: Any,
 ) -> dict[str, float]:
-    """Evaluate on `task`'s `split` (its first `limit` rows). `team` (for ``baseline="team"``): a saved team folder;
-    `model`: the base model of the baselines (default: the embedded default model). `config`: `MAGRPOConfig` fields
+    """Evaluate on `task`'s `split` (its first `limit` rows). `team` (for ``baseline="team"``): a saved team folder
+    or the Hub id of a pushed team; `base_model` and `base_models` say where its bases are on this machine, as
+    `load_team`'s do (the first agent's base; the others by the names team.json records). `model`: the base model of
+    the baselines (default: the embedded default model); a team sits on the bases its team.json names, so `model` with
+    ``baseline="team"`` is refused (pass `base_model`). `config`: `MAGRPOConfig` fields
     (e.g. `max_completion_length`, `temperature`, `use_cpu`; `use_vllm=True` with `vllm_gpu_memory_utilization` and
     `vllm_max_model_length` generates through vLLM as training does, the engine closed afterwards). A team is
     evaluated with the generation settings its team.json records (`team_settings`) except those `config` sets, on
@@ -85,6 +90,17 @@ def evaluate_task(
         raise ValueError(f"`split` must be one of {list(SPLITS)} (a task's splits), got {split!r}.")
     if (baseline == "team") != (team is not None):
         raise ValueError("Pass `team=` (a folder written by save_model) with baseline='team', and only then.")
+    if baseline == "team" and model is not None:
+        raise ValueError(
+            f"`model` ({model!r}) is the base model of a baseline; a team sits on the bases its team.json names. To "
+            "say where a team's base is on this machine, pass `base_model=` (the first agent's base) or "
+            "`base_models=` (by the names team.json records)."
+        )
+    if baseline != "team" and (base_model is not None or base_models):
+        raise ValueError(
+            "`base_model` / `base_models` say where a saved team's bases are (baseline='team'); a baseline's base "
+            "model is `model=`."
+        )
     task = resolve_task(task)
     dataset = task.dataset(split)
     if limit is not None:
@@ -93,15 +109,15 @@ def evaluate_task(
     settings = {**task_defaults(task), "num_generations": 2, "num_generations_eval": candidates, "report_to": "none"}
     settings["per_device_eval_batch_size"] = 2
     reward_funcs = list(task.reward_funcs)
-    base_models = None
+    other_bases = None  # a team's bases after the first, loaded, by their recorded names
     if baseline == "team":
         team = resolve_team_folder(team)  # a folder, or the Hub id of a pushed team
         spec = read_team_file(team)
         settings.update(team_settings(spec))
         # Every base loaded as `load_team` loads it (precision, each adapter from its own saved config), then handed to
         # the trainer as it is: the first as its model, the others for their agents' recorded `model` names.
-        first, *others = load_saved_bases(team, spec)
-        model, base_models = first.model, {base.name: base.model for base in others} or None
+        first, *others = load_saved_bases(team, spec, base_model=base_model, base_models=base_models)
+        model, other_bases = first.model, {base.name: base.model for base in others} or None
     elif baseline in ("parallel", "sequential"):
         settings["scheduler"] = baseline
     else:
@@ -120,7 +136,7 @@ def evaluate_task(
             train_dataset=dataset,
             eval_dataset=dataset,
             task=task,  # its transition, and its environment state if it keeps one
-            base_models=base_models,
+            base_models=other_bases,
         )
         try:
             metrics = trainer.evaluate()

@@ -5,7 +5,8 @@ Hub repo id as well as by folder, and the team's files gathered for an upload.
   rather than its local conversion, a Hub cache snapshot's repo id; nothing for another local folder, as TRL).
 - `portable_base_name`: the base model as `team.json` records it: its Hub id, else its local folder's name as a
   relative path (`./<folder>`), never a path of the machine that trained it; `write_local_bases` keeps that machine's
-  paths of its local bases beside the team in a file Trainer's uploads leave out, where `local_base_path` finds them.
+  paths of its local bases beside the team in a file that Trainer's uploads of the output folder leave out (a pushed
+  checkpoint folder keeps it), where `local_base_path` finds them.
 - `make_adapter_configs_portable`: each adapter's `adapter_config.json` names the base model as `team.json` does,
   never the local conversion of the default model.
 - `resolve_team_folder`: a local folder, or a Hub repo id, for `load_team`: its `team.json` first (a repo without one
@@ -33,8 +34,9 @@ from .default_model import DEFAULT_MODEL_ID, _hub_offline, is_default_model
 TEAM_FILE = "team.json"
 CARD_FILE = "README.md"
 # The local paths of a saved team's local bases on the machine that saved it (recorded name -> path). Trainer uploads
-# the output folder (`push_to_hub`, each checkpoint push) without top-level names starting with "_", so these paths
-# stay on that machine (the checkpoint folders that `hub_strategy="checkpoint"` also uploads go whole).
+# the output folder (`push_to_hub`, each checkpoint push) without top-level names starting with "_", so the team pushed
+# at the top of the repo leaves them out; but `hub_strategy="checkpoint"` / `"all_checkpoints"` also upload checkpoint
+# folders whole, and `last-checkpoint/` or `checkpoint-N/` then holds this file, these paths included.
 LOCAL_BASES_FILE = "_local_bases.json"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 # The top-level files of a team's repo that a team needs besides its adapter folders: `team.json`, the card, the
@@ -86,14 +88,14 @@ def write_local_bases(folder: str | os.PathLike, paths: dict[str, str]) -> None:
 
 
 def local_base_path(folder: str | os.PathLike, name: str) -> str | None:
-    """Where the machine that saved the team in `folder` kept its base recorded as `name`, when that folder is here;
-    else None."""
+    """Where the machine that saved the team in `folder` kept its base recorded as `name` (`LOCAL_BASES_FILE`),
+    whether or not that folder is here; None when the file records no path for it."""
     path = Path(folder) / LOCAL_BASES_FILE
     try:
         local = json.loads(path.read_text()).get(name)
     except (OSError, ValueError, AttributeError):
         return None
-    return local if isinstance(local, str) and os.path.isdir(local) else None
+    return local if isinstance(local, str) else None
 
 
 def hub_snapshot_id(path: str | os.PathLike) -> str | None:

@@ -14,10 +14,13 @@ or its base models when agents trained on their own, and `Team.run(prompt)` play
 of training: each agent gets its role and what the transition shows it, nothing else.
 
 `team.json` names each base as another machine can use it: its Hub id, else its local folder's name (`./<folder>`);
-the machine that saved the team keeps its local bases' paths beside it (`hub.LOCAL_BASES_FILE`, never uploaded).
+the machine that saved the team keeps its local bases' paths beside it (`hub.LOCAL_BASES_FILE`), in a file that
+Trainer's uploads of the team leave out; the checkpoint folders that `hub_strategy="checkpoint"` or
+`"all_checkpoints"` uploads go whole, that file included.
 """
 
 import json
+import logging
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -33,7 +36,7 @@ from .agents import agent_prompt, keep_4bit_weights_trainable
 from .captured_decode import captured_decoder
 from .config import ATGRPOConfig
 from .default_model import is_default_model
-from .hub import TEAM_FILE, local_base_path, portable_base_name, resolve_team_folder
+from .hub import LOCAL_BASES_FILE, TEAM_FILE, local_base_path, portable_base_name, resolve_team_folder
 from .importable import import_by_name, importable_name
 from .magrpo_rollout import TreeRollout
 from .precision import four_bit_config
@@ -44,6 +47,8 @@ from .scheduling import Prompt, resolve_scheduler
 from .tasks import resolve_task
 from .team_bases import loadable, saved_adapters_model, spec_bases, tokenize_text_prompts
 from .team_generation import left_padded
+
+logger = logging.getLogger("trl_marl")
 
 TEAM_FORMAT = "trl_marl.team/1"
 # How the team sampled in training and in the trainer's evaluation (config fields of these names), recorded in
@@ -392,12 +397,13 @@ def find_bases(
     """Where each base of the saved team (`spec_bases`, the first agent's first) loads from here: as the caller says
     (`base_model` for the first, `base_models` by recorded name), else the local folder the saving machine kept it in
     (`hub.local_base_path`), else its recorded name (a Hub id, the embedded default model, or `./<folder>` in the
-    working directory).
+    working directory; a warning names both when the kept folder is gone and the working directory's is loaded
+    instead).
 
     Raises:
         ValueError: `base_models` names no base of the team.
-        FileNotFoundError: some bases cannot be found; the message names each, its agents, and the `base_model=` /
-            `base_models=` to pass.
+        FileNotFoundError: some bases cannot be found; the message names each, its agents, the kept path it tried,
+            and the `base_model=` / `base_models=` to pass to `load_team` or `evaluate_task`.
     """
     groups = spec_bases(spec)
     base_models = dict(base_models or {})
@@ -409,26 +415,47 @@ def find_bases(
         )
     sources, missing = [], []
     for index, (name, agents) in enumerate(groups.items()):
+        who = ", ".join(f"'{spec['agents'][agent]['name']}'" for agent in agents)
         given = base_model if index == 0 and base_model else base_models.get(name)
-        source = loadable(given or local_base_path(path, name) or name)
+        kept = None if given else local_base_path(path, name)
+        kept_here = kept is not None and os.path.isdir(kept)
+        source = loadable(given or (kept if kept_here else name))
+        in_working_directory = not given and not kept_here and name.startswith("./") and os.path.isdir(name)
+        if kept is not None and in_working_directory:
+            logger.warning(
+                f"The team in {path} kept its base {name!r} (the base of {who}) at {kept} ({LOCAL_BASES_FILE}), which "
+                f"does not exist any more; loading {os.path.abspath(name)} from the working directory instead. Pass "
+                f"base_model= / base_models={{{name!r}: ...}} to load_team or evaluate_task to choose the base."
+            )
         try:
             AutoConfig.from_pretrained(source)  # config.json alone: found before any weights load
         except (OSError, ValueError) as error:
-            who = ", ".join(f"'{spec['agents'][agent]['name']}'" for agent in agents)
-            where = f"not at {source!r}" if given else "not found"
-            reason = " ".join(str(error).split())[:160]
-            missing.append((index, name, f"{name!r} (the base of {who}), {where}: {reason}"))
+            reason = " ".join(str(error).split())[:160].rstrip(".")
+            if given:
+                where = f"not at {source!r} ({reason})"
+            elif kept_here:
+                where = f"the kept path {kept!r} ({LOCAL_BASES_FILE}) holds no model ({reason})"
+            elif name.startswith("./"):  # a local base, recorded by its folder's name
+                tried = f"the kept path {kept!r} ({LOCAL_BASES_FILE}) does not exist, and " if kept else ""
+                found = f"holds no model ({reason})" if in_working_directory else "does not exist"
+                where = f"{tried}the working directory's {name!r} ({os.path.abspath(name)}) {found}"
+            else:
+                where = f"not found ({reason})"
+            missing.append((index, name, f"{name!r} (the base of {who}): {where}"))
         sources.append(source)
     if missing:
         placeholder = {name: f"'/path/to/{Path(name).name}'" for _, name, _ in missing}
         first = [f"base_model={placeholder[name]}" for index, name, _ in missing if index == 0]
         others = [f"{name!r}: {placeholder[name]}" for index, name, _ in missing if index > 0]
-        call = ", ".join([repr(str(path)), *first, *([f"base_models={{{', '.join(others)}}}"] if others else [])])
+        say = [*first, *([f"base_models={{{', '.join(others)}}}"] if others else [])]
+        keywords = " and ".join(keyword.split("=")[0] + "=" for keyword in say)
         raise FileNotFoundError(
             f"The team in {path} sits on base models that cannot be found here: "
             f"{'; '.join(text for _, _, text in missing)}. team.json names a base by its Hub id, or a local one by "
             "its folder's name ('./<folder>'), which the machine that saved the team finds, or a working directory "
-            f"holding that folder. Say where each is on this machine (a folder or a Hub id): load_team({call})."
+            "holding that folder. Say where each is on this machine (a folder or a Hub id): "
+            f"load_team({', '.join([repr(str(path)), *say])}), or the same {keywords} to evaluate_task "
+            "(trl-marl evaluate: --base_model, --base_models NAME=PATH)."
         )
     return sources
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -334,8 +335,10 @@ def base_eos_token_ids(model, tokenizer) -> list[int]:
 def base_generation_config(generation_config, model, tokenizer, first_tokenizer):
     """The trainer's generation config (the first base's, `first_tokenizer`'s ids) for another base: its own special
     tokens (pad, BOS, EOS), as TRL builds them for the trainer's model, and the first base's token ids in every other
-    setting (`TOKEN_ID_SETTINGS`) carried over token by token by their text (`carried_token_id`). Raises `ValueError`
-    naming the setting when a token cannot be carried, or for `constraints`, objects holding the first base's ids."""
+    setting (`TOKEN_ID_SETTINGS`) carried over by their text (`carried_token_ids`): a single token as one token, a
+    sequence (`bad_words_ids`, `force_words_ids`, `sequence_bias`'s keys) as a whole, however the other base splits
+    its text. Raises `ValueError` naming the setting when a token or sequence cannot be carried, or for `constraints`,
+    objects holding the first base's ids."""
     config = copy.deepcopy(generation_config)
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = tokenizer.bos_token_id
@@ -350,36 +353,91 @@ def base_generation_config(generation_config, model, tokenizer, first_tokenizer)
         if value is None:
             continue
 
-        def carried(ids, setting=setting):
-            if isinstance(ids, int):
-                return carried_token_id(ids, first_tokenizer, tokenizer, setting)
-            return type(ids)(carried(token_id) for token_id in ids)  # a list, or a tuple (a `sequence_bias` key)
+        def token(token_id: int, setting=setting) -> int:
+            return carried_token_ids([token_id], first_tokenizer, tokenizer, setting, one_token=True)[0]
 
-        if setting == "sequence_bias" and isinstance(value, dict):
-            setattr(config, setting, {carried(ids): bias for ids, bias in value.items()})
+        def sequences(value, setting=setting):  # a sequence of ids, or nested lists of sequences
+            if all(isinstance(token_id, int) for token_id in value):
+                return type(value)(carried_token_ids(value, first_tokenizer, tokenizer, setting))
+            return type(value)(sequences(inner) for inner in value)
+
+        if isinstance(value, int):  # forced_bos_token_id, forced_eos_token_id
+            setattr(config, setting, token(value))
+        elif setting in ("suppress_tokens", "begin_suppress_tokens", "forced_eos_token_id"):
+            setattr(config, setting, type(value)(token(token_id) for token_id in value))
+        elif setting == "sequence_bias" and isinstance(value, dict):
+            setattr(config, setting, {sequences(ids): bias for ids, bias in value.items()})
         elif setting == "sequence_bias":  # [[ids, bias], ...]
-            setattr(config, setting, [[carried(ids), bias] for ids, bias in value])
-        else:
-            setattr(config, setting, carried(value))
+            setattr(config, setting, [[sequences(ids), bias] for ids, bias in value])
+        else:  # bad_words_ids, force_words_ids: lists of sequences (force_words_ids also lists of alternatives)
+            setattr(config, setting, [sequences(ids) for ids in value])
     return config
 
 
-def carried_token_id(token_id: int, first_tokenizer, tokenizer, setting: str) -> int:
-    """The id `tokenizer` gives the text that `first_tokenizer` gives `token_id`: exactly one token, of the same
-    text, whose text each tokenizer writes as that one token. Raises `ValueError` naming `setting`, the id and its text
-    otherwise (a token the other base splits, or one that is no text on its own, such as part of a character)."""
-    text = first_tokenizer.decode([token_id])
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    exact = first_tokenizer.encode(text, add_special_tokens=False) == [token_id] and tokenizer.decode(ids) == text
-    if len(ids) == 1 and exact:
-        return ids[0]
+# Short texts put before a token or sequence to read or write its text as it reads inside a text: a SentencePiece
+# tokenizer (Llama-2, Mistral) drops the leading space of the first token it decodes ("▁the" alone decodes to "the")
+# and adds one before the text it encodes. A tokenizer's anchor is the first of these that it writes and reads back
+# exactly (a vocabulary without "\n" writes it as its unknown token).
+ANCHOR_TEXTS = ("\n", "a", ".")
+
+
+def anchors(tokenizer) -> list[list[int]]:
+    """The ids of each of `ANCHOR_TEXTS` that `tokenizer` writes and reads back exactly."""
+    found = []
+    for text in ANCHOR_TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if ids and tokenizer.unk_token_id not in ids and tokenizer.decode(ids) == text:
+            found.append(ids)
+    return found
+
+
+def text_of(tokenizer, ids: Sequence[int]) -> str | None:
+    """The text `tokenizer` reads `ids` as inside a text (after its first anchor: leading spaces kept); None when it
+    has no anchor or the anchor's text does not lead what it reads."""
+    for anchor in anchors(tokenizer)[:1]:
+        prefix, text = tokenizer.decode(anchor), tokenizer.decode([*anchor, *ids])
+        if text.startswith(prefix):
+            return text[len(prefix) :]
+    return None
+
+
+def ids_of(tokenizer, text: str) -> list[int] | None:
+    """The ids `tokenizer` writes `text` as inside a text (after an anchor, whose ids are taken off), read back as
+    exactly `text` (`text_of`); None when no anchor gives that."""
+    for anchor in anchors(tokenizer):
+        ids = tokenizer.encode(tokenizer.decode(anchor) + text, add_special_tokens=False)
+        if ids[: len(anchor)] == anchor and len(ids) > len(anchor) and text_of(tokenizer, ids[len(anchor) :]) == text:
+            return ids[len(anchor) :]
+    return None
+
+
+def carried_token_ids(
+    ids: Sequence[int], first_tokenizer, tokenizer, setting: str, one_token: bool = False
+) -> list[int]:
+    """The ids `tokenizer` writes the text of the sequence `ids` of `first_tokenizer` as: the text each tokenizer reads
+    inside a text (`text_of`, `ids_of`: a SentencePiece token's leading space kept), which `first_tokenizer` writes as
+    exactly `ids` and `tokenizer` reads back as exactly that text; with `one_token`, a single token. Raises
+    `ValueError` naming `setting`, the ids and their text otherwise (a token the other base splits where one token is
+    needed, a token that is no text on its own, such as part of a character)."""
+    ids = list(ids)
+    text = text_of(first_tokenizer, ids)
+    carried = None if text is None else ids_of(tokenizer, text)
+    exact = text is not None and ids_of(first_tokenizer, text) == ids and carried is not None
+    if exact and (len(carried) == 1 or not one_token):
+        return carried
     first = getattr(first_tokenizer, "name_or_path", "") or "the first base"
     other = getattr(tokenizer, "name_or_path", "") or "another base"
+    what = f"token id {ids[0]}" if len(ids) == 1 else f"the token ids {ids}"
+    if exact:
+        written = f"writes as {carried}, not as one token: it holds single tokens"
+    elif text is not None and carried is not None:
+        written = "cannot carry exactly: the first base's tokenizer does not write that text as those ids"
+    else:
+        written = "cannot write as exactly that text"
     raise ValueError(
-        f"`{setting}` holds token id {token_id} ({text!r}) of the first base's tokenizer ({first}), which the "
-        f"tokenizer of {other} writes as {ids}, not as that one token: a team on several bases cannot carry it to "
-        f"that base. Remove it from `generation_kwargs['{setting}']`, or put these agents on bases whose tokenizers "
-        "share the token."
+        f"`{setting}` holds {what} ({text!r}) of the first base's tokenizer ({first}), which the tokenizer of {other} "
+        f"{written}; a team on several bases cannot carry it to that base. Remove it from "
+        f"`generation_kwargs['{setting}']`, or put these agents on bases whose tokenizers share it."
     )
 
 
@@ -535,7 +593,7 @@ def load_base_adapters(checkpoint: str | os.PathLike, model, adapters: Sequence[
                 f"({result.unexpected_keys[:3]}...): it was saved from another model or LoRA configuration."
             )
         # Every parameter the checkpoint does not set is "missing", the base model's too: only this adapter's count.
-        missing = [key for key in result.missing_keys if "lora_" in key and f".{adapter}." in key]
+        missing = [key for key in result.missing_keys if is_adapter_key(key, adapter)]
         if missing:
             raise ValueError(
                 f"{folder}: {len(missing)} LoRA weights of the adapter '{adapter}' are missing, the first "
@@ -555,6 +613,10 @@ def saved_adapters_model(model, folder: str | os.PathLike, adapters: Sequence[st
     from peft import PeftConfig, get_peft_model
 
     configs = [PeftConfig.from_pretrained(str(Path(folder) / adapter)) for adapter in adapters]
+    for config in configs:
+        # The saved configs name the base as team.json records it (`./<folder>`, the default model's Hub id); the
+        # adapters are rebuilt on the base as loaded here, so PEFT's "renamed base model" warning would be noise.
+        config.base_model_name_or_path = getattr(model, "name_or_path", None) or None
     model = get_peft_model(model, configs[0], adapter_name=adapters[0])
     for adapter, config in zip(adapters[1:], configs[1:]):
         model.add_adapter(adapter, config)
@@ -578,8 +640,15 @@ def keep_saved_dtype(model, adapter: str, folder: str | os.PathLike) -> None:
         dtype = saved.get_slice(next(iter(saved.keys()))).get_dtype()
     dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(dtype)
     for name, param in model.named_parameters():
-        if dtype is not None and "lora_" in name and f".{adapter}." in name:
+        if dtype is not None and is_adapter_key(name, adapter):
             param.data = param.data.to(dtype)
+
+
+def is_adapter_key(key: str, adapter: str) -> bool:
+    """Whether the parameter or state-dict key `key` is one of `adapter`'s LoRA weights: the adapter's name is the
+    path component right after a `lora_*` module (`...q_proj.lora_A.<adapter>.weight`,
+    `...embed_tokens.lora_embedding_A.<adapter>`), never a part of the name elsewhere (every key holds `.model.`)."""
+    return re.search(rf"\.lora_\w+\.{re.escape(adapter)}(\.|$)", key) is not None
 
 
 def logps_by_base(
