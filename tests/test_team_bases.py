@@ -494,6 +494,24 @@ def test_load_team_elsewhere_names_each_base_it_cannot_find_and_takes_them_by_th
     ]
 
 
+def test_evaluate_task_elsewhere_takes_each_base_where_the_caller_says(
+    tiny_two_base_team, tiny_model_dir, other_base_dir, tmp_path, monkeypatch
+):
+    _, out = tiny_two_base_team
+    elsewhere = tmp_path / "elsewhere"  # the team as pushed: no path of the machine that trained it
+    shutil.copytree(out, elsewhere, ignore=shutil.ignore_patterns("_*"))
+    second = f"./{Path(other_base_dir).name}"
+    built = []
+    monkeypatch.setattr(MAGRPOTrainer, "evaluate", lambda trainer, *a, **k: built.append(trainer) or {})
+    with pytest.raises(FileNotFoundError, match=r"base_models=\{.*the same base_models= to evaluate_task"):
+        evaluate_task("explain", team=str(elsewhere), limit=1, use_cpu=True, base_model=tiny_model_dir)
+    places = dict(base_model=tiny_model_dir, base_models={second: other_base_dir})
+    evaluate_task("explain", team=str(elsewhere), limit=1, use_cpu=True, **places)
+    (evaluator,) = built
+    loaded_from = [base.model.get_base_model().config._name_or_path for base in evaluator.bases]
+    assert loaded_from == [tiny_model_dir, other_base_dir]
+
+
 def test_two_local_bases_in_folders_of_one_name_are_refused_before_anything_loads(
     tiny_model_dir, other_base_dir, tmp_path
 ):
