@@ -77,7 +77,7 @@ def test_models_lists_each_agent_by_name(client):
     assert client.models.retrieve("checker").id == "checker"
 
 
-def test_the_agents_system_prompt_applies_only_when_the_request_has_no_system_message(client, server):
+def test_the_agents_system_prompt_comes_first_and_merges_into_a_requests_own_system_message(client, server):
     tokenizer = server.team.tokenizer
 
     def prompt_tokens(conversation):
@@ -87,10 +87,27 @@ def test_the_agents_system_prompt_applies_only_when_the_request_has_no_system_me
     own = [{"role": "system", "content": "You are a poet who answers in rhyme."}, *QUESTION]
     without = greedy_chat(client, "checker", max_tokens=2)
     explicit = greedy_chat(client, "checker", messages=recorded, max_tokens=2)
-    replaced = greedy_chat(client, "checker", messages=own, max_tokens=2)
+    merged = greedy_chat(client, "checker", messages=own, max_tokens=2)
     assert without.usage.prompt_tokens == prompt_tokens(recorded)
     assert without.choices[0].message.content == explicit.choices[0].message.content
-    assert replaced.usage.prompt_tokens == prompt_tokens(own)
+    merged_conversation = [{"role": "system", "content": "Check.\n\nYou are a poet who answers in rhyme."}, *QUESTION]
+    assert merged.usage.prompt_tokens == prompt_tokens(merged_conversation)
+
+
+def test_with_a_system_message_greedy_answers_through_the_server_equal_load_team_run(client, team_dir):
+    messages = [{"role": "system", "content": "You are terse."}, *QUESTION]
+    served = {name: greedy_chat(client, name, messages).choices[0].message.content for name in ("planner", "checker")}
+    assert served == load_team(team_dir).run(messages, num_turns=1).final
+
+
+def test_a_message_with_a_name_is_served(client):
+    messages = [
+        {"role": "user", "content": "A story about rain."},
+        {"role": "assistant", "content": "Rain fell.", "name": "planner"},
+        {"role": "user", "content": "Go on.", "name": "reader"},
+    ]
+    response = greedy_chat(client, "checker", messages, max_tokens=2)
+    assert response.choices[0].finish_reason == "length" and response.usage.completion_tokens == 2
 
 
 def test_completions_take_raw_prompts_with_n_choices_each(client):
@@ -101,19 +118,27 @@ def test_completions_take_raw_prompts_with_n_choices_each(client):
     assert response.usage.total_tokens == response.usage.prompt_tokens + 12
 
 
-def test_a_streamed_answer_equals_the_unstreamed_one_and_ends_with_usage_and_done(client, server):
+def test_a_streamed_answer_equals_the_unstreamed_one_and_ends_with_done(client, server):
     whole = greedy_chat(client, "planner")
     chunks = list(greedy_chat(client, "planner", stream=True))
-    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)  # every chunk has a choice
     assert streamed == whole.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "length"
-    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(chunk.usage is None for chunk in chunks)
     body = {"model": "checker", "prompt": "Hello", "max_tokens": 3, "stream": True, "temperature": 0}
     raw = httpx.post(f"{server.base_url}/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
     events = [line for line in raw.text.splitlines() if line]
     assert raw.headers["content-type"].startswith("text/event-stream")
     assert all(line.startswith("data: ") for line in events) and events[-1] == "data: [DONE]"
+    assert all('"usage"' not in line for line in events)
+
+
+def test_a_stream_with_include_usage_ends_with_a_usage_chunk_without_choices(client):
+    whole = greedy_chat(client, "planner")
+    chunks = list(greedy_chat(client, "planner", stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(chunk.choices and chunk.usage is None for chunk in chunks[:-1])
 
 
 def test_concurrent_async_clients_are_batched_and_answer_as_they_would_alone(client, server):
@@ -228,6 +253,38 @@ def test_a_failure_inside_generation_is_a_500_with_its_message_and_the_next_requ
     monkeypatch.undo()
     assert failure.value.status_code == 500 and "the accelerator fell over" in failure.value.message
     assert failure.value.body["type"] == "server_error"
+    assert greedy_chat(client, "planner", max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_a_failure_outside_the_generate_call_is_a_500_and_the_engine_serves_the_next_request(
+    client, server, monkeypatch
+):
+    stop_token_ids, calls = server.team.stop_token_ids, []
+
+    def fails_once(agent):
+        calls.append(agent)
+        if len(calls) == 1:
+            raise RuntimeError("stop tokens unavailable")
+        return stop_token_ids(agent)
+
+    monkeypatch.setattr(server.team, "stop_token_ids", fails_once)
+    with pytest.raises(openai.InternalServerError) as failure:
+        greedy_chat(client, "planner", max_tokens=2)
+    assert "stop tokens unavailable" in failure.value.message
+    assert greedy_chat(client, "planner", max_tokens=2).choices[0].finish_reason == "length"
+    state = health(server)
+    assert state["status"] == "ok" and state["engine"] == "running"
+
+
+def test_when_the_engine_has_stopped_health_and_requests_answer_503_at_once(client, server, monkeypatch):
+    monkeypatch.setattr(server.engine, "failure", RuntimeError("the engine thread died"))
+    response = httpx.get(server.base_url.removesuffix("/v1") + "/health")
+    assert response.status_code == 503 and response.json()["status"] == "unavailable"
+    assert "the engine thread died" in response.json()["error"]
+    with pytest.raises(openai.APIStatusError) as refused:
+        greedy_chat(client, "planner", max_tokens=2, timeout=10)
+    assert refused.value.status_code == 503 and "the engine thread died" in refused.value.message
+    monkeypatch.undo()
     assert greedy_chat(client, "planner", max_tokens=2).choices[0].finish_reason == "length"
 
 

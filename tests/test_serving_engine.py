@@ -10,7 +10,7 @@ import torch
 from datasets import Dataset
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, load_team
-from trl_marl.serving.engine import BatchingEngine
+from trl_marl.serving.engine import BatchingEngine, EngineStopped
 from trl_marl.serving.rows import RowRequest
 from trl_marl.serving.step_hooks import nucleus_sample
 from trl_marl.team_bases import tokenize_text_prompts
@@ -149,6 +149,37 @@ def test_a_failing_call_fails_its_rows_and_the_next_call_is_served(team, engine,
     monkeypatch.undo()
     assert failed.finish_reason == "error" and "fell over" in str(failed.error)
     assert engine.generate([RowRequest(0, [1, 2, 3], 4)])[0].finish_reason == "length"
+
+
+def test_a_failure_before_the_generate_call_fails_its_rows_and_the_next_call_is_served(team, engine, monkeypatch):
+    def broken(agent):
+        raise RuntimeError("no stop tokens")
+
+    monkeypatch.setattr(team, "stop_token_ids", broken)
+    failed = engine.generate([RowRequest(0, [1, 2, 3], 4)])[0]
+    monkeypatch.undo()
+    assert failed.finish_reason == "error" and "no stop tokens" in str(failed.error)
+    assert engine.alive and engine.generate([RowRequest(0, [1, 2, 3], 4)])[0].finish_reason == "length"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread re-raises, to log it
+def test_a_failure_that_stops_the_engines_thread_fails_its_rows_and_refuses_new_ones(team, monkeypatch):
+    engine = BatchingEngine(team)
+
+    def broken():
+        raise RuntimeError("the queue is corrupt")
+
+    monkeypatch.setattr(engine, "_take_rows", broken)
+    engine.start()
+    try:
+        failed = engine.generate([RowRequest(0, [1, 2, 3], 4)])[0]
+        assert failed.finish_reason == "error" and "the queue is corrupt" in str(failed.error)
+        engine._thread.join(10)
+        assert not engine.alive and engine.stats()["engine"] == "failed"
+        with pytest.raises(EngineStopped, match="the queue is corrupt"):
+            engine.submit([RowRequest(0, [1, 2, 3], 4)])
+    finally:
+        engine.close()
 
 
 def test_cancelled_rows_stop_generating(team, engine):

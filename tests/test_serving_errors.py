@@ -51,7 +51,16 @@ def error_of(response: httpx.Response) -> dict:
         ("/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
         ("/chat/completions", {"messages": []}, "messages"),
         ("/chat/completions", {"messages": [{"role": "robot", "content": "Hi."}]}, "messages[0].role"),
-        ("/chat/completions", {"messages": [{"role": "user", "content": "Hi.", "name": "x"}]}, "messages[0].name"),
+        ("/chat/completions", {"messages": [{"role": "user", "content": "Hi.", "name": 3}]}, "messages[0].name"),
+        ("/chat/completions", {"messages": [{"role": "user", "content": "Hi.", "x": 1}]}, "messages[0].x"),
+        ("/chat/completions", {"tools": [], "tool_choice": "required"}, "tool_choice"),
+        ("/chat/completions", {"store": True}, "store"),
+        ("/chat/completions", {"service_tier": "flex"}, "service_tier"),
+        ("/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+        ("/chat/completions", {"metadata": "tag"}, "metadata"),
+        ("/chat/completions", {"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ("/chat/completions", {"logit_bias": {"50": 0}}, "logit_bias"),
+        ("/completions", {"logit_bias": {"50": 10}}, "logit_bias"),
         (
             "/chat/completions",
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -75,8 +84,49 @@ def test_an_unsupported_or_bad_parameter_is_a_400_naming_it(server, path, fields
 
 def test_the_openai_client_sees_a_refused_parameter_as_a_bad_request_naming_it(client):
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model="planner", messages=CHAT["messages"], response_format={"type": "text"})
+        client.chat.completions.create(
+            model="planner", messages=CHAT["messages"], response_format={"type": "json_object"}
+        )
     assert refused.value.status_code == 400 and "response_format" in refused.value.message
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"metadata": {"run": "a", "step": "2"}},
+        {"store": False},
+        {"service_tier": "auto"},
+        {"service_tier": "default"},
+        {"parallel_tool_calls": False},
+        {"response_format": {"type": "text"}},
+        {"logit_bias": {}},
+        {"tools": []},
+        {"tool_choice": "none"},
+        {"modalities": ["text"]},
+        {"user": "user-1"},
+        {"tools": [], "tool_choice": "none", "parallel_tool_calls": True, "store": False, "metadata": {}},
+    ],
+)
+def test_a_field_at_its_no_op_value_is_accepted(client, fields):
+    response = client.chat.completions.create(model="planner", messages=CHAT["messages"], max_tokens=2, **fields)
+    assert response.choices[0].finish_reason == "length"
+
+
+def test_a_completion_takes_an_empty_logit_bias_and_a_user(server):
+    response = post(server, "/completions", {**COMPLETION, "logit_bias": {}, "user": "user-1"})
+    assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_non_streamed_request_cancelled_by_the_servers_shutdown_is_a_503_not_a_crash():
+    from trl_marl.serving.app import raise_failure
+    from trl_marl.serving.requests import APIError
+    from trl_marl.serving.rows import GeneratedRow, RowRequest
+
+    row = GeneratedRow(RowRequest(0, [1, 2], 4))
+    row.finish_reason = "cancelled"
+    with pytest.raises(APIError) as refused:
+        raise_failure([row])
+    assert refused.value.status == 503 and "shutting down" in refused.value.message
 
 
 def test_an_unknown_model_is_a_404_naming_the_agents(client):

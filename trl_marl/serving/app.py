@@ -1,7 +1,8 @@
 """The ASGI app (FastAPI): OpenAI's endpoints over a `BatchingEngine`, each agent of the team a model.
 
 `GET /v1/models` lists the agents; `POST /v1/chat/completions` renders the messages with the agent's base tokenizer's
-chat template (the agent's system prompt from team.json first, when the messages have no system message) and
+chat template (the agent's system prompt from team.json first, merged into the messages' own system message as
+`trl_marl.agents.agent_prompt` does for training and `Team.run`) and
 `POST /v1/completions` takes raw prompts; `stream: true` answers with server-sent events ending in `data: [DONE]`.
 Every error is in OpenAI's format (`requests.APIError`), and none stops the server. `GET /health` needs no key.
 """
@@ -17,8 +18,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ..agents import agent_prompt
 from ..team_bases import tokenize_text_prompts
-from .engine import BatchingEngine
+from .engine import BatchingEngine, EngineStopped
 from .requests import APIError, GenerationRequest, read_chat_request, read_completion_request
 from .responses import (
     TextStream,
@@ -100,8 +102,12 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
         return agents[model]
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "agents": team.agent_names, **engine.stats()}
+    async def health() -> JSONResponse:
+        # 503 once the engine's thread is not running (closed, or stopped by a failure): nothing would be answered
+        body = {"status": "ok" if engine.alive else "unavailable", "agents": team.agent_names, **engine.stats()}
+        if engine.failure is not None:
+            body["error"] = f"{type(engine.failure).__name__}: {engine.failure}"
+        return JSONResponse(body, status_code=200 if engine.alive else 503)
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> dict:
@@ -129,8 +135,9 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
         agent = agent_index(parsed.model)
         tokenizer = engine.tokenizer_of(agent)
         prompts = parsed.prompts
-        if parsed.kind == "chat":
-            prompts = [with_system_prompt(parsed.prompts, team.agents[agent].get("system_prompt"))]
+        if parsed.kind == "chat":  # the agent's role as training and `Team.run` put it (merged into a system message)
+            use_chat_template = getattr(tokenizer, "chat_template", None) is not None
+            prompts = [agent_prompt(team.agents[agent].get("system_prompt") or "", parsed.prompts, use_chat_template)]
         try:
             kwargs = (team.spec.get("chat_template_kwargs") or {}) if parsed.kind == "chat" else {}
             prompt_ids, _, _ = tokenize_text_prompts(tokenizer, kwargs, None, prompts)
@@ -168,7 +175,12 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
                 except RuntimeError:  # the server's loop has closed
                     pass
 
-        rows = engine.submit(requests, listener)
+        if not engine.alive:  # its thread has stopped: refuse now rather than wait for rows it will not generate
+            raise unavailable(engine)
+        try:
+            rows = engine.submit(requests, listener)
+        except EngineStopped as error:
+            raise unavailable(engine) from error
         prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
         completion_id, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         tokenizer = engine.tokenizer_of(requests[0].agent)
@@ -237,20 +249,13 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
                 if done:
                     finished.add(index)
                     yield chunk(index, "", finish_reason=row.finish_reason)
-            yield server_sent_event({**head, "choices": [], "usage": usage(prompt_tokens, rows)})
+            if parsed.include_usage:  # as OpenAI: the usage chunk (with no choices) only when asked for
+                yield server_sent_event({**head, "choices": [], "usage": usage(prompt_tokens, rows)})
             yield server_sent_event("[DONE]")
         finally:  # the client went away (or the stream failed): stop generating for it
             engine.cancel([row for row in rows if not row.done])
 
     return app
-
-
-def with_system_prompt(messages: list[dict], system_prompt: str | None) -> list[dict]:
-    """The conversation the agent sees: its recorded role (team.json's `system_prompt`) first when the messages carry
-    no system message of their own."""
-    if not system_prompt or any(message["role"] == "system" for message in messages):
-        return messages
-    return [{"role": "system", "content": system_prompt}, *messages]
 
 
 def completion_budget(parsed: GenerationRequest, prompt_ids: list[list[int]], context: int, default: int) -> int:
@@ -275,10 +280,19 @@ def failure(row: GeneratedRow) -> APIError:
     return APIError(500, f"Generation failed: {type(row.error).__name__}: {row.error}", code="generation_failed")
 
 
+def unavailable(engine: BatchingEngine) -> APIError:
+    reason = "it is shutting down" if engine.failure is None else f"{type(engine.failure).__name__}: {engine.failure}"
+    return APIError(503, f"The server's engine is not running ({reason}).", code="engine_unavailable")
+
+
 def raise_failure(rows: list[GeneratedRow]) -> None:
+    """Raise the `APIError` of rows that were not answered: a failed row (500), a row cancelled by the server
+    shutting down (503)."""
     for row in rows:
         if row.finish_reason == "error":
             raise failure(row)
+        if row.finish_reason == "cancelled":
+            raise APIError(503, "The request was cancelled: the server is shutting down.", code="server_shutting_down")
 
 
 async def read_json(request: Request, max_bytes: int):

@@ -29,6 +29,10 @@ from .step_hooks import CallHooks, finish
 GATHER_SECONDS = 0.01
 
 
+class EngineStopped(RuntimeError):
+    """The engine takes no more rows: it was closed, or its thread stopped on a failure."""
+
+
 class BatchingEngine:
     """Generates `RowRequest`s on `team` in shared routed calls, from a thread of its own (`start`, `close`).
 
@@ -52,10 +56,12 @@ class BatchingEngine:
         self.calls = 0  # routed calls made so far
         self._running: list[GeneratedRow] = []
         self._finished: Counter = Counter()  # rows done so far, by finish reason
+        self.failure: BaseException | None = None  # what stopped the engine's thread, if anything did
 
     def stats(self) -> dict:
         """The calls made, the rows waiting and running now, and the rows done so far by finish reason."""
         return {
+            "engine": "running" if self.alive else ("stopped" if self.failure is None else "failed"),
             "calls": self.calls,
             "rows_waiting": len(self._queue),
             "rows_running": len(self._running),
@@ -100,7 +106,9 @@ class BatchingEngine:
         rows = [GeneratedRow(request, listener) for request in requests]
         with self._condition:
             if self._closing:
-                raise RuntimeError("The serving engine is closed.")
+                raise EngineStopped("The serving engine is closed.")
+            if self.failure is not None:
+                raise EngineStopped(f"The serving engine stopped: {type(self.failure).__name__}: {self.failure}")
             self._queue.extend(rows)
             self._condition.notify_all()
         return rows
@@ -127,7 +135,31 @@ class BatchingEngine:
             self._finished[row.finish_reason] += 1
             row.done_event.set()
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine's thread is running (started, not closed, not stopped by a failure)."""
+        return self._thread is not None and self._thread.is_alive() and self.failure is None
+
+    def _fail(self, rows: list[GeneratedRow], error: BaseException) -> None:
+        """Finish the rows not yet done as "error" (their requests answer 500 with `error`)."""
+        for row in rows:
+            if not row.done:
+                row.error = error
+                finish(row, "error", self.decoder_of(row.request.agent))
+
     def _serve(self) -> None:
+        try:
+            self._serve_calls()
+        except BaseException as error:  # the thread stops: later requests are refused (503), not left waiting
+            with self._condition:
+                self.failure = error
+                waiting, self._queue = self._queue, []
+            self._fail(waiting, error)
+            for row in waiting:
+                row.done_event.set()
+            raise
+
+    def _serve_calls(self) -> None:
         while True:
             with self._condition:
                 if not self._queue and not self._closing:
@@ -143,6 +175,8 @@ class BatchingEngine:
                 rows = self._running = self._take_rows()
             try:
                 self._call(rows)
+            except Exception as error:  # whatever failed, this call's rows fail and the next call is served
+                self._fail(rows, error)
             finally:
                 self._finished.update(row.finish_reason for row in rows if row.done)
                 self._running = []
@@ -169,13 +203,13 @@ class BatchingEngine:
         base = team.bases[team.agent_base[rows[0].request.agent]]
         tokenizer, model = base.tokenizer, base.model
         decode = self.decoder_of(rows[0].request.agent)
-        hooks = CallHooks(
-            rows,
-            team.stop_token_ids(rows[0].request.agent),
-            decode,
-            should_yield=lambda steps: steps >= self.chunk_tokens and self._waiting(),
-        )
         try:
+            hooks = CallHooks(
+                rows,
+                team.stop_token_ids(rows[0].request.agent),
+                decode,
+                should_yield=lambda steps: steps >= self.chunk_tokens and self._waiting(),
+            )
             pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
             prompts = [row.request.prompt_ids + row.completion_ids for row in rows]
             input_ids, attention_mask = left_padded(prompts, pad_id, None, next(model.parameters()).device)
@@ -195,10 +229,7 @@ class BatchingEngine:
                 if base.router is not None:
                     base.router.route(None)
         except Exception as error:  # the call's rows fail; the engine serves the next call
-            for row in rows:
-                if not row.done:
-                    row.error = error
-                    finish(row, "error", decode)
+            self._fail(rows, error)
             return
         unfinished = [row for row in rows if not row.done]
         for row in unfinished:

@@ -2,10 +2,12 @@
 a `GenerationRequest`, or an `APIError` naming the field that is wrong or not served.
 
 Every field of the body is either served or refused: a parameter this server does not implement (tools, response
-formats, logit bias, penalties other than 0, any field it does not know) is a 400 naming it, never ignored. A field
-sent as `null` is taken as absent, as OpenAI takes it.
+formats, logit bias, penalties other than 0, any field it does not know) is a 400 naming it, never ignored; such a
+field sent at its value that asks for nothing (`tools: []`, `response_format: {"type": "text"}`, `store: false`, ...)
+is accepted. A field sent as `null` is taken as absent, as OpenAI takes it.
 """
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -19,9 +21,23 @@ MESSAGE_ROLES = ("system", "developer", "user", "assistant")
 # The fields each endpoint serves; `user` (an end user's id, for the caller's own monitoring) changes nothing here.
 COMMON_FIELDS = (
     "model", "stream", "stream_options", "temperature", "top_p", "max_tokens", "stop", "seed", "n", "logprobs",
-    "presence_penalty", "frequency_penalty", "user",
+    "presence_penalty", "frequency_penalty", "user", "logit_bias",
 )  # fmt: skip
-CHAT_FIELDS = (*COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs")
+# Fields taken only at the value that asks for nothing (what clients such as langchain-openai send by default); any
+# other value is refused, naming the field. `metadata` (the caller's tags) is any object and changes nothing.
+NO_OP_VALUES = {
+    "logit_bias": ({},),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "modalities": (["text"],),
+}
+CHAT_FIELDS = (
+    *COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "metadata", "store", "service_tier",
+    "response_format", "tools", "tool_choice", "parallel_tool_calls", "modalities",
+)  # fmt: skip
 COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "echo", "best_of", "suffix")
 
 
@@ -47,7 +63,8 @@ def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
 class GenerationRequest:
     """What a request asks for, checked.
 
-    `prompts`: one chat conversation (a list of `{"role", "content"}` messages, the system message not yet added)
+    `prompts`: one chat conversation (a list of `{"role", "content"}` messages, with `"name"` when the request names
+    the speaker; the agent's system prompt not yet added)
     for `/v1/chat/completions`, or the raw prompt strings of `/v1/completions`; each prompt gets `n` completions.
     `max_tokens` None means the server's default. `top_logprobs` None means no log-probabilities."""
 
@@ -157,7 +174,25 @@ def read_common(body: dict, kind: str, prompts: list) -> GenerationRequest:
         request.stop = stop_strings(body["stop"])
     if "user" in body and not isinstance(body["user"], str):
         raise invalid("user", f"`user` must be a string, got {short(body['user'])}.")
+    check_no_op_fields(body)
     return request
+
+
+def check_no_op_fields(body: dict) -> None:
+    """Refuse (400 naming the field) a no-op field (`NO_OP_VALUES`, `metadata`, `parallel_tool_calls`) sent with a
+    value that would ask for something this server does not do."""
+    for name, values in NO_OP_VALUES.items():
+        if name in body and not any(type(body[name]) is type(value) and body[name] == value for value in values):
+            allowed = " or ".join(f"`{json_text(value)}`" for value in values)
+            raise unsupported(name, f"`{name}` is only accepted as {allowed} here, got {short(body[name])}.")
+    if "metadata" in body and not isinstance(body["metadata"], dict):
+        raise invalid("metadata", f"`metadata` must be an object, got {short(body['metadata'])}.")
+    if "parallel_tool_calls" in body:
+        boolean(body["parallel_tool_calls"], "parallel_tool_calls")  # no tools are served, so it changes nothing
+
+
+def json_text(value: Any) -> str:
+    return json.dumps(value)
 
 
 def messages(value: Any) -> list[dict]:
@@ -176,11 +211,14 @@ def messages(value: Any) -> list[dict]:
                 f"{where}.role", f"`{where}.role` must be one of {', '.join(MESSAGE_ROLES)}, got {short(role)}."
             )
         for key in message:
-            if key not in ("role", "content"):
+            if key not in ("role", "content", "name"):
                 raise unsupported(f"{where}.{key}", f"`{where}.{key}` is not supported by this server.")
-        conversation.append(
-            {"role": "system" if role == "developer" else role, "content": text_content(message, where)}
-        )
+        turn = {"role": "system" if role == "developer" else role, "content": text_content(message, where)}
+        if "name" in message:  # the speaker (LangGraph names its agents' messages); the chat template may use it
+            if not isinstance(message["name"], str):
+                raise invalid(f"{where}.name", f"`{where}.name` must be a string, got {short(message['name'])}.")
+            turn["name"] = message["name"]
+        conversation.append(turn)
     return conversation
 
 
