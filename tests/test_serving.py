@@ -195,6 +195,34 @@ def test_logprobs_give_each_tokens_log_probability_and_the_most_likely_alternati
     assert all(len(top) == 2 for top in completion.choices[0].logprobs.top_logprobs)
 
 
+def test_streamed_logprobs_go_out_with_their_text_and_stop_with_it_at_a_stop_string(client):
+    full = greedy_chat(client, "planner", max_tokens=12).choices[0].message.content
+    stop = full[6:9]
+    chunks = list(
+        greedy_chat(
+            client, "planner", max_tokens=12, stop=[stop], logprobs=True, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    logprobs = [chunk.choices[0].logprobs for chunk in chunks if chunk.choices and chunk.choices[0].logprobs]
+    entries = [entry for part in logprobs for entry in part.content]
+    assert text == full[: full.index(stop)]
+    assert len(entries) == chunks[-1].usage.completion_tokens  # no token past the stop string, none twice
+    assert bytes(byte for entry in entries for byte in entry.bytes).decode(errors="replace").startswith(text)
+
+
+def test_a_stream_the_server_cancels_when_it_shuts_down_ends_in_an_error_not_a_finish_reason(team_dir):
+    with serve_team(team_dir) as server:
+        other = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+        stream = greedy_chat(other, "planner", max_tokens=450, stream=True)
+        next(iter(stream))  # the role chunk: the row is submitted
+        server.engine.close()
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for chunk in stream:
+                assert chunk.choices[0].finish_reason in (None,)
+
+
 def test_max_completion_tokens_and_stop_strings_end_the_answer(client):
     full = greedy_chat(client, "planner", max_completion_tokens=12).choices[0]
     short = greedy_chat(client, "planner", max_completion_tokens=3)

@@ -111,17 +111,22 @@ def test_a_seeded_row_samples_the_same_tokens_alone_and_beside_other_rows(team, 
 def test_nucleus_sampling_keeps_only_the_tokens_that_reach_top_p():
     scores = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     generator = torch.Generator().manual_seed(0)
-    drawn = {nucleus_sample(scores, 1.0, 0.7, generator) for _ in range(200)}
+    drawn = {int(nucleus_sample(scores, 1.0, 0.7, generator)) for _ in range(200)}
     assert drawn == {0, 1}  # 0.5 < 0.7 <= 0.5 + 0.3
-    assert {nucleus_sample(scores, 1.0, 0.5, generator) for _ in range(50)} == {0}
+    assert {int(nucleus_sample(scores, 1.0, 0.5, generator)) for _ in range(50)} == {0}
 
 
 def test_a_stop_string_ends_the_row_and_is_cut_from_its_text(team, engine):
     full = engine.generate([RowRequest(0, agent_prompt_ids(team, 0), 12)])[0]
     stop = full.text[5:8]
-    row = engine.generate([RowRequest(0, agent_prompt_ids(team, 0), 12, stop=(stop,))])[0]
+    row = engine.generate([RowRequest(0, agent_prompt_ids(team, 0), 12, stop=(stop,), top_logprobs=1)])[0]
     assert row.finish_reason == "stop"
     assert row.text == full.text[: full.text.index(stop)]
+    # the tokens past the cut are dropped: the row's tokens (its usage, its log-probabilities) are those of its text
+    decode = engine.decoder_of(0)
+    assert len(decode(row.completion_ids[:-1])) < len(row.text) <= len(decode(row.completion_ids))
+    assert row.completion_ids == full.completion_ids[: len(row.completion_ids)]
+    assert len(row.logprobs) == len(row.top_logprobs) == len(row.completion_ids)
 
 
 def test_rows_record_each_tokens_log_probability_under_the_model(team, engine):
@@ -189,6 +194,28 @@ def test_cancelled_rows_stop_generating(team, engine):
     engine.cancel([row])
     assert row.done_event.wait(30)
     assert row.finish_reason == "cancelled" and len(row.completion_ids) < 400
+
+
+def test_closing_the_engine_stops_the_running_call_at_its_next_token(team):
+    engine = BatchingEngine(team).start()
+    started = threading.Event()
+    (row,) = engine.submit([RowRequest(0, agent_prompt_ids(team, 0), 450)], lambda row, finished: started.set())
+    assert started.wait(60)
+    engine.close()  # returns once the call has stopped, without generating the row's 450 tokens
+    assert row.done_event.is_set() and row.finish_reason == "cancelled"
+    assert len(row.completion_ids) < 450 and not engine.alive
+
+
+def test_a_call_takes_rows_from_each_waiting_request_in_turn(team):
+    engine = BatchingEngine(team, max_batch_rows=3)  # not started: the queue is read as the engine's thread reads it
+    prompt = [1, 2, 3]
+    many = engine.submit([RowRequest(0, prompt, 2, seed=seed) for seed in range(5)])
+    one = engine.submit([RowRequest(1, prompt, 2)])
+    two = engine.submit([RowRequest(0, prompt, 2), RowRequest(1, prompt, 2)])
+    assert engine._take_rows() == [many[0], one[0], two[0]]
+    assert engine._take_rows() == [many[1], two[1], many[2]]
+    assert engine._take_rows() == [many[3], many[4]]
+    engine.close()
 
 
 def test_through_the_captured_decode_loop_rows_generate_as_with_eager_generate(team, monkeypatch):
@@ -270,6 +297,7 @@ def test_the_serve_command_passes_its_flags_to_the_server_and_load_team(team, tm
     flags = ["--host", "0.0.0.0", "--port", "0", "--api_key", "k", "--load_in_4bit", "--dtype", "bfloat16"]
     flags += ["--base_model", "org/model", "--captured_decode", "off", "--max_batch_rows", "4"]
     flags += ["--chunk_tokens", "8", "--max_tokens", "32", "--max_body_bytes", "1000", "--log_level", "info"]
+    flags += ["--max_request_rows", "9"]
     assert main(["serve", str(tmp_path), *flags]) == 0
     assert seen == {
         "folder": tmp_path,
@@ -284,6 +312,7 @@ def test_the_serve_command_passes_its_flags_to_the_server_and_load_team(team, tm
         "chunk_tokens": 8,
         "max_tokens": 32,
         "max_body_bytes": 1000,
+        "max_request_rows": 9,
         "log_level": "info",
     }
 

@@ -129,6 +129,14 @@ def test_a_non_streamed_request_cancelled_by_the_servers_shutdown_is_a_503_not_a
     assert refused.value.status == 503 and "shutting down" in refused.value.message
 
 
+def test_a_request_for_more_completions_than_the_servers_limit_is_a_400_naming_the_field(server):
+    many = post(server, "/completions", {**COMPLETION, "prompt": ["Hi."] * 100, "n": 2})
+    assert many.status_code == 400
+    assert error_of(many)["param"] == "prompt" and "200 completions" in error_of(many)["message"]
+    assert "limit of 128" in error_of(many)["message"]
+    assert post(server, "/completions", {**COMPLETION, "prompt": ["Hi."] * 2, "n": 2}).status_code == 200
+
+
 def test_an_unknown_model_is_a_404_naming_the_agents(client):
     with pytest.raises(openai.NotFoundError) as unknown:
         client.chat.completions.create(model="gpt-4o", messages=CHAT["messages"])

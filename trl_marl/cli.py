@@ -164,6 +164,7 @@ def serve(arguments) -> int:
         chunk_tokens=arguments.chunk_tokens,
         max_tokens=arguments.max_tokens,
         max_body_bytes=arguments.max_body_bytes,
+        max_request_rows=arguments.max_request_rows,
         log_level=arguments.log_level,
         **load_options,
     )
@@ -346,6 +347,12 @@ def run(argv: list[str]) -> int:
     serving.add_argument("--max_tokens", type=int, default=None,
                          help="completion length of a request that sets none (default: team.json's)")  # fmt: skip
     serving.add_argument("--max_body_bytes", type=int, default=None, help="largest request body (default 4 MiB)")
+    serving.add_argument(
+        "--max_request_rows",
+        type=int,
+        default=None,
+        help="most completions one request may ask for, prompts x n (default 128)",
+    )
     serving.add_argument("--log_level", default="warning", help="uvicorn's log level")
     if argv[:1] == ["train"]:
         return train_command(argv[1:])

@@ -22,18 +22,12 @@ from ..agents import agent_prompt
 from ..team_bases import tokenize_text_prompts
 from .engine import BatchingEngine, EngineStopped
 from .requests import APIError, GenerationRequest, read_chat_request, read_completion_request
-from .responses import (
-    TextStream,
-    chat_completion,
-    chat_logprobs,
-    completion_logprobs,
-    server_sent_event,
-    text_completion,
-    usage,
-)
+from .responses import TextStream, chat_logprobs, completion_body, completion_logprobs, server_sent_event, usage
 from .rows import GeneratedRow, RowRequest
+from .tokens import TokenPieces
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_REQUEST_ROWS = 128  # a request's completions (prompts x `n`), as OpenAI bounds `n`
 DISCONNECT_POLL_SECONDS = 0.25  # how often a waiting non-streamed request checks that its client is still there
 
 
@@ -45,11 +39,13 @@ class ServingSettings:
         api_key: when set, every `/v1` request must send `Authorization: Bearer <api_key>`.
         max_body_bytes: a larger request body is refused (413).
         max_tokens: a request's completion length when it sets none; None is team.json's `max_completion_length`.
+        max_request_rows: a request asking for more completions (its prompts times `n`) is refused (400).
     """
 
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     max_tokens: int | None = None
+    max_request_rows: int = MAX_REQUEST_ROWS
 
 
 def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -> FastAPI:
@@ -63,6 +59,7 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
     default_temperature = 1.0 if default_temperature is None else float(default_temperature)
     default_top_p = float(team.spec.get("top_p") or 1.0)
     started = int(time.time())
+    pieces = {id(base.tokenizer): TokenPieces(base.tokenizer) for base in team.bases}
     app = FastAPI(title="trl-marl team", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(APIError)
@@ -133,6 +130,15 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
     def row_requests(parsed: GenerationRequest) -> tuple[list[RowRequest], int]:
         """The engine's rows of a request (`n` per prompt) and its prompt tokens."""
         agent = agent_index(parsed.model)
+        prompt_count = len(parsed.prompts) if parsed.kind == "completion" else 1
+        if prompt_count * parsed.n > settings.max_request_rows:
+            raise APIError(
+                400,
+                f"The request asks for {prompt_count * parsed.n} completions ({prompt_count} prompt(s), n = "
+                f"{parsed.n}), more than this server's limit of {settings.max_request_rows} per request: send fewer "
+                "prompts, a smaller `n`, or several requests.",
+                param="n" if prompt_count == 1 else "prompt",
+            )
         tokenizer = engine.tokenizer_of(agent)
         prompts = parsed.prompts
         if parsed.kind == "chat":  # the agent's role as training and `Team.run` put it (merged into a system message)
@@ -183,9 +189,12 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
             raise unavailable(engine) from error
         prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
         completion_id, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
-        tokenizer = engine.tokenizer_of(requests[0].agent)
+        tokens = pieces[id(engine.tokenizer_of(requests[0].agent))]
+        # where each row's text offsets start (text completions): its prompt's length
+        chat = parsed.kind == "chat"
+        prompt_chars = [0] * len(rows) if chat else [len(prompt) for prompt in parsed.prompts for _ in range(parsed.n)]
         if parsed.stream:
-            stream = stream_events(parsed, rows, events, completion_id, created, prompt_tokens, tokenizer)
+            stream = stream_events(parsed, rows, events, completion_id, created, prompt_tokens, tokens, prompt_chars)
             return StreamingResponse(stream, media_type="text/event-stream")
         try:
             while not all(row.done for row in rows):
@@ -197,11 +206,12 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
         finally:
             engine.cancel([row for row in rows if not row.done])
         raise_failure(rows)
-        build = chat_completion if parsed.kind == "chat" else text_completion
         logprobs = parsed.top_logprobs is not None
-        return build(completion_id, created, parsed.model, rows, prompt_tokens, tokenizer, logprobs)
+        return completion_body(
+            parsed.kind, completion_id, created, parsed.model, rows, prompt_tokens, tokens, logprobs, prompt_chars
+        )
 
-    async def stream_events(parsed, rows, events, completion_id, created, prompt_tokens, tokenizer):
+    async def stream_events(parsed, rows, events, completion_id, created, prompt_tokens, tokens, prompt_chars):
         chat = parsed.kind == "chat"
         head = {
             "id": completion_id,
@@ -230,19 +240,18 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
                 index = position[id(row)]
                 if index in finished:
                     continue
-                if row.finish_reason == "error":
-                    yield server_sent_event(failure(row).body())
+                if row.finish_reason in ("error", "cancelled"):  # a failure, or the server shutting down
+                    yield server_sent_event(unanswered(row).body())
                     return
                 stream, done = streams[index], row.done
-                end = len(row.completion_ids)
                 text = stream.delta(row)
+                end = stream.tokens_sent_whole(row)
                 logprobs = None
                 if parsed.top_logprobs is not None and end > stream.tokens_sent:
                     if chat:
-                        logprobs = chat_logprobs(tokenizer, row, stream.tokens_sent, end)
+                        logprobs = chat_logprobs(tokens, row, stream.tokens_sent, end)
                     else:
-                        offset = len(stream.sent) - len(text)
-                        logprobs = completion_logprobs(tokenizer, row, stream.tokens_sent, end, offset)
+                        logprobs = completion_logprobs(tokens, row, stream.tokens_sent, end, prompt_chars[index])
                     stream.tokens_sent = end
                 if text or logprobs is not None:
                     yield chunk(index, text, logprobs)
@@ -285,14 +294,18 @@ def unavailable(engine: BatchingEngine) -> APIError:
     return APIError(503, f"The server's engine is not running ({reason}).", code="engine_unavailable")
 
 
+def unanswered(row: GeneratedRow) -> APIError:
+    """The error of a row that is not answered: it failed (500), or the server cancelled it, shutting down (503)."""
+    if row.finish_reason == "error":
+        return failure(row)
+    return APIError(503, "The request was cancelled: the server is shutting down.", code="server_shutting_down")
+
+
 def raise_failure(rows: list[GeneratedRow]) -> None:
-    """Raise the `APIError` of rows that were not answered: a failed row (500), a row cancelled by the server
-    shutting down (503)."""
+    """Raise the `APIError` of the first row that was not answered (`unanswered`), if any."""
     for row in rows:
-        if row.finish_reason == "error":
-            raise failure(row)
-        if row.finish_reason == "cancelled":
-            raise APIError(503, "The request was cancelled: the server is shutting down.", code="server_shutting_down")
+        if row.finish_reason in ("error", "cancelled"):
+            raise unanswered(row)
 
 
 async def read_json(request: Request, max_bytes: int):

@@ -9,9 +9,11 @@ A long row does not hold the others back: once a call has generated `chunk_token
 waiting, and its unfinished rows go to the back of the queue; the next call takes the waiting rows and those, each
 continuing from its prompt and what it has generated so far (prefilled again). A row that arrives while a call runs so
 waits at most `chunk_tokens` tokens of that call (and its own prefill), while a request alone runs in one call, as a
-direct `Team` call does.
+direct `Team` call does. A call takes rows from each waiting request in turn, so a request of many rows (`n`, several
+prompts) shares the calls with those that come after it rather than holding them back until it is done.
 """
 
+import itertools
 import threading
 import time
 from collections import Counter
@@ -54,6 +56,7 @@ class BatchingEngine:
         self._closing = False
         self._thread: threading.Thread | None = None
         self.calls = 0  # routed calls made so far
+        self._submissions = 0
         self._running: list[GeneratedRow] = []
         self._finished: Counter = Counter()  # rows done so far, by finish reason
         self.failure: BaseException | None = None  # what stopped the engine's thread, if anything did
@@ -75,10 +78,13 @@ class BatchingEngine:
         return self
 
     def close(self) -> None:
-        """Stop the engine's thread after its current call; rows still waiting finish as "cancelled"."""
+        """Stop the engine's thread: rows still waiting finish as "cancelled" now, and the running call's rows at its
+        next token."""
         with self._condition:
             self._closing = True
             waiting, self._queue = self._queue, []
+            for row in self._running:
+                row.cancelled = True
             self._condition.notify_all()
         self._finish_cancelled(waiting)
         if self._thread is not None:
@@ -103,8 +109,9 @@ class BatchingEngine:
     ) -> list[GeneratedRow]:
         """Queue `requests`; their rows fill in as the calls run (`GeneratedRow.done_event` is set when one is done,
         and `listener` is called from the engine's thread, see `GeneratedRow`)."""
-        rows = [GeneratedRow(request, listener) for request in requests]
         with self._condition:
+            self._submissions += 1
+            rows = [GeneratedRow(request, listener, submission=self._submissions) for request in requests]
             if self._closing:
                 raise EngineStopped("The serving engine is closed.")
             if self.failure is not None:
@@ -185,10 +192,15 @@ class BatchingEngine:
                         row.done_event.set()
 
     def _take_rows(self) -> list[GeneratedRow]:
-        """The first waiting rows on the base of the longest-waiting one, up to `max_batch_rows`, in queue order."""
+        """Up to `max_batch_rows` waiting rows on the base of the longest-waiting one, taken in turn from each
+        submission (in the order they wait), so that a request of many rows does not hold back the others."""
         base = self.team.agent_base[self._queue[0].request.agent]
-        taken = [row for row in self._queue if self.team.agent_base[row.request.agent] == base]
-        taken = taken[: self.max_batch_rows]
+        by_submission: dict[int, list[GeneratedRow]] = {}
+        for row in self._queue:
+            if self.team.agent_base[row.request.agent] == base:
+                by_submission.setdefault(row.submission, []).append(row)
+        in_turn = [row for turn in itertools.zip_longest(*by_submission.values()) for row in turn if row is not None]
+        taken = in_turn[: self.max_batch_rows]
         self._queue = [row for row in self._queue if row not in taken]
         return taken
 

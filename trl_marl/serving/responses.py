@@ -6,6 +6,7 @@ import json
 from collections.abc import Callable
 
 from .rows import GeneratedRow
+from .tokens import TokenPieces
 
 # A finished row's reason as OpenAI names it (a cancelled or failed row is not answered).
 FINISH_REASON = {"stop": "stop", "length": "length"}
@@ -20,103 +21,68 @@ def usage(prompt_tokens: int, rows: list[GeneratedRow]) -> dict:
     }
 
 
-def token_text(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id])
-
-
-def chat_logprobs(tokenizer, row: GeneratedRow, start: int = 0, end: int | None = None) -> dict:
+def chat_logprobs(pieces: TokenPieces, row: GeneratedRow, start: int = 0, end: int | None = None) -> dict:
     """`choices[i].logprobs` of a chat completion for the row's tokens `start:end`."""
-    entries = []
-    for token_id, logprob, top in zip(
-        row.completion_ids[start:end], row.logprobs[start:end], row.top_logprobs[start:end]
-    ):
-        text = token_text(tokenizer, token_id)
-        entries.append(
-            {
-                "token": text,
-                "logprob": logprob,
-                "bytes": list(text.encode()),
-                "top_logprobs": [
-                    {
-                        "token": (other := token_text(tokenizer, other_id)),
-                        "logprob": value,
-                        "bytes": list(other.encode()),
-                    }
-                    for other_id, value in top
-                ],
-            }
-        )
-    return {"content": entries}
 
+    def entry(token_id: int, logprob: float) -> dict:
+        return {"token": pieces.text_of(token_id), "logprob": logprob, "bytes": list(pieces.bytes_of(token_id))}
 
-def completion_logprobs(tokenizer, row: GeneratedRow, start: int = 0, end: int | None = None, offset: int = 0) -> dict:
-    """`choices[i].logprobs` of a text completion (the legacy format) for the row's tokens `start:end`; `offset` is
-    the first token's character offset in the completion's text."""
-    tokens, text_offset = [], []
-    for token_id in row.completion_ids[start:end]:
-        tokens.append(token_text(tokenizer, token_id))
-        text_offset.append(offset)
-        offset += len(tokens[-1])
     return {
-        "tokens": tokens,
+        "content": [
+            {**entry(token_id, logprob), "top_logprobs": [entry(other_id, value) for other_id, value in top]}
+            for token_id, logprob, top in zip(
+                row.completion_ids[start:end], row.logprobs[start:end], row.top_logprobs[start:end]
+            )
+        ]
+    }
+
+
+def completion_logprobs(
+    pieces: TokenPieces, row: GeneratedRow, start: int = 0, end: int | None = None, prompt_chars: int = 0
+) -> dict:
+    """`choices[i].logprobs` of a text completion (the legacy format) for the row's tokens `start:end`. As in OpenAI's
+    legacy completions, `text_offset` counts characters from the start of the prompt (`prompt_chars` long)."""
+    end = len(row.completion_ids) if end is None else end
+    return {
+        "tokens": [pieces.text_of(token_id) for token_id in row.completion_ids[start:end]],
         "token_logprobs": row.logprobs[start:end],
         "top_logprobs": [
-            {token_text(tokenizer, other_id): value for other_id, value in top} for top in row.top_logprobs[start:end]
+            {pieces.text_of(other_id): value for other_id, value in top} for top in row.top_logprobs[start:end]
         ],
-        "text_offset": text_offset,
+        "text_offset": pieces.text_offsets(row.completion_ids[:end], prompt_chars)[start:],
     }
 
 
-def chat_completion(
+def completion_body(
+    kind: str,
     completion_id: str,
     created: int,
     model: str,
     rows: list[GeneratedRow],
     prompt_tokens: int,
-    tokenizer,
+    pieces: TokenPieces,
     logprobs: bool,
+    prompt_chars: list[int],
 ) -> dict:
+    """A `chat.completion` (`kind` "chat") or `text_completion` body of finished `rows`; `prompt_chars[i]` is the
+    length of row `i`'s prompt (where a text completion's `text_offset`s start)."""
+
+    def choice(index: int, row: GeneratedRow) -> dict:
+        if kind == "chat":
+            content = {"message": {"role": "assistant", "content": row.text}}
+            content["logprobs"] = chat_logprobs(pieces, row) if logprobs else None
+        else:
+            content = {"text": row.text, "logprobs": None}
+            if logprobs:
+                content["logprobs"] = completion_logprobs(pieces, row, prompt_chars=prompt_chars[index])
+        return {"index": index, **content, "finish_reason": FINISH_REASON[row.finish_reason]}
+
     return {
         "id": completion_id,
-        "object": "chat.completion",
+        "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": index,
-                "message": {"role": "assistant", "content": row.text},
-                "logprobs": chat_logprobs(tokenizer, row) if logprobs else None,
-                "finish_reason": FINISH_REASON[row.finish_reason],
-            }
-            for index, row in enumerate(rows)
-        ],
-        "usage": usage(prompt_tokens, rows),
-    }
-
-
-def text_completion(
-    completion_id: str,
-    created: int,
-    model: str,
-    rows: list[GeneratedRow],
-    prompt_tokens: int,
-    tokenizer,
-    logprobs: bool,
-) -> dict:
-    return {
-        "id": completion_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": index,
-                "text": row.text,
-                "logprobs": completion_logprobs(tokenizer, row) if logprobs else None,
-                "finish_reason": FINISH_REASON[row.finish_reason],
-            }
-            for index, row in enumerate(rows)
-        ],
+        "choices": [choice(index, row) for index, row in enumerate(rows)],
         "usage": usage(prompt_tokens, rows),
     }
 
@@ -134,7 +100,17 @@ class TextStream:
     def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...]):
         self.decode, self.sent = decode, ""
         self.holdback = max((len(text) for text in stop), default=1) - 1
-        self.tokens_sent = 0
+        self.tokens_sent = 0  # the tokens whose log-probabilities were sent
+
+    def tokens_sent_whole(self, row: GeneratedRow) -> int:
+        """How many of the row's tokens the text sent so far holds whole (every token once the row is done, its
+        tokens past a stop string already dropped): a token's log-probability goes out with its text, never ahead."""
+        if row.done:
+            return len(row.completion_ids)
+        count = self.tokens_sent
+        while count < len(row.completion_ids) and len(self.decode(row.completion_ids[: count + 1])) <= len(self.sent):
+            count += 1
+        return count
 
     def delta(self, row: GeneratedRow) -> str:
         """The new text of `row`: decoded so far, or, once it is done, its final text (cut before a stop string)."""

@@ -55,6 +55,7 @@ class GeneratedRow:
 
     request: RowRequest
     listener: Callable[["GeneratedRow", bool], None] | None = None
+    submission: int = 0  # which `submit` call queued the row (the engine's count; a request's rows share it)
     completion_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -102,6 +102,7 @@ def prepare_server(
     chunk_tokens: int = 16,
     max_tokens: int | None = None,
     max_body_bytes: int | None = None,
+    max_request_rows: int | None = None,
     log_level: str = "warning",
     **load_options: Any,
 ) -> TeamServer:
@@ -111,7 +112,7 @@ def prepare_server(
     import uvicorn
 
     from ..team import Team, load_team
-    from .app import MAX_BODY_BYTES, ServingSettings, build_app
+    from .app import MAX_BODY_BYTES, MAX_REQUEST_ROWS, ServingSettings, build_app
 
     if load_options.get("use_vllm"):
         raise ValueError(VLLM_REFUSAL)
@@ -127,7 +128,12 @@ def prepare_server(
     if team.engine is not None:
         raise ValueError(VLLM_REFUSAL)
     engine = BatchingEngine(team, max_batch_rows=max_batch_rows, chunk_tokens=chunk_tokens)
-    settings = ServingSettings(api_key=api_key, max_body_bytes=max_body_bytes or MAX_BODY_BYTES, max_tokens=max_tokens)
+    settings = ServingSettings(
+        api_key=api_key,
+        max_body_bytes=max_body_bytes or MAX_BODY_BYTES,
+        max_tokens=max_tokens,
+        max_request_rows=max_request_rows or MAX_REQUEST_ROWS,
+    )
     app = build_app(engine, settings)
     sock = bound_socket(host, port)
     config = uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=5)

@@ -15,16 +15,16 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 from .rows import GeneratedRow
 
 
-def nucleus_sample(scores: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """A token drawn from `softmax(scores / temperature)` restricted to the smallest set of most likely tokens whose
-    probability reaches `top_p` (`scores`: one row's, `(vocabulary,)`)."""
+def nucleus_sample(scores: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """A token (a one-element tensor, left on the device) drawn from `softmax(scores / temperature)` restricted to
+    the smallest set of most likely tokens whose probability reaches `top_p` (`scores`: one row's, `(vocabulary,)`)."""
     probs = torch.softmax(scores.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the mass before a token already reaches top_p
         sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.multinomial(probs, 1, generator=generator)
 
 
 class CallHooks:
@@ -61,34 +61,48 @@ class CallHooks:
         }
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
-        """Each live row's next token (the argmax, or sampled), its log-probability and the most likely others."""
+        """Each live row's next token (the argmax, or sampled), its log-probability and the most likely others, for
+        all rows at once and read back to the host in one transfer."""
         if self.yielded:
             return scores
-        log_probs = torch.log_softmax(scores[: len(self.rows)].float(), dim=-1)
-        for index, row in enumerate(self.rows):
-            if row.done:
-                continue
-            request = row.request
-            if request.temperature > 0:
-                generator = row.random_generator(scores.device)
-                token = nucleus_sample(scores[index], request.temperature, request.top_p, generator)
-                chosen_score = scores[index, token].clone()
-                scores[index] = float("-inf")
-                scores[index, token] = chosen_score if torch.isfinite(chosen_score) else 0.0
-            else:
-                token = int(scores[index].argmax())
-            top = []
-            if request.top_logprobs:
-                values, ids = log_probs[index].topk(request.top_logprobs)
-                top = list(zip(ids.tolist(), values.tolist()))
-            self._chosen[index] = (token, float(log_probs[index, token]), top)
+        count = len(self.rows)
+        live = [index for index, row in enumerate(self.rows) if not row.done]
+        if not live:
+            return scores
+        log_probs = torch.log_softmax(scores[:count].float(), dim=-1)
+        tokens = scores[:count].argmax(dim=-1)
+        sampled = [index for index in live if self.rows[index].request.temperature > 0]
+        if sampled:
+            drawn = torch.cat([self._draw(index, scores[index]) for index in sampled])
+            at = torch.tensor(sampled, device=scores.device)
+            tokens[at] = drawn
+            # only the drawn token stays finite, so `generate`'s argmax takes it
+            kept = scores[at, drawn]
+            scores[at] = float("-inf")
+            scores[at, drawn] = torch.where(torch.isfinite(kept), kept, torch.zeros_like(kept))
+        columns = [tokens.double()[:, None], log_probs.gather(1, tokens[:, None]).double()]
+        most = max(self.rows[index].request.top_logprobs for index in live)
+        if most:
+            values, ids = log_probs.topk(most, dim=-1)
+            columns += [ids.double(), values.double()]
+        host = torch.cat(columns, dim=1).tolist()  # the call's one wait on the device per step
+        for index in live:
+            token, log_prob, *top = host[index]
+            wanted = self.rows[index].request.top_logprobs
+            pairs = [(int(other), value) for other, value in zip(top[:wanted], top[most : most + wanted])]
+            self._chosen[index] = (int(token), log_prob, pairs)
         return scores
+
+    def _draw(self, index: int, scores: torch.Tensor) -> torch.Tensor:
+        row = self.rows[index]
+        generator = row.random_generator(scores.device)
+        return nucleus_sample(scores, row.request.temperature, row.request.top_p, generator)
 
     def stop(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Record each live row's new token; whether each batch row is done (all, when the call yields)."""
-        finished = torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         if self.yielded:
-            return finished
+            return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        finished = [True] * input_ids.shape[0]
         self.steps += 1
         new_tokens = input_ids[: len(self.rows), -1].tolist()
         for index, row in enumerate(self.rows):
@@ -114,10 +128,10 @@ class CallHooks:
                 row.notify(False)
             else:
                 finish(row, reason, self.decode)
-        if not bool(finished.all()) and self.should_yield(self.steps):
+        if not all(finished) and self.should_yield(self.steps):
             self.yielded = True
-            finished[:] = True
-        return finished
+            finished = [True] * len(finished)
+        return torch.tensor(finished, dtype=torch.bool, device=input_ids.device)
 
     def _stop_string_index(self, row: GeneratedRow) -> int | None:
         return stop_string_index(self.decode(row.completion_ids), row.request.stop)
@@ -146,9 +160,20 @@ def stop_string_index(text: str, stop: tuple[str, ...]) -> int | None:
 
 
 def finish(row: GeneratedRow, reason: str, decode: Callable[[list[int]], str]) -> None:
-    """Mark `row` done: its text decoded and cut before its first stop string, its listener told."""
+    """Mark `row` done: its text decoded and cut before its first stop string (and the tokens past the cut dropped,
+    so that its tokens, log-probabilities and usage are those of its text), its listener told."""
     text = decode(row.completion_ids)
     cut = stop_string_index(text, row.request.stop) if row.request.stop else None
+    if cut is not None:
+        keep = tokens_through(decode, row.completion_ids, cut)
+        del row.completion_ids[keep:], row.logprobs[keep:], row.top_logprobs[keep:]
     row.text = text if cut is None else text[:cut]
     row.finish_reason = "stop" if cut is not None and reason == "length" else reason
     row.notify(True)
+
+
+def tokens_through(decode: Callable[[list[int]], str], token_ids: list[int], characters: int) -> int:
+    """The fewest of `token_ids` whose text holds its first `characters` characters."""
+    return next(
+        (count for count in range(len(token_ids) + 1) if len(decode(token_ids[:count])) >= characters), len(token_ids)
+    )

@@ -1,0 +1,84 @@
+"""Completion tokens as OpenAI's log-probabilities show them (`trl_marl.serving.tokens`): each token's own bytes and
+text, for byte-level BPE tokens that hold part of a character and for SentencePiece tokens with a leading space, and
+the character offsets of the legacy completions format."""
+
+import pytest
+from test_team_bases import sentencepiece_tokenizer  # noqa: F401  (a fixture)
+from transformers import AutoTokenizer
+
+from trl_marl.serving.responses import TextStream, chat_logprobs, completion_logprobs
+from trl_marl.serving.rows import GeneratedRow, RowRequest
+from trl_marl.serving.tokens import TokenPieces
+
+TEXT = "héllo — 日本"
+
+
+@pytest.fixture(scope="module")
+def smol(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)  # the default model's byte-level BPE tokenizer
+
+
+def test_byte_level_tokens_give_their_own_bytes_even_inside_a_character(smol):
+    ids = smol.encode(TEXT, add_special_tokens=False)
+    pieces = TokenPieces(smol)
+    assert smol.convert_ids_to_tokens(ids) == ["h", "Ã©", "llo", "ĠâĢĶ", "Ġæ", "Ĺ", "¥", "æľ¬"]
+    assert [smol.decode([token]) for token in ids][4:7] == [" \ufffd", "\ufffd", "\ufffd"]  # what decoding alone gives
+    assert b"".join(pieces.bytes_of(token) for token in ids) == TEXT.encode()
+    assert [pieces.text_of(token) for token in ids] == [
+        "h", "é", "llo", " —", "bytes:\\x20\\xe6", "bytes:\\x97", "bytes:\\xa5", "本",
+    ]  # fmt: skip
+    # "h é l l o ␠ — ␠ 日 本": the three tokens of " 日" start at the space (7) and at 日 (8, 8)
+    assert pieces.text_offsets(ids) == [0, 1, 2, 5, 7, 8, 8, 9]
+    assert pieces.text_offsets(ids, start=4) == [4, 5, 6, 9, 11, 12, 12, 13]
+
+
+def test_a_sentencepiece_token_keeps_its_leading_space(sentencepiece_tokenizer):  # noqa: F811
+    tokenizer = sentencepiece_tokenizer
+    the = tokenizer.convert_tokens_to_ids("\u2581the")
+    pieces = TokenPieces(tokenizer)
+    assert tokenizer.decode([the]) == "the"  # decoding alone drops it
+    assert (pieces.bytes_of(the), pieces.text_of(the)) == (b" the", " the")
+
+
+def test_special_tokens_are_their_decoded_text(smol):
+    pieces = TokenPieces(smol)
+    assert pieces.text_of(smol.eos_token_id) == smol.eos_token
+
+
+def test_logprobs_entries_carry_each_tokens_bytes_and_text_offsets_count_from_the_prompt(smol):
+    ids = smol.encode(TEXT, add_special_tokens=False)
+    row = GeneratedRow(RowRequest(0, [1], 8, top_logprobs=1))
+    row.completion_ids, row.logprobs = ids, [-0.5] * len(ids)
+    row.top_logprobs = [[(token, -0.5)] for token in ids]
+    pieces = TokenPieces(smol)
+    content = chat_logprobs(pieces, row)["content"]
+    assert [byte for entry in content for byte in entry["bytes"]] == list(TEXT.encode())
+    assert content[5]["token"] == "bytes:\\x97" and content[5]["top_logprobs"][0]["bytes"] == [0x97]
+    legacy = completion_logprobs(pieces, row, start=3, end=6, prompt_chars=len("Say:"))
+    assert legacy["tokens"] == [" —", "bytes:\\x20\\xe6", "bytes:\\x97"]
+    assert legacy["text_offset"] == [9, 11, 12]  # 4 prompt characters, then "héllo" ...
+    assert legacy["top_logprobs"][0] == {" —": -0.5}
+
+
+def streamed_token_counts(tokenizer, text: str, stop: tuple[str, ...]) -> list[int]:
+    """How many tokens a stream's log-probabilities have covered after each token of `text`."""
+    decode = lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True)  # noqa: E731
+    row = GeneratedRow(RowRequest(0, [1], 20, stop=stop))
+    stream = TextStream(decode, stop)
+    counts = []
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        row.completion_ids.append(token)
+        stream.delta(row)
+        counts.append(stream.tokens_sent_whole(row))
+        stream.tokens_sent = counts[-1]
+        assert len(decode(row.completion_ids[: counts[-1]])) <= len(stream.sent)
+    return counts
+
+
+def test_a_streams_log_probabilities_wait_for_their_tokens_text(smol):
+    tokens = smol.convert_ids_to_tokens(smol.encode("ab 日本", add_special_tokens=False))
+    assert tokens == ["ab", "Ġæ", "Ĺ", "¥", "æľ¬"]
+    # " 日" is three tokens: none goes out until the character is whole, then all three with it
+    assert streamed_token_counts(smol, "ab 日本", ()) == [1, 1, 1, 4, 5]
+    # with a stop string of 4 characters, the text's last 3 characters (and their tokens) are held back
+    assert streamed_token_counts(smol, "ab 日本", ("stop",)) == [0, 0, 0, 0, 1]
