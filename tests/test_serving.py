@@ -328,11 +328,6 @@ def test_loading_options_reach_load_team_a_4bit_team_answers_as_it_runs(team_dir
     assert served == expected
 
 
-def test_serving_a_team_loaded_with_vllm_is_refused_before_anything_loads(team_dir):
-    with pytest.raises(ValueError, match="without `use_vllm`"):
-        serve_team(team_dir, use_vllm=True)
-
-
 def test_a_langgraph_two_agent_exchange_runs_against_the_server(client, server):
     langgraph = pytest.importorskip("langgraph.graph", reason="the agent-framework test drives LangGraph")
     chat_openai = pytest.importorskip(

@@ -23,6 +23,7 @@
                                                   with use_vllm the vLLM engine's pool and KV cache on each card
     trl-marl serve TEAM [--host H] [--port P] [--api_key KEY] [--load_in_4bit] [--dtype D]
                         [--captured_decode auto|on|off] [--max_batch_rows N] [--chunk_tokens N] [--max_tokens N]
+                        [--use_vllm [--vllm_gpu_memory_utilization U] [--vllm_max_model_length N]]
                                                   a saved team behind an OpenAI-compatible endpoint (each agent a
                                                   model); prints its base URL; needs the `serve` extra
 
@@ -127,6 +128,15 @@ def evaluate(arguments) -> int:
     return 0
 
 
+def add_vllm_flags(parser) -> None:
+    """`--use_vllm` and the vLLM engine's settings (`evaluate`, `serve`)."""
+    parser.add_argument("--use_vllm", action="store_true", help="generate with vLLM, one LoRA per agent")
+    parser.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3,
+                        help="with --use_vllm: vLLM's share of the GPU memory (TRL's default)")  # fmt: skip
+    parser.add_argument("--vllm_max_model_length", type=int, default=None,
+                        help="with --use_vllm: vLLM's context length (default: the model's)")  # fmt: skip
+
+
 def vllm_settings(arguments) -> dict[str, Any]:
     """The config fields of `evaluate`'s vLLM flags (none without `--use_vllm`: the config's defaults stay)."""
     if not arguments.use_vllm:
@@ -155,6 +165,7 @@ def serve(arguments) -> int:
     for name in ("dtype", "base_model"):
         if getattr(arguments, name) is not None:
             load_options[name] = getattr(arguments, name)
+    load_options.update(vllm_settings(arguments))
     serve_forever(
         team,
         host=arguments.host,
@@ -304,11 +315,7 @@ def run(argv: list[str]) -> int:
         otherwise = BASELINE_COMPLETION_LENGTH if name == "max_completion_length" else "MAGRPOConfig's"
         help_text = f"default: a team's own (its team.json), else {otherwise}"
         evaluating.add_argument(f"--{name}", type=kind, default=None, help=help_text)
-    evaluating.add_argument("--use_vllm", action="store_true", help="generate with vLLM, one LoRA per agent")
-    evaluating.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.3,
-                            help="with --use_vllm: vLLM's share of the GPU memory (TRL's default)")  # fmt: skip
-    evaluating.add_argument("--vllm_max_model_length", type=int, default=None,
-                            help="with --use_vllm: vLLM's context length (default: the model's)")  # fmt: skip
+    add_vllm_flags(evaluating)
     estimating = commands.add_parser(
         "estimate",
         help="predict a training config's peak memory (one GPU; the RAM with use_cpu)",
@@ -354,6 +361,7 @@ def run(argv: list[str]) -> int:
         help="most completions one request may ask for, prompts x n (default 128)",
     )
     serving.add_argument("--log_level", default="warning", help="uvicorn's log level")
+    add_vllm_flags(serving)
     if argv[:1] == ["train"]:
         return train_command(argv[1:])
     if argv[:1] == ["estimate"]:  # `--config FILE` as the positional CONFIG

@@ -191,16 +191,16 @@ class BatchingEngine:
                     if row.done:
                         row.done_event.set()
 
-    def _take_rows(self) -> list[GeneratedRow]:
-        """Up to `max_batch_rows` waiting rows on the base of the longest-waiting one, taken in turn from each
-        submission (in the order they wait), so that a request of many rows does not hold back the others."""
+    def _take_rows(self, limit: int | None = None) -> list[GeneratedRow]:
+        """Up to `limit` (`max_batch_rows`) waiting rows on the base of the longest-waiting one, taken in turn from
+        each submission (in the order they wait), so that a request of many rows does not hold back the others."""
         base = self.team.agent_base[self._queue[0].request.agent]
         by_submission: dict[int, list[GeneratedRow]] = {}
         for row in self._queue:
             if self.team.agent_base[row.request.agent] == base:
                 by_submission.setdefault(row.submission, []).append(row)
         in_turn = [row for turn in itertools.zip_longest(*by_submission.values()) for row in turn if row is not None]
-        taken = in_turn[: self.max_batch_rows]
+        taken = in_turn[: limit or self.max_batch_rows]
         self._queue = [row for row in self._queue if row not in taken]
         return taken
 

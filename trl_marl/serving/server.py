@@ -8,11 +8,6 @@ from typing import Any
 from .engine import BatchingEngine
 
 SERVE_EXTRA_HINT = 'pip install "trl-marl[serve]"'
-VLLM_REFUSAL = (
-    "The server generates with transformers (routed `generate`, or the captured decode step), not with vLLM: its "
-    "engine steps each call token by token (each row's sampling and stop, a call ended for waiting requests), which "
-    "the saved team's vLLM engine does not offer. Load the team without `use_vllm`."
-)
 
 
 def require_serving_packages() -> None:
@@ -114,8 +109,6 @@ def prepare_server(
     from ..team import Team, load_team
     from .app import MAX_BODY_BYTES, MAX_REQUEST_ROWS, ServingSettings, build_app
 
-    if load_options.get("use_vllm"):
-        raise ValueError(VLLM_REFUSAL)
     if isinstance(team_or_path, Team):
         if load_options:
             raise ValueError(
@@ -125,9 +118,12 @@ def prepare_server(
         team, owns_team = team_or_path, False
     else:
         team, owns_team = load_team(team_or_path, **load_options), True
-    if team.engine is not None:
-        raise ValueError(VLLM_REFUSAL)
-    engine = BatchingEngine(team, max_batch_rows=max_batch_rows, chunk_tokens=chunk_tokens)
+    if team.engine is not None:  # loaded with `use_vllm=True`: vLLM batches the rows
+        from .vllm_engine import VLLMBatchingEngine
+
+        engine = VLLMBatchingEngine(team, max_batch_rows=max_batch_rows)
+    else:
+        engine = BatchingEngine(team, max_batch_rows=max_batch_rows, chunk_tokens=chunk_tokens)
     settings = ServingSettings(
         api_key=api_key,
         max_body_bytes=max_body_bytes or MAX_BODY_BYTES,
