@@ -3,9 +3,10 @@ rows of concurrent requests generated together in routed calls (docs/serving.md)
 
 Files: `requests.py` (the OpenAI request bodies, checked; errors in OpenAI's format), `responses.py` (response bodies,
 stream events, log-probabilities), `rows.py` (what the engine is asked and gives back per row), `step_hooks.py` (each
-row's sampling and stopping inside a `generate` call), `engine.py` (the batching engine), `app.py` (the ASGI app),
-`server.py` (the server and its handle). FastAPI and uvicorn come with the `serve` extra and are imported only when a
-server starts.
+row's sampling and stopping inside a `generate` call), `engine.py` (the batching engine), `vllm_engine.py` (the
+engine on a team loaded with vLLM), `tokens.py` (each token's bytes and text for log-probabilities), `app.py` (the ASGI
+app), `server.py` (the server and its handle). FastAPI and uvicorn come with the `serve` extra and are imported only
+when a server starts.
 """
 
 from typing import Any
@@ -23,6 +24,7 @@ def serve_team(
     chunk_tokens: int = 16,
     max_tokens: int | None = None,
     max_body_bytes: int | None = None,
+    max_request_rows: int | None = None,
     log_level: str = "warning",
     **load_options: Any,
 ):
@@ -40,16 +42,17 @@ def serve_team(
         max_tokens: a request's completion length when it sets none (default: team.json's `max_completion_length`),
             cut to what fits the context.
         max_body_bytes: larger request bodies are refused with 413 (default 4 MiB).
+        max_request_rows: a request asking for more completions (prompts x `n`) is refused with 400 (default 128).
         log_level: uvicorn's log level.
-        load_options: `load_team`'s keywords (`load_in_4bit`, `dtype`, `captured_decode`, `base_model`, ...) when
-            `team_or_path` is not a loaded team.
+        load_options: `load_team`'s keywords (`load_in_4bit`, `dtype`, `captured_decode`, `base_model`, `use_vllm`,
+            ...) when `team_or_path` is not a loaded team. A team loaded with `use_vllm=True` generates with vLLM
+            (each row a vLLM request with its agent's LoRA; `chunk_tokens` unused).
 
     Returns:
         A `TeamServer`: `base_url` (`http://127.0.0.1:<port>/v1`) and `close()`; a context manager.
 
     Raises:
         ImportError: FastAPI or uvicorn is missing (`pip install "trl-marl[serve]"`).
-        ValueError: a team loaded with vLLM (the server generates with transformers).
     """
     from .server import serve_team as start
 
@@ -62,6 +65,7 @@ def serve_team(
         chunk_tokens=chunk_tokens,
         max_tokens=max_tokens,
         max_body_bytes=max_body_bytes,
+        max_request_rows=max_request_rows,
         log_level=log_level,
         **load_options,
     )
