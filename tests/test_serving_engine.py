@@ -11,7 +11,7 @@ from datasets import Dataset
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, load_team
 from trl_marl.serving.engine import BatchingEngine, EngineStopped
-from trl_marl.serving.rows import RowRequest
+from trl_marl.serving.rows import GeneratedRow, RowRequest
 from trl_marl.serving.step_hooks import nucleus_sample
 from trl_marl.team_bases import tokenize_text_prompts
 
@@ -127,6 +127,18 @@ def test_a_stop_string_ends_the_row_and_is_cut_from_its_text(team, engine):
     assert len(decode(row.completion_ids[:-1])) < len(row.text) <= len(decode(row.completion_ids))
     assert row.completion_ids == full.completion_ids[: len(row.completion_ids)]
     assert len(row.logprobs) == len(row.top_logprobs) == len(row.completion_ids)
+
+
+def test_a_stop_string_after_a_character_split_across_tokens_keeps_that_characters_tokens(team):
+    from trl_marl.serving.step_hooks import finish
+
+    tokenizer = team.tokenizer
+    ids = tokenizer.encode("🙂STOP and more", add_special_tokens=False)
+    row = GeneratedRow(RowRequest(0, [1], 20, stop=("STOP",)))
+    row.completion_ids, row.logprobs, row.top_logprobs = list(ids), [-1.0] * len(ids), [[]] * len(ids)
+    finish(row, "length", lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True))
+    assert row.text == "🙂" and row.finish_reason == "stop"
+    assert tokenizer.decode(row.completion_ids) == "🙂" and len(row.logprobs) == len(row.completion_ids) >= 2
 
 
 def test_rows_record_each_tokens_log_probability_under_the_model(team, engine):
@@ -286,7 +298,7 @@ def test_max_batch_rows_bounds_the_rows_of_one_call(team, monkeypatch):
     assert sizes == [2, 2, 1]
 
 
-def test_the_serve_command_passes_its_flags_to_the_server_and_load_team(team, tmp_path, monkeypatch):
+def test_the_serve_command_passes_its_flags_to_the_server_and_load_team(team, tmp_path, monkeypatch, capsys):
     import trl_marl.serving.server as server_module
     from trl_marl.cli import main
 
@@ -315,6 +327,12 @@ def test_the_serve_command_passes_its_flags_to_the_server_and_load_team(team, tm
         "max_request_rows": 9,
         "log_level": "info",
     }
+    seen.clear()
+    assert main(["serve", str(tmp_path), "--use_vllm", "--vllm_max_model_length", "256"]) == 0
+    assert (seen["use_vllm"], seen["vllm_max_model_length"], seen["vllm_gpu_memory_utilization"]) == (True, 256, 0.3)
+    for flag in ("--max_request_rows", "--chunk_tokens"):
+        assert main(["serve", str(tmp_path), flag, "0"]) == 2  # refused before anything loads
+    assert capsys.readouterr().err.count("must be at least 1, got 0") == 2
 
 
 def test_a_team_on_two_bases_answers_each_agent_on_its_own_base_as_team_run(tiny_model_dir, other_base_dir, tmp_path):

@@ -137,6 +137,14 @@ def test_a_request_for_more_completions_than_the_servers_limit_is_a_400_naming_t
     assert post(server, "/completions", {**COMPLETION, "prompt": ["Hi."] * 2, "n": 2}).status_code == 200
 
 
+def test_a_seed_past_64_bits_is_a_400_naming_it_and_the_rows_beside_it_are_not_failed(server):
+    too_big = post(server, "/completions", {**COMPLETION, "seed": 2**64})
+    assert too_big.status_code == 400 and error_of(too_big)["param"] == "seed"
+    last = post(server, "/completions", {**COMPLETION, "seed": 2**63 - 2, "n": 2})  # choice 1 samples with 2**63 - 1
+    assert last.status_code == 200
+    assert post(server, "/completions", {**COMPLETION, "seed": 2**63 - 2, "n": 3}).status_code == 400
+
+
 def test_an_unknown_model_is_a_404_naming_the_agents(client):
     with pytest.raises(openai.NotFoundError) as unknown:
         client.chat.completions.create(model="gpt-4o", messages=CHAT["messages"])

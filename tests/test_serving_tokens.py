@@ -40,6 +40,22 @@ def test_a_sentencepiece_token_keeps_its_leading_space(sentencepiece_tokenizer):
     assert (pieces.bytes_of(the), pieces.text_of(the)) == (b" the", " the")
 
 
+def test_text_offsets_match_the_rows_text_past_a_special_token_and_a_sentencepiece_first_space(
+    smol,
+    sentencepiece_tokenizer,  # noqa: F811
+):
+    ids = smol.encode("Hello", add_special_tokens=False) + [smol.convert_tokens_to_ids("<|im_start|>")]
+    ids += smol.encode(" world", add_special_tokens=False)
+    text = smol.decode(ids, skip_special_tokens=True)
+    offsets = TokenPieces(smol).text_offsets(ids)
+    assert text == "Hello world" and offsets == [0, 5, 5]
+    llama = sentencepiece_tokenizer
+    ids = llama.encode("the of", add_special_tokens=False)
+    text = llama.decode(ids, skip_special_tokens=True)
+    offsets = TokenPieces(llama).text_offsets(ids)
+    assert text == "the of" and offsets == [0, text.index(" of")]
+
+
 def test_special_tokens_are_their_decoded_text(smol):
     pieces = TokenPieces(smol)
     assert pieces.text_of(smol.eos_token_id) == smol.eos_token
@@ -68,6 +84,8 @@ def streamed_token_counts(tokenizer, text: str, stop: tuple[str, ...]) -> list[i
     counts = []
     for token in tokenizer.encode(text, add_special_tokens=False):
         row.completion_ids.append(token)
+        row.logprobs.append(-1.0)
+        row.top_logprobs.append([])
         stream.delta(row)
         counts.append(stream.tokens_sent_whole(row))
         stream.tokens_sent = counts[-1]
@@ -82,3 +100,13 @@ def test_a_streams_log_probabilities_wait_for_their_tokens_text(smol):
     assert streamed_token_counts(smol, "ab 日本", ()) == [1, 1, 1, 4, 5]
     # with a stop string of 4 characters, the text's last 3 characters (and their tokens) are held back
     assert streamed_token_counts(smol, "ab 日本", ("stop",)) == [0, 0, 0, 0, 1]
+
+
+def test_a_streams_log_probabilities_wait_for_a_token_whose_log_probability_is_not_yet_recorded(smol):
+    decode = lambda tokens: smol.decode(tokens, skip_special_tokens=True)  # noqa: E731
+    row = GeneratedRow(RowRequest(0, [1], 20))
+    row.completion_ids = smol.encode("Hello there world", add_special_tokens=False)
+    row.logprobs, row.top_logprobs = [-0.1] * 3, [[]] * 2  # the engine's thread is between its appends
+    stream = TextStream(decode, ())
+    stream.delta(row)
+    assert stream.tokens_sent_whole(row) == 2

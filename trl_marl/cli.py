@@ -159,6 +159,10 @@ def serve(arguments) -> int:
         read_team_file(team)
     except (ImportError, FileNotFoundError, ValueError) as error:
         raise UsageError(f"trl-marl serve: {error}") from None
+    for name in ("max_batch_rows", "chunk_tokens", "max_tokens", "max_body_bytes", "max_request_rows"):
+        value = getattr(arguments, name)
+        if value is not None and value < 1:
+            raise UsageError(f"trl-marl serve: --{name} must be at least 1, got {value}.")
     load_options = {"captured_decode": {"auto": None, "on": True, "off": False}[arguments.captured_decode]}
     if arguments.load_in_4bit:
         load_options["load_in_4bit"] = True

@@ -243,10 +243,10 @@ class BatchingEngine:
         except Exception as error:  # the call's rows fail; the engine serves the next call
             self._fail(rows, error)
             return
-        unfinished = [row for row in rows if not row.done]
-        for row in unfinished:
-            if row.cancelled:
-                finish(row, "cancelled", decode)
-        with self._condition:
+        with self._condition:  # under the lock: a row cancelled now is either re-queued (and found) or finished here
+            unfinished = [row for row in rows if not row.done]
+            cancelled = [row for row in unfinished if row.cancelled]
             self._queue.extend(row for row in unfinished if not row.cancelled)
             self._condition.notify_all()
+        for row in cancelled:
+            finish(row, "cancelled", decode)

@@ -164,10 +164,10 @@ def read_common(body: dict, kind: str, prompts: list) -> GenerationRequest:
         request.top_p = number(body["top_p"], "top_p", 0.0, 1.0)
         if request.top_p == 0:
             raise invalid("top_p", "`top_p` must be above 0 (1 keeps every token).")
-    if "seed" in body:
-        request.seed = integer(body["seed"], "seed")
     if "n" in body:
         request.n = bounded_int(body["n"], "n", 1, MAX_CHOICES)
+    if "seed" in body:  # a 64-bit seed; choice `i` samples with `seed + i`
+        request.seed = bounded_int(body["seed"], "seed", -(2**63), 2**63 - request.n)
     if "max_tokens" in body:
         request.max_tokens = positive_int(body["max_tokens"], "max_tokens")
     if "stop" in body:

@@ -49,7 +49,7 @@ def completion_logprobs(
         "top_logprobs": [
             {pieces.text_of(other_id): value for other_id, value in top} for top in row.top_logprobs[start:end]
         ],
-        "text_offset": pieces.text_offsets(row.completion_ids[:end], prompt_chars)[start:],
+        "text_offset": pieces.text_offsets(row.completion_ids[:end], prompt_chars, first=start),
     }
 
 
@@ -107,8 +107,11 @@ class TextStream:
         tokens past a stop string already dropped): a token's log-probability goes out with its text, never ahead."""
         if row.done:
             return len(row.completion_ids)
+        # the engine's thread appends a token, then its log-probability, then the alternatives: count only tokens
+        # whose three entries are all there
+        recorded = min(len(row.completion_ids), len(row.logprobs), len(row.top_logprobs))
         count = self.tokens_sent
-        while count < len(row.completion_ids) and len(self.decode(row.completion_ids[: count + 1])) <= len(self.sent):
+        while count < recorded and len(self.decode(row.completion_ids[: count + 1])) <= len(self.sent):
             count += 1
         return count
 

@@ -106,6 +106,10 @@ def prepare_server(
     require_serving_packages()
     import uvicorn
 
+    for name, value in {"max_request_rows": max_request_rows, "max_body_bytes": max_body_bytes}.items():
+        if value is not None and value < 1:
+            raise ValueError(f"`{name}` must be at least 1, got {value}.")
+
     from ..team import Team, load_team
     from .app import MAX_BODY_BYTES, MAX_REQUEST_ROWS, ServingSettings, build_app
 
@@ -126,9 +130,9 @@ def prepare_server(
         engine = BatchingEngine(team, max_batch_rows=max_batch_rows, chunk_tokens=chunk_tokens)
     settings = ServingSettings(
         api_key=api_key,
-        max_body_bytes=max_body_bytes or MAX_BODY_BYTES,
+        max_body_bytes=MAX_BODY_BYTES if max_body_bytes is None else max_body_bytes,
         max_tokens=max_tokens,
-        max_request_rows=max_request_rows or MAX_REQUEST_ROWS,
+        max_request_rows=MAX_REQUEST_ROWS if max_request_rows is None else max_request_rows,
     )
     app = build_app(engine, settings)
     sock = bound_socket(host, port)

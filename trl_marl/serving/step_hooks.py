@@ -172,8 +172,14 @@ def finish(row: GeneratedRow, reason: str, decode: Callable[[list[int]], str]) -
     row.notify(True)
 
 
+def whole_text(decode: Callable[[list[int]], str], token_ids: list[int]) -> str:
+    """The text of `token_ids` without a character they end inside of (decoded as U+FFFD)."""
+    return decode(token_ids).removesuffix("\ufffd")
+
+
 def tokens_through(decode: Callable[[list[int]], str], token_ids: list[int], characters: int) -> int:
-    """The fewest of `token_ids` whose text holds its first `characters` characters."""
+    """The fewest of `token_ids` whose text holds its first `characters` characters whole."""
     return next(
-        (count for count in range(len(token_ids) + 1) if len(decode(token_ids[:count])) >= characters), len(token_ids)
+        (count for count in range(len(token_ids) + 1) if len(whole_text(decode, token_ids[:count])) >= characters),
+        len(token_ids),
     )

@@ -11,6 +11,8 @@ vocabulary lacks). Special tokens, and tokenizers of other kinds, fall back to d
 import json
 import re
 
+from .step_hooks import whole_text
+
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 METASPACE = "\u2581"
 
@@ -44,6 +46,7 @@ class TokenPieces:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self.decode = lambda token_ids: tokenizer.decode(token_ids, skip_special_tokens=True)  # as a row's text
         kinds = decoder_kinds(tokenizer)
         self.byte_level = "ByteLevel" in kinds
         self.sentencepiece = bool(kinds & {"Metaspace", "Replace", "ByteFallback"})
@@ -68,11 +71,8 @@ class TokenPieces:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
 
-    def text_offsets(self, token_ids: list[int], start: int = 0) -> list[int]:
-        """Each token's character offset in their text, from `start`: the characters the tokens before it completed (a
-        token that continues a character shares that character's offset)."""
-        offsets, done = [], b""
-        for token_id in token_ids:
-            offsets.append(start + len(done.decode(errors="ignore")))
-            done += self.bytes_of(token_id)
-        return offsets
+    def text_offsets(self, token_ids: list[int], start: int = 0, first: int = 0) -> list[int]:
+        """The character offsets of tokens `first:` in the text of `token_ids` as a row's text decodes it (special
+        tokens skipped, a SentencePiece text's first space dropped), counted from `start`: the whole characters of the
+        tokens before each (a token that continues a character shares that character's offset)."""
+        return [start + len(whole_text(self.decode, token_ids[:index])) for index in range(first, len(token_ids))]

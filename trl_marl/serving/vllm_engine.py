@@ -61,7 +61,10 @@ class VLLMBatchingEngine(BatchingEngine):
                         self._end(engine, request_id, "cancelled")
                 if self._active:
                     self._step(engine)
-        finally:  # closed (or failed): vLLM keeps nothing of ours
+        except BaseException as error:  # the thread stops: its rows in vLLM fail with the cause (a 500, not a 503)
+            self._fail_active(engine, error)
+            raise
+        finally:  # closed: the rows still in vLLM are cancelled, and vLLM keeps nothing of ours
             for request_id in list(self._active):
                 self._end(engine, request_id, "cancelled")
             self._running = []
@@ -99,12 +102,7 @@ class VLLMBatchingEngine(BatchingEngine):
         try:
             outputs = engine.step()
         except Exception as error:  # the rows in vLLM fail; the next rows are tried
-            rows = list(self._active.values())
-            for request_id in list(self._active):
-                self._end(engine, request_id, None)
-            self._fail(rows, error)
-            for row in rows:
-                self._done(row)
+            self._fail_active(engine, error)
             return
         for output in outputs:
             row = self._active.get(output.request_id)
@@ -139,6 +137,15 @@ class VLLMBatchingEngine(BatchingEngine):
                 pass
         if reason is not None:
             finish(row, reason, self.decoder_of(row.request.agent))
+            self._done(row)
+
+    def _fail_active(self, engine: Any, error: BaseException) -> None:
+        """Every row in vLLM aborted and failed with `error`."""
+        rows = list(self._active.values())
+        for request_id in list(self._active):
+            self._end(engine, request_id, None)
+        self._fail(rows, error)
+        for row in rows:
             self._done(row)
 
     def _done(self, row: GeneratedRow) -> None:
