@@ -19,7 +19,7 @@ from .atgrpo_trainer import ATGRPOTrainer
 from .config import ATGRPOConfig, MAGRPOConfig, TeamConfig
 from .default_model import DEFAULT_MODEL_ID, default_model_path
 from .magrpo_trainer import MAGRPOTrainer
-from .registry import PluginError, register_reward, register_scheduler, register_task
+from .registry import PluginError, register_episode, register_reward, register_scheduler, register_task
 from .reward_checks import RewardFunctionError, for_agent
 from .rollout import NextTurn, RolloutSettings, TransitionError, default_transition
 from .serving import serve_team  # FastAPI and uvicorn are imported only when a server starts
@@ -67,6 +67,7 @@ __all__ = [
     "for_agent",
     "group_advantages",
     "load_team",
+    "register_episode",
     "register_reward",
     "register_scheduler",
     "register_task",

@@ -320,6 +320,14 @@ class MAGRPOConfig(TeamConfig):
             actions per prompt); `"cross"` takes the Cartesian product (G^N joint actions per prompt).
         discount (`float`, *optional*, defaults to `1.0`):
             γ in the Monte-Carlo return R(j) = r(j) + γ · mean(R of j's children); a leaf's return is its reward.
+        episode (`str` or `None`, *optional*):
+            An episode plugin (entry-point group `trl_marl.episodes`): an agent program run as the rollout, each of
+            the G episodes of a prompt calling the agents through the trainer's endpoint (docs/programs.md). The
+            trainer's `episode=` argument takes a function directly.
+        episode_max_calls (`int` or `None`, *optional*, defaults to `64`):
+            The most requests one episode may make; the next is refused (429).
+        episode_timeout (`float` or `None`, *optional*, defaults to `300`):
+            Seconds an episode may run; one that runs longer is left out of its group.
 
     The team's fields are [`TeamConfig`]'s.
     """
@@ -332,12 +340,23 @@ class MAGRPOConfig(TeamConfig):
         metadata={"help": "How completions form joint actions.", "choices": list(JOINT_MODES)},
     )
     discount: float = field(default=1.0, metadata={"help": "Discount γ of the Monte-Carlo returns over turns."})
+    episode: str | None = field(
+        default=None, metadata={"help": "An episode plugin: an agent program run as the rollout (docs/programs.md)."}
+    )
+    episode_max_calls: int | None = field(default=64, metadata={"help": "The most requests one episode may make."})
+    episode_timeout: float | None = field(default=300.0, metadata={"help": "Seconds an episode may run."})
 
     def __post_init__(self):
         if self.joint_mode not in JOINT_MODES:
             raise _choice_error("joint_mode", self.joint_mode, JOINT_MODES)
         if not isinstance(self.discount, (int, float)) or not 0.0 <= self.discount <= 1.0:
             raise ValueError(f"`discount` must be a number in [0, 1], got {self.discount!r}.")
+        for name in ("episode_max_calls", "episode_timeout"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"`{name}` must be a positive number or None, got {value!r}.")
+        if self.episode is not None:
+            check_plugin_name("episodes", self.episode, "episode")
         super().__post_init__()
 
     def joint_actions_per_node(self, num_generations: int) -> int:

@@ -4,19 +4,34 @@ answers at every node, joint actions get one team reward, returns and advantages
 """
 
 import textwrap
+from collections.abc import Callable
+
+import torch
+from trl.models import unwrap_model_for_generation
 
 from .config import MAGRPOConfig
 from .magrpo_rollout import TreeRollout
 from .metrics import log_local_rewards
+from .program_rollout import EpisodeResult, ProgramRollout, episode_outcome
+from .registry import load_plugin
 from .rollout import Rollout
 from .team_trainer import TeamTrainer
+from .vllm_serving import sampling_seed
 
 
 class MAGRPOTrainer(TeamTrainer):
     """Multi-agent GRPO (MAGRPO, arXiv 2508.04652) as a thin [`~trl.GRPOTrainer`] subclass.
 
     Takes [`TeamTrainer`]'s arguments (the model, team reward functions or plugin names, a task, a transition for
-    `num_turns > 1`, a scheduler, quantization and LoRA configs, and TRL's), with a [`MAGRPOConfig`] as `args`.
+    `num_turns > 1`, a scheduler, quantization and LoRA configs, and TRL's), with a [`MAGRPOConfig`] as `args`, and:
+
+    Args:
+        episode: an agent program as the rollout (docs/programs.md): `fn(client, row)` (or an `async` one) called once
+            per episode with an `openai` client bound to it and the dataset row; it calls the agents by name as the
+            `model`, as often and in whatever order it likes, and returns the team reward (a float) or a mapping for
+            the reward functions (as the completion, with the row's columns as keyword arguments). The G episodes of
+            a row form its group. A name is an episode plugin (`args.episode` names one too). Without reward
+            functions or a task, a float outcome is the reward (`program_rollout.episode_outcome`).
     """
 
     _tag_names = ["trl", "trl-marl", "magrpo"]
@@ -35,9 +50,28 @@ class MAGRPOTrainer(TeamTrainer):
     }
     _config_class = MAGRPOConfig
 
+    def __init__(self, model, reward_funcs=None, args=None, *more, episode: Callable | str | None = None, **kwargs):
+        if episode is None and isinstance(args, MAGRPOConfig):
+            episode = args.episode
+        if isinstance(episode, str):
+            episode = load_plugin("episodes", episode)
+        if episode is not None:
+            check_episode_settings(args)
+            if reward_funcs is None and kwargs.get("task") is None:
+                reward_funcs = [episode_outcome]
+        self.episode = episode
+        self._episode_runner = None
+        super().__init__(model, reward_funcs, args, *more, **kwargs)
+
     def _rollout(self, inputs: list[dict], num_generations: int) -> Rollout:
-        """This process's share of the batch's episodes: MAGRPO trees. The task's local rewards are logged, not
-        trained on (MAGRPO optimises the team reward)."""
+        """This process's share of the batch's episodes: MAGRPO trees, or the episode function's programs. The task's
+        local rewards are logged, not trained on (MAGRPO optimises the team reward)."""
+        if self.episode is not None:
+            hooks = self._rollout_hooks(inputs, num_generations)
+            del hooks["generate"]
+            return ProgramRollout(self.rollout_settings, num_generations).run(
+                inputs, run_episodes=self._run_episodes, **hooks
+            )
         rollout = TreeRollout(
             self.rollout_settings,
             num_generations,
@@ -48,3 +82,60 @@ class MAGRPOTrainer(TeamTrainer):
         metrics = self._metrics["train" if self.model.training else "eval"]
         log_local_rewards(metrics, self.task, self.agent_names, rollout.samples, self.accelerator.num_processes)
         return rollout
+
+    def _run_episodes(self, examples: list[dict]) -> list[EpisodeResult]:
+        """Run one episode per prompt copy against the trainer's server (started at the first batch), the model in
+        TRL's generation context; each episode's sampling seed from one draw of torch's generator, the process and
+        the copy, so a rerun (or a run resumed from a checkpoint) samples as this one did."""
+        from .episode_runner import EpisodeRunner, TrainingTeam
+        from .serving.episodes import EpisodeSampling
+
+        if self._episode_runner is None:
+            sampling = EpisodeSampling(self.temperature, self.args.top_p, self.max_completion_length)
+            self._episode_runner = EpisodeRunner(
+                TrainingTeam(self),
+                self.episode,
+                sampling,
+                max_calls=self.args.episode_max_calls,
+                timeout=self.args.episode_timeout,
+            )
+        # one draw from torch's generator, as `generate` draws from it: a checkpoint's random state restores it
+        batch = int(torch.randint(0, 2**62, ()).item())
+        process = self.accelerator.process_index
+        seeds = [sampling_seed(batch, process, copy) for copy in range(len(examples))]
+        with unwrap_model_for_generation(
+            self.model_wrapped,
+            self.accelerator,
+            gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+            gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+        ):
+            return self._episode_runner.run(examples, seeds)
+
+    def close_episode_server(self) -> None:
+        """Stop the server the episodes call (started again by the next rollout)."""
+        if self._episode_runner is not None:
+            self._episode_runner.close()
+            self._episode_runner = None
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.close_episode_server()
+
+
+def check_episode_settings(args) -> None:
+    """What an episode rollout cannot do yet, refused before any model loads, naming the field."""
+    if not isinstance(args, MAGRPOConfig):
+        return  # TeamTrainer's own check says what `args` must be
+    refusals = {
+        "num_turns": (args.num_turns != 1, "the program decides the turns: leave `num_turns=1`"),
+        "joint_mode": (args.joint_mode != "aligned", "an episode is one joint action: use `joint_mode='aligned'`"),
+        "use_vllm": (args.use_vllm, "episodes are generated by the trainer's transformers model for now"),
+        "top_k": (args.top_k not in (None, 0), "the episode server samples with temperature and top-p only"),
+        "min_p": (args.min_p is not None, "the episode server samples with temperature and top-p only"),
+        "repetition_penalty": (args.repetition_penalty != 1.0, "the episode server applies no repetition penalty"),
+    }
+    for name, (refused, why) in refusals.items():
+        if refused:
+            raise ValueError(f"`{name}={getattr(args, name)!r}` is not supported with an episode function: {why}.")

@@ -11,7 +11,8 @@ Discovery is lazy: listing names reads package metadata only; a plugin's module 
 first used (or listed with its description). A plugin that fails to import does not break the others: using it
 raises a `PluginError` naming the entry point, its distribution and the import error. Two plugins of one kind with
 one name are an error naming both sources. trl_marl's own plugins are registered through its own entry points, the
-same way; `register_reward` / `register_task` / `register_scheduler` add in-process plugins (notebooks, tests).
+same way; `register_reward` / `register_task` / `register_scheduler` / `register_episode` add in-process plugins
+(notebooks, tests).
 """
 
 import difflib
@@ -21,7 +22,12 @@ from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-GROUPS = {"rewards": "trl_marl.rewards", "tasks": "trl_marl.tasks", "schedulers": "trl_marl.schedulers"}
+GROUPS = {
+    "rewards": "trl_marl.rewards",
+    "tasks": "trl_marl.tasks",
+    "schedulers": "trl_marl.schedulers",
+    "episodes": "trl_marl.episodes",
+}
 IN_PROCESS = "<registered in-process>"
 _MISSING = object()
 _in_process: dict[str, dict[str, "Plugin"]] = {kind: {} for kind in GROUPS}
@@ -153,3 +159,4 @@ def unregister(kind: str, name: str) -> None:
 register_reward = functools.partial(register, "rewards")
 register_task = functools.partial(register, "tasks")
 register_scheduler = functools.partial(register, "schedulers")
+register_episode = functools.partial(register, "episodes")

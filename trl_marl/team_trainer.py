@@ -60,7 +60,7 @@ from .metrics import log_joint_actions, log_rollout_metrics
 from .reward_checks import (
     TeamRewardFunc,
 )
-from .rollout import Rollout, RolloutSettings, default_transition
+from .rollout import Rollout, RolloutSettings, Sample, default_transition
 from .routing import BASE_ROW, AdapterRouter, check_sharding_routable
 from .rows import PER_ROW_LOSS_TYPES, pad_rows, pad_samples, padding_loss_scale
 from .scheduling import resolve_scheduler, scheduled_phases
@@ -698,8 +698,10 @@ class TeamTrainer(GRPOTrainer):
                 base.decoder.release()  # the static caches' memory goes back to training
         # Frozen agents' completions were scored (and are logged) but carry no loss. A process left without a trained
         # row keeps one frozen row, made loss-free below, for TRL's split.
-        samples = [s for s in rollout.samples if s.agent in self.trained_agents] or rollout.samples[:1]
-        no_loss = not any(s.agent in self.trained_agents for s in samples)
+        trained = [s for s in rollout.samples if s.agent in self.trained_agents]
+        no_loss = not trained
+        # (A program rollout whose every episode failed on this process has no row at all: one loss-free stand-in.)
+        samples = trained or rollout.samples[:1] or [self._stand_in_sample()]
         device = self.accelerator.device
         output = self._pad_samples(
             [s.prompt_ids for s in samples], [s.completion_ids for s in samples], no_loss, [s.agent for s in samples]
@@ -749,6 +751,11 @@ class TeamTrainer(GRPOTrainer):
         output = pad_rows(output, num_rows)
         output["num_real_rows"] = rows[:, 1].sum()
         return output
+
+    def _stand_in_sample(self) -> Sample:
+        """A one-token row of the first agent that carries no loss (`no_loss`), for a process without any row."""
+        tokenizer = self._tokenizer
+        return Sample(0, (0, -1, -1), 0, 0, "", [tokenizer.pad_token_id], [self.eos_token_ids[0]], "")
 
     def _completion_stops(self, base_index: int) -> list[int]:
         """The tokens that end a completion on a base: its EOS tokens and its padding."""

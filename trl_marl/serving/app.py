@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 from ..agents import agent_prompt
 from ..team_bases import tokenize_text_prompts
 from .engine import BatchingEngine, EngineStopped
+from .episodes import EpisodeBook
 from .requests import APIError, GenerationRequest, read_chat_request, read_completion_request
 from .responses import TextStream, chat_logprobs, completion_body, completion_logprobs, server_sent_event, usage
 from .rows import GeneratedRow, RowRequest
@@ -40,12 +41,15 @@ class ServingSettings:
         max_body_bytes: a larger request body is refused (413).
         max_tokens: a request's completion length when it sets none; None is team.json's `max_completion_length`.
         max_request_rows: a request asking for more completions (its prompts times `n`) is refused (400).
+        episodes: while a trainer rolls out agent programs: the open episodes. Requests are then answered only
+            through an episode's base URL (`/episodes/<key>/v1`), sample as the trainer does, and are recorded.
     """
 
     api_key: str | None = None
     max_body_bytes: int = MAX_BODY_BYTES
     max_tokens: int | None = None
     max_request_rows: int = MAX_REQUEST_ROWS
+    episodes: EpisodeBook | None = None
 
 
 def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -> FastAPI:
@@ -127,6 +131,40 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
         authorize(request)
         return await answer(request, read_completion_request(await read_json(request, settings.max_body_bytes)))
 
+    # An episode's own base URL (training on agent programs, `serving.episodes`): the same endpoints, recorded.
+    @app.get("/episodes/{episode}/v1/models")
+    async def episode_models(episode: str, request: Request) -> dict:
+        return await list_models(request)
+
+    @app.post("/episodes/{episode}/v1/chat/completions")
+    async def episode_chat_completions(episode: str, request: Request):
+        authorize(request)
+        parsed = read_chat_request(await read_json(request, settings.max_body_bytes))
+        return await answer(request, parsed, episode)
+
+    @app.post("/episodes/{episode}/v1/completions")
+    async def episode_completions(episode: str, request: Request):
+        authorize(request)
+        parsed = read_completion_request(await read_json(request, settings.max_body_bytes))
+        return await answer(request, parsed, episode)
+
+    def admit(parsed: GenerationRequest, episode: str | None) -> None:
+        """During training, a request must come from an open episode, and takes the trainer's sampling."""
+        book = settings.episodes
+        if book is None:
+            if episode is not None:
+                raise APIError(404, "This server is not training: it has no episodes; send requests to /v1.")
+            return
+        if episode is None:
+            raise APIError(
+                403,
+                "This server is training a team: every request must come from an episode, through the client its "
+                "episode function was given (a base URL ending in /episodes/<key>/v1).",
+                code="episode_required",
+            )
+        agent_index(parsed.model)  # an unknown agent is a 404 before the episode counts the call
+        book.admit(episode, parsed)
+
     def row_requests(parsed: GenerationRequest) -> tuple[list[RowRequest], int]:
         """The engine's rows of a request (`n` per prompt) and its prompt tokens."""
         agent = agent_index(parsed.model)
@@ -169,7 +207,8 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
         ]
         return requests, sum(len(ids) for ids in prompt_ids)
 
-    async def answer(request: Request, parsed: GenerationRequest):
+    async def answer(request: Request, parsed: GenerationRequest, episode: str | None = None):
+        admit(parsed, episode)
         requests, prompt_tokens = row_requests(parsed)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -194,7 +233,9 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
         chat = parsed.kind == "chat"
         prompt_chars = [0] * len(rows) if chat else [len(prompt) for prompt in parsed.prompts for _ in range(parsed.n)]
         if parsed.stream:
-            stream = stream_events(parsed, rows, events, completion_id, created, prompt_tokens, tokens, prompt_chars)
+            stream = stream_events(
+                parsed, rows, events, completion_id, created, prompt_tokens, tokens, prompt_chars, episode
+            )
             return StreamingResponse(stream, media_type="text/event-stream")
         try:
             while not all(row.done for row in rows):
@@ -206,12 +247,16 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
         finally:
             engine.cancel([row for row in rows if not row.done])
         raise_failure(rows)
+        if episode is not None:
+            settings.episodes.record(episode, parsed, rows)
         logprobs = parsed.top_logprobs is not None
         return completion_body(
             parsed.kind, completion_id, created, parsed.model, rows, prompt_tokens, tokens, logprobs, prompt_chars
         )
 
-    async def stream_events(parsed, rows, events, completion_id, created, prompt_tokens, tokens, prompt_chars):
+    async def stream_events(
+        parsed, rows, events, completion_id, created, prompt_tokens, tokens, prompt_chars, episode=None
+    ):
         chat = parsed.kind == "chat"
         head = {
             "id": completion_id,
@@ -258,6 +303,8 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
                 if done:
                     finished.add(index)
                     yield chunk(index, "", finish_reason=row.finish_reason)
+            if episode is not None:
+                settings.episodes.record(episode, parsed, rows)
             if parsed.include_usage:  # as OpenAI: the usage chunk (with no choices) only when asked for
                 yield server_sent_event({**head, "choices": [], "usage": usage(prompt_tokens, rows)})
             yield server_sent_event("[DONE]")

@@ -91,6 +91,16 @@ class BatchingEngine:
             self._thread.join()
             self._thread = None
 
+    def drain(self) -> None:
+        """Cancel every row, waiting or running, and return once no call runs (the model is the caller's again)."""
+        with self._condition:
+            waiting, self._queue = self._queue, []
+            for row in self._running:
+                row.cancelled = True
+        self._finish_cancelled(waiting)
+        while self._running:
+            time.sleep(0.005)
+
     def tokenizer_of(self, agent: int):
         """The tokenizer of the base the agent (its index) sits on."""
         return self.team.bases[self.team.agent_base[agent]].tokenizer

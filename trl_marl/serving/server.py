@@ -51,6 +51,11 @@ class TeamServer:
         self.base_url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
         self._thread: threading.Thread | None = None
 
+    @property
+    def root_url(self) -> str:
+        """`http://host:port`, the server's address without `/v1`."""
+        return self.base_url.removesuffix("/v1")
+
     def _start_in_thread(self) -> None:
         failure = []
 
@@ -104,14 +109,12 @@ def prepare_server(
     """The team (loaded with `load_team(team_or_path, **load_options)` unless a `Team` is given), its engine started,
     and a uvicorn server bound to its socket, not yet serving. Raises ImportError without the `serve` extra."""
     require_serving_packages()
-    import uvicorn
-
     for name, value in {"max_request_rows": max_request_rows, "max_body_bytes": max_body_bytes}.items():
         if value is not None and value < 1:
             raise ValueError(f"`{name}` must be at least 1, got {value}.")
 
     from ..team import Team, load_team
-    from .app import MAX_BODY_BYTES, MAX_REQUEST_ROWS, ServingSettings, build_app
+    from .app import MAX_BODY_BYTES, MAX_REQUEST_ROWS, ServingSettings
 
     if isinstance(team_or_path, Team):
         if load_options:
@@ -134,12 +137,31 @@ def prepare_server(
         max_tokens=max_tokens,
         max_request_rows=MAX_REQUEST_ROWS if max_request_rows is None else max_request_rows,
     )
+    return bind_server(engine, settings, host=host, port=port, log_level=log_level, owns_team=owns_team)
+
+
+def bind_server(
+    engine: BatchingEngine,
+    settings: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    log_level: str = "warning",
+    owns_team: bool = False,
+) -> TeamServer:
+    """The app over `engine` (its `ServingSettings`) and a uvicorn server bound to a socket, not yet serving; the
+    engine started. Raises ImportError without the `serve` extra."""
+    require_serving_packages()
+    import uvicorn
+
+    from .app import build_app
+
     app = build_app(engine, settings)
     sock = bound_socket(host, port)
     config = uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     engine.start()
-    return TeamServer(team, engine, server, sock, owns_team)
+    return TeamServer(engine.team, engine, server, sock, owns_team)
 
 
 def serve_team(team_or_path: Any, **options: Any) -> TeamServer:
