@@ -67,9 +67,11 @@ def log_rollout_metrics(
         )
         for s in rollout.samples
     ]
-    turn, agent, prompt_length, length, truncated, advantage = torch.tensor(
-        gather_object(local) if num_processes > 1 else local, dtype=torch.float64
-    ).T
+    rows = gather_object(local) if num_processes > 1 else local
+    if not rows:  # a program rollout whose every episode failed: no completion to describe
+        metrics["num_samples"].append(0.0)
+        return
+    turn, agent, prompt_length, length, truncated, advantage = torch.tensor(rows, dtype=torch.float64).T
     if mode == "train":
         state.num_input_tokens_seen += int(prompt_length.sum() + length.sum())
     metrics["num_tokens"] = [state.num_input_tokens_seen]

@@ -1,0 +1,280 @@
+"""Training a team from agent programs (`MAGRPOTrainer(episode=fn)`, docs/programs.md): the G episodes of a row run
+concurrently against the trainer's own server, each call recorded as the model produced it and trained on exactly those
+ids; episodes grouped and credited as MAGRPO's single-turn rollout; failed and hung episodes left out."""
+
+import asyncio
+import threading
+import uuid
+
+import pytest
+import torch
+from datasets import Dataset
+
+pytest.importorskip("fastapi", reason="programs are served by the `serve` extra (FastAPI, uvicorn)")
+openai = pytest.importorskip("openai", reason="episodes call the agents with the `openai` client")
+
+from trl_marl import MAGRPOConfig, MAGRPOTrainer  # noqa: E402
+from trl_marl.magrpo_rollout import TreeRollout  # noqa: E402
+from trl_marl.program_rollout import EpisodeResult, ProgramRollout  # noqa: E402
+from trl_marl.serving.episodes import RecordedCall  # noqa: E402
+from trl_marl.team_bases import tokenize_text_prompts  # noqa: E402
+
+AGENTS = [{"name": "writer", "system_prompt": "Write."}, {"name": "critic", "system_prompt": "Critique."}]
+DATA = Dataset.from_dict({"prompt": ["Name a cat.", "Name a dog."]})
+
+
+def config(tmp_path, **overrides) -> MAGRPOConfig:
+    settings = dict(
+        output_dir=str(tmp_path),
+        agents=AGENTS,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        max_completion_length=8,
+        max_steps=1,
+        learning_rate=0.05,
+        lora_r=4,
+        lora_alpha=8,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        logging_steps=1,
+        save_strategy="no",
+        episode_timeout=120,
+    )
+    return MAGRPOConfig(**{**settings, **overrides})
+
+
+def ask(client, agent: str, content: str, **kwargs) -> str:
+    messages = [{"role": "user", "content": content}]
+    return client.chat.completions.create(model=agent, messages=messages, **kwargs).choices[0].message.content
+
+
+def lora_b(trainer) -> dict:
+    return {name: p.detach().clone() for name, p in trainer.model.named_parameters() if "lora_B" in name}
+
+
+def moved_adapters(before: dict, trainer) -> set[str]:
+    after = dict(trainer.model.named_parameters())
+    return {name.split(".")[-2] for name in before if not torch.equal(before[name], after[name])}
+
+
+def keep_rollouts(trainer) -> list:
+    """The rollouts the trainer makes, kept as it returns them."""
+    kept, rollout = [], trainer._rollout
+
+    def keeping(*args, **kwargs):
+        kept.append(rollout(*args, **kwargs))
+        return kept[-1]
+
+    trainer._rollout = keeping
+    return kept
+
+
+def test_a_programs_calls_are_recorded_exactly_and_trained_and_every_agents_adapter_moves(tiny_model_dir, tmp_path):
+    received = []
+
+    def episode(client, row):
+        draft = ask(client, "writer", row["prompt"], max_tokens=6)
+        review = ask(client, "critic", f"Review: {draft}")
+        received.extend([("writer", row["prompt"], draft), ("critic", f"Review: {draft}", review)])
+        return float(len(review) % 3)
+
+    trainer = MAGRPOTrainer(tiny_model_dir, args=config(tmp_path, max_steps=2), episode=episode, train_dataset=DATA)
+    rollouts, before = keep_rollouts(trainer), lora_b(trainer)
+    trainer.train()
+    assert moved_adapters(before, trainer) == {"writer", "critic"}
+    samples = [sample for rollout in rollouts for sample in rollout.samples]
+    assert len(samples) == len(received) == 2 * 2 * 4  # 2 steps x 4 episodes x 2 calls
+    tokenizer = trainer.processing_class
+    for sample in samples:
+        agent = AGENTS[sample.agent]
+        content = sample.model_input[-1]["content"]
+        assert (agent["name"], content, sample.text) in received
+        # the prompt as the model saw it (the agent's role, the chat template), and the ids it sampled
+        conversation = [{"role": "system", "content": agent["system_prompt"]}, *sample.model_input]
+        assert sample.prompt_ids == tokenize_text_prompts(tokenizer, {}, None, [conversation])[0][0]
+        assert tokenizer.decode(sample.completion_ids, skip_special_tokens=True) == sample.text
+        assert len(sample.completion_ids) == (6 if agent["name"] == "writer" else 8)  # max_tokens, else the config's
+    assert trainer.state.log_history[0]["episodes/calls_mean"] == 2.0
+    assert trainer._episode_runner is None  # the server stops with `train()`
+
+
+def test_episodes_running_at_once_never_mix_their_calls(tiny_model_dir, tmp_path):
+    def episode(client, row):
+        content = f"{uuid.uuid4().hex[:8]} {row['prompt']}"  # this episode's own marker
+        calls = [threading.Thread(target=ask, args=(client, agent, content)) for agent in ["writer", "critic"] * 2]
+        for call in calls:
+            call.start()
+        for call in calls:
+            call.join()
+        return 1.0
+
+    trainer = MAGRPOTrainer(tiny_model_dir, args=config(tmp_path), episode=episode, train_dataset=DATA)
+    rollouts = keep_rollouts(trainer)
+    trainer.train()
+    markers = {}
+    for sample in rollouts[0].samples:
+        markers.setdefault((sample.node, sample.position), set()).add(sample.model_input[-1]["content"].split()[0])
+    assert len(markers) == 4 and all(len(found) == 1 for found in markers.values())  # one episode, one marker
+    assert len({marker for found in markers.values() for marker in found}) == 4
+    assert sum(len(found) for found in markers.values()) == 4 and len(rollouts[0].samples) == 16
+
+
+def test_an_episode_that_raises_or_hangs_is_left_out_and_the_run_goes_on(tiny_model_dir, tmp_path):
+    release = threading.Event()
+    episodes = iter(range(100))
+
+    def episode(client, row):
+        number = next(episodes)
+        ask(client, "writer", row["prompt"])
+        if number == 0:
+            raise RuntimeError("the tool crashed")
+        if number == 1:
+            release.wait(60)  # hangs past the timeout
+        return float(number)
+
+    args = config(tmp_path, episode_timeout=5)
+    trainer = MAGRPOTrainer(tiny_model_dir, args=args, episode=episode, train_dataset=DATA)
+    rollouts, before = keep_rollouts(trainer), lora_b(trainer)
+    try:
+        trainer.train()
+    finally:
+        release.set()
+    logged = trainer.state.log_history[0]
+    assert logged["episodes/failed"] == 2 and logged["episodes/groups_without_signal"] == 0
+    assert len(rollouts[0].samples) == 2  # the two episodes that returned, one call each
+    # the two scored episodes (rewards 2 and 3) form the group: (r - 2.5) / std([2, 3])
+    assert sorted(sample.advantage for sample in rollouts[0].samples) == pytest.approx([-0.7071, 0.7071], abs=1e-3)
+    assert moved_adapters(before, trainer) == {"writer"}
+
+
+def test_a_step_whose_every_episode_failed_trains_nothing_and_goes_on(tiny_model_dir, tmp_path):
+    def episode(client, row):
+        return "not a reward"
+
+    trainer = MAGRPOTrainer(tiny_model_dir, args=config(tmp_path), episode=episode, train_dataset=DATA)
+    before = lora_b(trainer)
+    trainer.train()
+    assert trainer.state.log_history[0]["episodes/failed"] == 4
+    assert moved_adapters(before, trainer) == set()
+
+
+def test_an_async_program_gets_an_async_client(tiny_model_dir, tmp_path):
+    async def episode(client, row):
+        assert isinstance(client, openai.AsyncOpenAI)
+        drafts = await asyncio.gather(*(client.chat.completions.create(
+            model=agent, messages=[{"role": "user", "content": row["prompt"]}]) for agent in ("writer", "critic")
+        ))  # fmt: skip
+        return {"writer": drafts[0].choices[0].message.content, "critic": drafts[1].choices[0].message.content}
+
+    def both_spoke(prompts, completions, **kwargs):
+        return [float(len(c["writer"]) > len(c["critic"])) for c in completions]
+
+    trainer = MAGRPOTrainer(tiny_model_dir, both_spoke, args=config(tmp_path), episode=episode, train_dataset=DATA)
+    rollouts = keep_rollouts(trainer)
+    trainer.train()
+    rewards = [ja.reward for ja in rollouts[0].joint_actions]
+    expected = [
+        float(len(ja.completions["writer"]) > len(ja.completions["critic"])) for ja in rollouts[0].joint_actions
+    ]
+    assert rewards == expected and len(rollouts[0].samples) == 8
+
+
+def test_a_program_episode_gives_the_built_in_rollouts_rewards_advantages_and_loss(tiny_model_dir, tmp_path):
+    """Parity: an episode in which every agent answers the prompt once, on the same completions as MAGRPO's own
+    single-turn rollout, yields the same rewards, advantages and loss."""
+
+    def longer_draft(prompts, completions, **kwargs):
+        return [float(len(c["writer"]) - len(c["critic"])) for c in completions]
+
+    args = config(tmp_path, num_generations=3, per_device_train_batch_size=6)
+    trainer = MAGRPOTrainer(tiny_model_dir, longer_draft, args=args, train_dataset=DATA)
+    examples = [{"prompt": prompt} for prompt in DATA["prompt"] for _ in range(3)]
+    tokenizer = trainer.processing_class
+    texts = {}
+
+    def generate(model_inputs, agent_index):
+        """Stand-in generation: a different completion for every row."""
+        prompt_ids, completion_ids, out = [], [], []
+        for model_input, agent in zip(model_inputs, agent_index):
+            text = "ab" * (len(texts) % 5 + 1) + str(agent)
+            texts[len(texts)] = (agent, model_input, text)
+            prompt_ids.append(tokenize_text_prompts(tokenizer, {}, None, [model_input])[0][0])
+            completion_ids.append(tokenizer.encode(text, add_special_tokens=False))
+            out.append(text)
+        return prompt_ids, completion_ids, out
+
+    hooks = trainer._rollout_hooks(examples, 3)
+    built_in = TreeRollout(trainer.rollout_settings, 3).run(
+        examples, first_copy=0, generate=generate, score=hooks["score"]
+    )
+
+    def run_episodes(copies):  # the same completions, made by "programs"
+        results = []
+        for copy in range(len(copies)):
+            calls = [
+                sample for sample in built_in.samples if sample.position == copy % 3 and sample.node[2] == copy // 3
+            ]
+            recorded = [
+                RecordedCall(s.agent, s.model_input, s.prompt_ids, s.completion_ids, [], s.text, "length")
+                for s in calls
+            ]
+            results.append(EpisodeResult({AGENTS[s.agent]["name"]: s.text for s in calls}, recorded))
+        return results
+
+    program = ProgramRollout(trainer.rollout_settings, 3).run(
+        examples, first_copy=0, run_episodes=run_episodes, score=hooks["score"]
+    )
+    assert [ja.reward for ja in program.joint_actions] == [ja.reward for ja in built_in.joint_actions]
+    key = lambda s: (s.node, s.position, s.agent)  # noqa: E731
+    pairs = list(zip(sorted(program.samples, key=key), sorted(built_in.samples, key=key)))
+    assert [(p.advantage, p.group, p.completion_ids) for p, _ in pairs] == [
+        (b.advantage, b.group, b.completion_ids) for _, b in pairs
+    ]
+    losses = []
+    trainer.current_gradient_accumulation_steps = 1  # what `train()` sets before a loss
+    for rollout in (built_in, program):
+        trainer._rollout = lambda inputs, num_generations, rollout=rollout: rollout
+        inputs = trainer._generate_and_score_completions(examples)
+        losses.append(trainer.compute_loss(trainer.model, inputs).item())
+    assert losses[0] == losses[1] and losses[0] != 0.0
+
+
+def test_a_langgraph_program_trains_the_team_for_two_steps(tiny_model_dir, tmp_path):
+    langgraph = pytest.importorskip("langgraph.graph", reason="the agent-framework test drives LangGraph")
+    chat_openai = pytest.importorskip(
+        "langchain_openai", reason="LangGraph reaches the agents through langchain-openai"
+    )
+    from typing import Annotated, TypedDict
+
+    from langchain_core.messages import AIMessage, HumanMessage
+
+    class Exchange(TypedDict):
+        messages: Annotated[list, lambda left, right: left + right]
+
+    def episode(client, row):
+        """A writer drafts, a critic reviews the draft: a LangGraph graph whose nodes are the team's agents, reached
+        through the episode's client's address and key."""
+
+        def agent(name: str):
+            model = chat_openai.ChatOpenAI(
+                model=name, base_url=str(client.base_url), api_key=client.api_key, max_retries=0
+            )
+            return lambda state: {"messages": [AIMessage(content=model.invoke(state["messages"]).content)]}
+
+        graph = langgraph.StateGraph(Exchange)
+        graph.add_node("writer", agent("writer"))
+        graph.add_node("critic", agent("critic"))
+        graph.add_edge(langgraph.START, "writer")
+        graph.add_edge("writer", "critic")
+        graph.add_edge("critic", langgraph.END)
+        result = graph.compile().invoke({"messages": [HumanMessage(content=row["prompt"])]})
+        return float(len(result["messages"][2].content) % 4)
+
+    trainer = MAGRPOTrainer(tiny_model_dir, args=config(tmp_path, max_steps=2), episode=episode, train_dataset=DATA)
+    rollouts, before = keep_rollouts(trainer), lora_b(trainer)
+    trainer.train()
+    assert moved_adapters(before, trainer) == {"writer", "critic"}
+    assert [len(rollout.samples) for rollout in rollouts] == [8, 8]  # 4 episodes x 2 calls, each step
+    critic = next(sample for sample in rollouts[0].samples if sample.agent == 1)
+    assert [message["role"] for message in critic.model_input] == ["user", "assistant"]  # it saw the draft
