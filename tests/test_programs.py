@@ -278,3 +278,76 @@ def test_a_langgraph_program_trains_the_team_for_two_steps(tiny_model_dir, tmp_p
     assert [len(rollout.samples) for rollout in rollouts] == [8, 8]  # 4 episodes x 2 calls, each step
     critic = next(sample for sample in rollouts[0].samples if sample.agent == 1)
     assert [message["role"] for message in critic.model_input] == ["user", "assistant"]  # it saw the draft
+
+
+@pytest.fixture(scope="module")
+def training_server(tiny_model_dir, tmp_path_factory):
+    """A saved team served as a trainer serves its own: requests only through open episodes."""
+    from test_serving_engine import save_tiny_team
+
+    from trl_marl import load_team
+    from trl_marl.serving.app import ServingSettings
+    from trl_marl.serving.engine import BatchingEngine
+    from trl_marl.serving.episodes import EpisodeBook, EpisodeSampling
+    from trl_marl.serving.server import bind_server
+
+    team = load_team(save_tiny_team(tiny_model_dir, tmp_path_factory.mktemp("team")))
+    book = EpisodeBook(EpisodeSampling(temperature=0.7, top_p=0.9, max_tokens=5), max_calls=2)
+    server = bind_server(BatchingEngine(team), ServingSettings(api_key="k", episodes=book))
+    server._start_in_thread()
+    yield server, book
+    server.close()
+
+
+def episode_client(server, key: str):
+    return openai.OpenAI(base_url=f"{server.root_url}/episodes/{key}/v1", api_key="k", max_retries=0)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"seed": 3}, "seed"),
+        ({"temperature": 1.0}, "temperature"),
+        ({"top_p": 0.5}, "top_p"),
+        ({"max_tokens": 6}, "max_tokens"),
+    ],
+)
+def test_during_training_a_call_that_sets_its_own_sampling_is_a_400_naming_the_field(training_server, fields, param):
+    server, book = training_server
+    key = book.open(seed=1)
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask(episode_client(server, key), "planner", "Hi.", **fields)
+    assert refused.value.body["param"] == param and "trainer" in refused.value.message
+    assert book.close(key) == []
+
+
+def test_during_training_requests_outside_an_open_episode_are_refused_and_calls_are_bounded(training_server):
+    server, book = training_server
+    plain = openai.OpenAI(base_url=server.base_url, api_key="k", max_retries=0)
+    with pytest.raises(openai.PermissionDeniedError, match="must come from an episode"):
+        ask(plain, "planner", "Hi.")
+    with pytest.raises(openai.NotFoundError, match="No open episode"):
+        ask(episode_client(server, "0123456789abcdef"), "planner", "Hi.")
+    key = book.open(seed=1)
+    client = episode_client(server, key)
+    texts = [ask(client, "planner", "Hi."), ask(client, "checker", "Hi.", temperature=0.7)]
+    with pytest.raises(openai.RateLimitError, match="its 2 calls"):
+        ask(client, "planner", "Hi.")
+    recorded = book.close(key)
+    assert [call.text for call in recorded] == texts and [call.agent for call in recorded] == [0, 1]
+    assert all(len(call.completion_ids) == len(call.logprobs) <= 5 for call in recorded)
+    with pytest.raises(openai.NotFoundError):  # closed: a late call of a hung program
+        ask(client, "planner", "Hi.")
+
+
+def test_an_episodes_calls_sample_the_same_tokens_when_its_seed_and_calls_repeat(training_server):
+    server, book = training_server
+
+    def run(seed: int) -> list[list[int]]:
+        key = book.open(seed)
+        client = episode_client(server, key)
+        ask(client, "planner", "Name a cat.")
+        ask(client, "checker", "Name a dog.")
+        return [call.completion_ids for call in book.close(key)]
+
+    assert run(5) == run(5) and run(5) != run(6)
