@@ -127,6 +127,35 @@ def test_a_training_run_uses_the_packages_task_reward_and_scheduler_by_name(inst
     assert trainer.scheduler.phases(0, 2) == [[1], [0]]
 
 
+def test_an_episode_plugin_named_in_the_config_is_the_rollout(installed, tiny_model_dir, tmp_path):
+    pytest.importorskip("fastapi", reason="episodes are served by the `serve` extra (FastAPI, uvicorn)")
+    args = MAGRPOConfig(
+        output_dir=str(tmp_path),
+        agents=["host", "guest"],
+        episode="each_agent_once",
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=4,
+        max_steps=1,
+        learning_rate=5e-2,
+        lora_r=4,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+    )
+    dataset = Dataset.from_dict({"prompt": ["Say hello.", "Say goodbye."]})
+    trainer = MAGRPOTrainer(tiny_model_dir, "fewest_words", args=args, train_dataset=dataset)
+    assert trainer.episode.__name__ == "each_agent_once"
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
+    trainer.train()
+    moved = {
+        n.split(".")[-2] for n, p in trainer.model.named_parameters() if n in before and not torch.equal(before[n], p)
+    }
+    assert moved == {"host", "guest"} and trainer.state.log_history[0]["episodes/calls_mean"] == 2.0
+    with pytest.raises(ValueError, match="`episode`: No episode plugin named 'each_agent_twice'"):
+        MAGRPOConfig(output_dir=str(tmp_path), agents=["host", "guest"], episode="each_agent_twice")
+
+
 def test_cli_list_shows_plugins_sources_docs_and_marks_broken_and_clashing_ones(plugin_site):
     result = run_cli(plugin_site, "list")
     assert result.returncode == 0, result.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""Plugins of the test package: a team reward, a task and a turn scheduler."""
+"""Plugins of the test package: a team reward, a task, a turn scheduler and an episode (an agent program)."""
 
 from datasets import Dataset
 
@@ -31,3 +31,14 @@ class ReverseOrder(Sequential):
 
     def phases(self, turn, num_agents):
         return [[agent] for agent in reversed(range(num_agents))]
+
+
+def each_agent_once(client, row):
+    """Episode: every agent of the team (the endpoint's models) answers the prompt once; the team is rewarded for
+    brevity (`fewest_words` scores the returned answers)."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    agents = [model.id for model in client.models.list()]
+    return {
+        agent: client.chat.completions.create(model=agent, messages=messages).choices[0].message.content
+        for agent in agents
+    }
