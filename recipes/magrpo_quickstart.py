@@ -75,14 +75,19 @@ def main() -> None:
         model, explain_ratio_reward, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset
     )
 
+    train_and_report(trainer, args.output_dir, len(eval_dataset))
+
+
+def train_and_report(trainer: MAGRPOTrainer, output_dir: str, eval_size: int) -> None:
+    """The held-out team reward before and after training, the adapters saved, printed and in `results.json`."""
     start = time.perf_counter()
     before = trainer.evaluate(metric_key_prefix="eval")["eval_reward"]
-    print(f"Team reward before training: {before:.3f} (held-out questions: {len(eval_dataset)})", flush=True)
+    print(f"Team reward before training: {before:.3f} (held-out questions: {eval_size})", flush=True)
     trainer.train()
     after = trainer.evaluate(metric_key_prefix="eval")["eval_reward"]
-    trainer.save_model(args.output_dir)
+    trainer.save_model(output_dir)
     minutes = (time.perf_counter() - start) / 60
-    adapters = {agent: os.path.join(args.output_dir, agent) for agent in trainer.agent_names}
+    adapters = {agent: os.path.join(output_dir, agent) for agent in trainer.agent_names}
     results = {
         "team_reward_before": before,
         "team_reward_after": after,
@@ -90,12 +95,12 @@ def main() -> None:
         "minutes": minutes,
         "adapters": adapters,
     }
-    with open(os.path.join(args.output_dir, "results.json"), "w") as f:
+    with open(os.path.join(output_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
     print(f"Team reward after {trainer.state.global_step} steps: {after:.3f} (before: {before:.3f})")
     for agent, path in adapters.items():
         print(f"Adapter of agent '{agent}' saved in {path}")
-    print(f"Results: {os.path.join(args.output_dir, 'results.json')} ({minutes:.1f} min)")
+    print(f"Results: {os.path.join(output_dir, 'results.json')} ({minutes:.1f} min)")
 
 
 if __name__ == "__main__":
