@@ -351,3 +351,30 @@ def test_an_episodes_calls_sample_the_same_tokens_when_its_seed_and_calls_repeat
         return [call.completion_ids for call in book.close(key)]
 
     assert run(5) == run(5) and run(5) != run(6)
+
+
+def test_stopping_and_resuming_a_program_run_equals_the_uninterrupted_run(tiny_model_dir, tmp_path):
+    from test_resume import StopAt, adapters
+
+    def episode(client, row):
+        draft = ask(client, "writer", row["prompt"])
+        review = ask(client, "critic", draft)
+        return float(len(draft) - len(review))
+
+    def trainer_in(folder, **overrides):
+        args = config(folder, max_steps=4, seed=3, lr_scheduler_type="linear", **overrides)
+        return MAGRPOTrainer(tiny_model_dir, args=args, episode=episode, train_dataset=DATA)
+
+    uninterrupted = trainer_in(tmp_path / "a")
+    uninterrupted.train()
+    first = trainer_in(tmp_path / "b", save_strategy="steps", save_steps=2)
+    first.add_callback(StopAt(2))
+    first.train()
+    resumed = trainer_in(tmp_path / "b")
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 4
+    expected, final = adapters(uninterrupted), adapters(resumed)
+    for name in expected:
+        torch.testing.assert_close(final[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+    rewards = [log["reward"] for log in resumed.state.log_history if "reward" in log and log["step"] > 2]
+    assert rewards == [log["reward"] for log in uninterrupted.state.log_history if "reward" in log][2:]
