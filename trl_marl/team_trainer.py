@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import gather_object
 from datasets import Dataset, IterableDataset
 from transformers import PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
@@ -36,10 +36,7 @@ from trl.models.utils import disable_gradient_checkpointing
 
 from .agents import (
     adapter_parameters,
-    agent_adapter_names,
-    agent_lora_config,
     agent_prompt,
-    attach_agent_adapters,
     cast_frozen_adapters_like_trained,
     check_adapters_train,
     keep_4bit_weights_trainable,
@@ -61,12 +58,13 @@ from .reward_checks import (
     TeamRewardFunc,
 )
 from .rollout import Rollout, RolloutSettings, Sample, default_transition
-from .routing import BASE_ROW, AdapterRouter, check_sharding_routable
-from .rows import PER_ROW_LOSS_TYPES, pad_rows, pad_samples, padding_loss_scale
+from .routing import BASE_ROW, AdapterRouter
+from .rows import pad_rows, pad_samples, padding_loss_scale
 from .scheduling import resolve_scheduler, scheduled_phases
 from .scoring import TeamScoring
 from .sharing import card_example, card_settings, push_team_files, save_team, team_card, trained_team_spec
 from .team import local_base_paths
+from .team_assembly import check_team_training, load_team_models, prepare_other_bases
 from .team_bases import (
     TeamBase,
     first_base_alone,
@@ -74,9 +72,6 @@ from .team_bases import (
     load_base_adapters,
     logps_by_base,
     other_base,
-    plan_bases,
-    prepare_base,
-    register_bases,
     save_base_adapters,
 )
 from .team_generation import TeamGeneration, captured_single_turn, position_limit
@@ -162,37 +157,16 @@ class TeamTrainer(GRPOTrainer):
         scheduled_phases(self.scheduler, args.num_agents, args.num_turns)
 
         # The team's bases: one, unless agents name their own `model` (`team_bases.py`); checked before any loads,
-        # then each loaded once.
-        base_plans = plan_bases(args, model, quantization_config, base_models)
-        if processing_class is not None and not base_plans[0].trainer_base:
-            raise ValueError(
-                f"`processing_class` is given, but the first agent sits on its own model ({base_plans[0].name}), "
-                "whose tokenizer TRL would then use. Put the first agent on the trainer's model, or leave "
-                "`processing_class` out (each base loads its own tokenizer)."
-            )
-        base_models = [plan.load(args) for plan in base_plans]
-
-        self.agent_names = args.agent_names
-        self.agent_adapters = agent_adapter_names(args.agent_names, args.adapter_mode)
-        self.adapter_names = list(dict.fromkeys(self.agent_adapters))  # each adapter once
-        self.agent_base = [
-            next(k for k, plan in enumerate(base_plans) if i in plan.agents) for i in range(args.num_agents)
-        ]
-        # As TRL: seed before creating adapters, so their initialisation is reproducible (and equal to TRL's).
-        set_seed(args.seed)
-        lora_config = peft_config or agent_lora_config(
-            args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules
-        )
-        base_models = [
-            attach_agent_adapters(base, [self.agent_adapters[i] for i in plan.agents], lora_config)
-            for base, plan in zip(base_models, base_plans)
-        ]
-        model = base_models[0]
+        # then each loaded once with its agents' adapters (`team_assembly.py`).
+        team = load_team_models(args, model, quantization_config, base_models, processing_class, peft_config)
+        base_plans, base_models = team.plans, team.models
+        self.agent_names, self.agent_adapters, self.agent_base = args.agent_names, team.agent_adapters, team.agent_base
+        self.adapter_names = team.adapter_names
         # Frozen agents act but do not train: their adapters (unless shared with a trained agent) get no gradient,
         # so the optimizer, built from what requires grad, never holds them.
-        self.trained_agents = [i for i, name in enumerate(self.agent_names) if name not in args.frozen_agents]
-        self.trained_adapters = list(dict.fromkeys(self.agent_adapters[i] for i in self.trained_agents))
+        self.trained_agents, self.trained_adapters = team.trained_agents, team.trained_adapters
         self._set_adapter_trainability(base_models)
+        model = base_models[0]
 
         if args.ddp_find_unused_parameters is None and len(self.adapter_names) > 1:
             # A micro-batch may hold rows of only some agents; the other adapters then get no gradient under DDP.
@@ -221,35 +195,14 @@ class TeamTrainer(GRPOTrainer):
 
         deepspeed_plugin = self.accelerator.state.deepspeed_plugin
         zero3 = deepspeed_plugin is not None and deepspeed_plugin.zero_stage == 3
-        check_sharding_routable(
-            len(self.adapter_names), "FSDP" if self.is_fsdp_enabled else "DeepSpeed ZeRO-3" if zero3 else None
-        )
-        if args.num_turns > 1 and (self.is_fsdp_enabled or zero3):
-            raise ValueError(
-                f"`num_turns={args.num_turns}` is not supported with FSDP or DeepSpeed ZeRO-3: trees differ between "
-                "processes, so they run different numbers of `generate` calls, which sharded parameters cannot serve. "
-                "Use DDP or ZeRO-1/2, or `num_turns=1`."
-            )
-        if (
-            args.num_turns > 1
-            and self.loss_type in PER_ROW_LOSS_TYPES
-            and (self._entropy_bonus_enabled or self.aux_loss_enabled)
-        ):
-            raise ValueError(
-                f"`loss_type={self.loss_type!r}` with `num_turns={args.num_turns}` and an entropy bonus "
-                "(`entropy_coef` / `use_adaptive_entropy`) or a router aux loss is not supported: trees pad their "
-                "rows, and the padding correction of this per-row loss would scale those terms too. Use "
-                "`loss_type='dapo'` (or 'bnpo'), which count real tokens only, or turn the extra term off."
-            )
+        sharding = "FSDP" if self.is_fsdp_enabled else "DeepSpeed ZeRO-3" if zero3 else None
+        extra_loss_terms = self._entropy_bonus_enabled or self.aux_loss_enabled
+        check_team_training(args, len(self.adapter_names), sharding, self.loss_type, extra_loss_terms)
         self.num_agents = args.num_agents
         self.baseline = args.baseline
         chat = getattr(self.processing_class, "chat_template", None) is not None
         unwrapped = self.accelerator.unwrap_model(self.model)
-        for other in base_models[1:]:  # the other bases get what TRL and Trainer did to the first
-            prepare_base(other, args, self.temperature)
-            if not getattr(other, "is_loaded_in_4bit", False) and not getattr(other, "is_loaded_in_8bit", False):
-                other.to(self.accelerator.device)
-        register_bases(unwrapped, base_models[1:])
+        prepare_other_bases(unwrapped, base_models[1:], args, self.temperature, self.accelerator.device)
         # Every forward is routed, a one-adapter team's too: the KL reference goes to the base model through the router
         # (PEFT's `disable_adapter` would change which adapters require grad). One adapter's rows are computed as PEFT
         # computes them, so a one-agent team stays numerically identical to GRPOTrainer.
@@ -263,7 +216,7 @@ class TeamTrainer(GRPOTrainer):
         self.sampling_correction = None
         # Without vLLM, the team's decode step is captured (`captured_decode`): not under sharded parameters, which
         # are gathered module by module while the step runs.
-        sharded = self.is_fsdp_enabled or zero3
+        sharded = sharding is not None
         if args.captured_decode and (sharded or self._is_vlm):
             raise ValueError(
                 "`captured_decode=True` is not supported with FSDP or DeepSpeed ZeRO-3 (parameters gathered module by "
