@@ -378,3 +378,79 @@ def test_stopping_and_resuming_a_program_run_equals_the_uninterrupted_run(tiny_m
         torch.testing.assert_close(final[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
     rewards = [log["reward"] for log in resumed.state.log_history if "reward" in log and log["step"] > 2]
     assert rewards == [log["reward"] for log in uninterrupted.state.log_history if "reward" in log][2:]
+
+
+def test_an_outcome_nothing_scores_and_an_empty_completion_are_handled_and_errors_are_logged(
+    tiny_model_dir, tmp_path, caplog
+):
+    def episode(client, row):
+        ask(client, "writer", row["prompt"], stop=[" ", "a", "e", "o"])  # may end before its first token
+        return float(len(row["prompt"]))
+
+    def scores_mappings(prompts, completions, **kwargs):
+        return [1.0] * len(completions)
+
+    trainer = MAGRPOTrainer(
+        tiny_model_dir, scores_mappings, args=config(tmp_path), episode=episode, train_dataset=DATA
+    )
+    with caplog.at_level("WARNING", logger="trl_marl"):
+        trainer.train()
+    assert trainer.state.log_history[0]["episodes/failed"] == 4
+    assert "4 of 4 episodes left out: the episode returned a float, but the trainer's reward functions" in caplog.text
+
+    def names_the_agents(client, row):
+        ask(client, "writer", row["prompt"], stop=[" ", "a", "e", "o"])
+        return {"writer": "x"}
+
+    trainer = MAGRPOTrainer(tiny_model_dir, args=config(tmp_path), episode=names_the_agents, train_dataset=DATA)
+    with caplog.at_level("WARNING", logger="trl_marl"):
+        trainer.train()
+    assert "returned a mapping, but the trainer has no reward function to score it" in caplog.text
+    assert trainer._episode_runner is None
+
+
+def test_a_call_arriving_after_its_episode_ended_never_reaches_the_model_during_the_loss(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    from trl_marl.serving.engine import BatchingEngine
+
+    late, in_loss, calls_in_loss = [], threading.Event(), []
+
+    def episode(client, row):
+        own = openai.OpenAI(base_url=str(client.base_url), api_key=client.api_key, max_retries=0)  # as frameworks do
+
+        def call_later():
+            try:
+                late.append(ask(own, "writer", row["prompt"]))
+            except openai.APIStatusError as error:
+                late.append(error.status_code)
+            except openai.APIConnectionError:  # after the last step: the server has stopped with `train()`
+                late.append("stopped")
+
+        threading.Timer(0.3, call_later).start()  # a thread the program leaves running
+        ask(client, "critic", row["prompt"])
+        return 1.0
+
+    call, loss = BatchingEngine._call, MAGRPOTrainer.compute_loss
+    monkeypatch.setattr(
+        BatchingEngine, "_call", lambda self, rows: (calls_in_loss.append(in_loss.is_set()), call(self, rows))[1]
+    )
+
+    def compute_loss(self, *args, **kwargs):
+        in_loss.set()
+        try:
+            threading.Event().wait(0.6)  # long enough for the late calls to arrive
+            return loss(self, *args, **kwargs)
+        finally:
+            in_loss.clear()
+
+    monkeypatch.setattr(MAGRPOTrainer, "compute_loss", compute_loss)
+    trainer = MAGRPOTrainer(tiny_model_dir, args=config(tmp_path, max_steps=2), episode=episode, train_dataset=DATA)
+    trainer.train()
+    for _ in range(50):
+        if len(late) == 8:
+            break
+        threading.Event().wait(0.1)
+    # refused: the episode is over (404), the engine paused (503), the server stopped
+    assert len(late) == 8 and set(late) <= {404, 503, "stopped"} and 404 in late
+    assert calls_in_loss and not any(calls_in_loss)

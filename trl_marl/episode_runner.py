@@ -7,8 +7,9 @@ once per copy with an `openai` client bound to that episode's base URL (`/episod
 threads for a plain function, on one event loop for an `async` one (with an `openai.AsyncOpenAI` client). The server
 batches their calls, samples as the trainer samples and records each completion. An episode that raises, returns
 something other than a float or a mapping, or runs past `episode_timeout` seconds is left out (its error kept for the
-logs). When the batch ends every episode is closed (a late call of a hung program is refused) and the engine is
-drained, so the model is the trainer's alone again before the loss.
+logs). When the batch ends every episode is closed and the engine paused: its rows are cancelled and it takes none
+until the next batch (a late call of a hung program, or of a thread the program left running, is refused), so the
+model is the trainer's alone during the loss.
 """
 
 import asyncio
@@ -90,6 +91,7 @@ class EpisodeRunner:
     def run(self, examples: list[dict], seeds: list[int]) -> list[EpisodeResult]:
         """One episode per example (`seeds[i]`: episode `i`'s sampling seed), all at once; their results in order."""
         keys = [self.book.open(seed) for seed in seeds]
+        self.server.engine.resume()
         try:
             if is_async_callable(self.episode):
                 outcomes = asyncio.run(self._run_async(keys, examples))
@@ -97,7 +99,7 @@ class EpisodeRunner:
                 outcomes = self._run_threads(keys, examples)
         finally:
             recorded = [self.book.close(key) for key in keys]
-            self.server.engine.drain()
+            self.server.engine.pause()  # a late call (a hung program, a thread of its own) is refused from here on
         results = []
         for (outcome, error), calls in zip(outcomes, recorded):
             if error is None:

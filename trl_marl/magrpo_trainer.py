@@ -59,6 +59,9 @@ class MAGRPOTrainer(TeamTrainer):
             check_episode_settings(args)
             if reward_funcs is None and kwargs.get("task") is None:
                 reward_funcs = [episode_outcome]
+        funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
+        self._scores_floats = any(func is episode_outcome for func in funcs)
+        self._scores_mappings = any(func is not episode_outcome for func in funcs)  # a task's rewards too
         self.episode = episode
         self._episode_runner = None
         super().__init__(model, reward_funcs, args, *more, **kwargs)
@@ -69,9 +72,10 @@ class MAGRPOTrainer(TeamTrainer):
         if self.episode is not None:
             hooks = self._rollout_hooks(inputs, num_generations)
             del hooks["generate"]
-            return ProgramRollout(self.rollout_settings, num_generations).run(
-                inputs, run_episodes=self._run_episodes, **hooks
+            rollout = ProgramRollout(
+                self.rollout_settings, num_generations, self._scores_floats, self._scores_mappings
             )
+            return rollout.run(inputs, run_episodes=self._run_episodes, **hooks)
         rollout = TreeRollout(
             self.rollout_settings,
             num_generations,
@@ -122,6 +126,15 @@ class MAGRPOTrainer(TeamTrainer):
             return super().train(*args, **kwargs)
         finally:
             self.close_episode_server()
+
+    def evaluate(self, *args, **kwargs):
+        """TRL's; an evaluation that started the episode server stops it (a later rollout starts it again)."""
+        started_here = self._episode_runner is None
+        try:
+            return super().evaluate(*args, **kwargs)
+        finally:
+            if started_here:
+                self.close_episode_server()
 
 
 def check_episode_settings(args) -> None:

@@ -13,7 +13,9 @@ Like the other rollouts it is independent of any model: the trainer passes `run_
 its server, `episode_runner.EpisodeRunner`), `score` and `gather`.
 """
 
+import logging
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +31,8 @@ from .serving.episodes import RecordedCall
 
 # The dataset column through which a float outcome reaches the team reward (`episode_outcome`).
 OUTCOME_COLUMN = "episode_outcome"
+
+logger = logging.getLogger("trl_marl")
 
 
 @dataclass
@@ -65,7 +69,14 @@ class ProgramRollout(EpisodeRollout):
     Args:
         settings: the trainer's `RolloutSettings` (agents, reward weights, baseline, scaling).
         num_generations: G, episodes per dataset row.
+        scores_floats: the reward functions include `episode_outcome` (a float outcome is a team reward).
+        scores_mappings: the reward functions include others (they score a mapping outcome). An episode whose
+            outcome nothing scores is left out, its error saying what to change.
     """
+
+    def __init__(self, settings, num_generations: int, scores_floats: bool = True, scores_mappings: bool = True):
+        super().__init__(settings, num_generations)
+        self.scores_floats, self.scores_mappings = scores_floats, scores_mappings
 
     def run(
         self,
@@ -79,7 +90,10 @@ class ProgramRollout(EpisodeRollout):
         global index of the first)."""
         num_generations = self.num_generations
         check_group_layout(examples, first_copy, num_generations, gather)
-        results = run_episodes(examples)
+        results = [self._checked(result) for result in run_episodes(examples)]
+        errors = Counter(result.error for result in results if result.error is not None)
+        for error, count in errors.most_common(3):
+            logger.warning("%d of %d episodes left out: the episode %s", count, len(results), error)
         joint_actions = []
         for row, (example, result) in enumerate(zip(examples, results)):
             copy = first_copy + row
@@ -126,6 +140,22 @@ class ProgramRollout(EpisodeRollout):
             samples, joint_actions, turn_stats, batch_rewards_per_func, torch.zeros(len(table), dtype=torch.long),
             metrics,
         )  # fmt: skip
+
+    def _checked(self, result: EpisodeResult) -> EpisodeResult:
+        """The result, or a failed one when nothing scores its outcome."""
+        if result.error is None and isinstance(result.outcome, float) and not self.scores_floats:
+            why = (
+                "returned a float, but the trainer's reward functions score mappings: return the agents' answers as "
+                "a mapping, or give no reward functions so that the float is the team reward"
+            )
+        elif result.error is None and isinstance(result.outcome, dict) and not self.scores_mappings:
+            why = (
+                "returned a mapping, but the trainer has no reward function to score it: return the team reward as a "
+                "float, or give reward functions"
+            )
+        else:
+            return result
+        return EpisodeResult(None, [], why)
 
     def _credit(self, table: list[tuple]) -> tuple[list[dict], dict, dict, int]:
         """Each group's advantages from the rewards of every process's episodes (a group may span processes); a group

@@ -225,7 +225,7 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
         try:
             rows = engine.submit(requests, listener)
         except EngineStopped as error:
-            raise unavailable(engine) from error
+            raise unavailable(engine, str(error)) from error
         prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
         completion_id, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
         tokens = pieces[id(engine.tokenizer_of(requests[0].agent))]
@@ -336,9 +336,12 @@ def failure(row: GeneratedRow) -> APIError:
     return APIError(500, f"Generation failed: {type(row.error).__name__}: {row.error}", code="generation_failed")
 
 
-def unavailable(engine: BatchingEngine) -> APIError:
-    reason = "it is shutting down" if engine.failure is None else f"{type(engine.failure).__name__}: {engine.failure}"
-    return APIError(503, f"The server's engine is not running ({reason}).", code="engine_unavailable")
+def unavailable(engine: BatchingEngine, reason: str | None = None) -> APIError:
+    if engine.failure is not None:
+        reason = f"{type(engine.failure).__name__}: {engine.failure}"
+    return APIError(
+        503, f"The server's engine is not running ({reason or 'it is shutting down'}).", code="engine_unavailable"
+    )
 
 
 def unanswered(row: GeneratedRow) -> APIError:

@@ -54,6 +54,7 @@ class BatchingEngine:
         self._queue: list[GeneratedRow] = []
         self._condition = threading.Condition()
         self._closing = False
+        self._paused = False  # `pause`: no rows taken until `resume`
         self._thread: threading.Thread | None = None
         self.calls = 0  # routed calls made so far
         self._submissions = 0
@@ -91,15 +92,22 @@ class BatchingEngine:
             self._thread.join()
             self._thread = None
 
-    def drain(self) -> None:
-        """Cancel every row, waiting or running, and return once no call runs (the model is the caller's again)."""
+    def pause(self) -> None:
+        """Take no more rows (`submit` refuses them until `resume`), cancel every row, waiting or running, and return
+        once no call runs: the model is the caller's alone (a trainer's, between its rollouts)."""
         with self._condition:
+            self._paused = True
             waiting, self._queue = self._queue, []
             for row in self._running:
                 row.cancelled = True
         self._finish_cancelled(waiting)
         while self._running:
             time.sleep(0.005)
+
+    def resume(self) -> None:
+        """Take rows again after `pause`."""
+        with self._condition:
+            self._paused = False
 
     def tokenizer_of(self, agent: int):
         """The tokenizer of the base the agent (its index) sits on."""
@@ -124,6 +132,8 @@ class BatchingEngine:
             rows = [GeneratedRow(request, listener, submission=self._submissions) for request in requests]
             if self._closing:
                 raise EngineStopped("The serving engine is closed.")
+            if self._paused:
+                raise EngineStopped("The serving engine is paused: the trainer is between rollouts.")
             if self.failure is not None:
                 raise EngineStopped(f"The serving engine stopped: {type(self.failure).__name__}: {self.failure}")
             self._queue.extend(rows)

@@ -145,7 +145,7 @@ class EpisodeBook:
                 row.finish_reason,
             )
             for index, row in enumerate(rows)
-            if row.finish_reason in ("stop", "length")
+            if row.finish_reason in ("stop", "length") and row.completion_ids  # a stop string first: nothing to train
         ]
         with self._lock:
             episode = self._open.get(key)
