@@ -23,6 +23,8 @@ from trl.trainer.utils import is_async_callable
 from .program_rollout import EpisodeResult, checked_outcome
 from .serving.episodes import EpisodeBook, EpisodeSampling
 
+EPISODE_GATHER_SECONDS = 0.1
+
 
 class TrainingTeam:
     """The trainer's team as the serving engine reads a loaded `Team`: its bases (model, tokenizer, router, decode
@@ -80,7 +82,9 @@ class EpisodeRunner:
         self.episode, self.timeout = episode, timeout
         self.book = EpisodeBook(sampling, max_calls)
         self.api_key = secrets.token_hex(16)
-        engine = BatchingEngine(team, max_batch_rows=max_batch_rows, chunk_tokens=sampling.max_tokens)
+        # A batch's episodes start together: their first calls wait a little longer for each other to share one call
+        # (a row that misses it joins the running call after at most 16 tokens).
+        engine = BatchingEngine(team, max_batch_rows=max_batch_rows, gather_seconds=EPISODE_GATHER_SECONDS)
         settings = ServingSettings(api_key=self.api_key, max_tokens=sampling.max_tokens, episodes=self.book)
         self.server = bind_server(engine, settings)
         self.server._start_in_thread()

@@ -43,14 +43,18 @@ class BatchingEngine:
         max_batch_rows: at most this many rows in one call.
         chunk_tokens: a call that has generated this many tokens ends when rows are waiting (its unfinished rows
             continue in the next call).
+        gather_seconds: when a row reaches an idle engine, how long it waits for the rows sent with it.
     """
 
-    def __init__(self, team: Team, max_batch_rows: int = 16, chunk_tokens: int = 16):
+    def __init__(
+        self, team: Team, max_batch_rows: int = 16, chunk_tokens: int = 16, gather_seconds: float = GATHER_SECONDS
+    ):
         if max_batch_rows < 1 or chunk_tokens < 1:
             raise ValueError(
                 f"max_batch_rows and chunk_tokens must be at least 1, got {max_batch_rows} and {chunk_tokens}."
             )
         self.team, self.max_batch_rows, self.chunk_tokens = team, max_batch_rows, chunk_tokens
+        self.gather_seconds = gather_seconds
         self._queue: list[GeneratedRow] = []
         self._condition = threading.Condition()
         self._closing = False
@@ -192,7 +196,7 @@ class BatchingEngine:
                 if not self._queue and not self._closing:
                     while not self._queue and not self._closing:
                         self._condition.wait()
-                    gathered_by = time.monotonic() + GATHER_SECONDS
+                    gathered_by = time.monotonic() + self.gather_seconds
                     while not self._closing and (left := gathered_by - time.monotonic()) > 0:
                         self._condition.wait(left)
                 if self._closing:
