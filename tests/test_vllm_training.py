@@ -60,3 +60,56 @@ def test_a_two_agent_team_trains_with_vllm_and_logs_the_importance_sampling_corr
         assert step_log["sampling/sampling_logp_difference/max"] < 1e-3
         assert step_log["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
     engine.close()  # the next engine needs the memory of this one's KV cache
+
+
+def test_an_agent_program_trains_on_the_teams_vllm_engine_with_its_log_probs(default_model_dir, tmp_path):
+    """Episodes with `use_vllm=True` (docs/programs.md): the programs' calls are served by the trainer's vLLM engine
+    with this step's adapters, and each recorded completion's vLLM log-probs (after temperature, as the trainer
+    computes its own) feed TRL's importance-sampling correction."""
+    pytest.importorskip("fastapi", reason="programs are served by the `serve` extra (FastAPI, uvicorn)")
+    pytest.importorskip("openai", reason="episodes call the agents with the `openai` client")
+    from datasets import Dataset
+
+    def ask(client, agent, content):
+        messages = [{"role": "user", "content": content}]
+        return client.chat.completions.create(model=agent, messages=messages).choices[0].message.content
+
+    def episode(client, row):
+        draft = ask(client, "writer", row["prompt"])
+        edit = ask(client, "editor", f"Edit: {draft}")
+        return len(edit) / 40
+
+    args = MAGRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        agents=AGENTS,
+        use_vllm=True,
+        vllm_gpu_memory_utilization=0.3,
+        vllm_max_model_length=512,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        temperature=0.7,  # vLLM's raw log-probs (before temperature) would differ from the trainer's by far more
+        max_steps=2,
+        learning_rate=5e-3,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        episode_timeout=300,
+    )
+    data = Dataset.from_dict({"prompt": ["Write about rain.", "Write about owls."]})
+    trainer = MAGRPOTrainer(default_model_dir, args=args, episode=episode, train_dataset=data)
+    before = {name: lora_params(trainer.model, name) for name in ("writer", "editor")}
+    trainer.train()
+    for name in ("writer", "editor"):
+        after = lora_params(trainer.model, name)
+        assert any(not torch.equal(before[name][n], p) for n, p in after.items()), f"adapter {name} did not move"
+    engine = trainer.vllm_generation
+    assert engine.version == 1  # the second batch's episodes were served by the adapters of step 1
+    for step_log in trainer.state.log_history[:2]:
+        assert step_log["episodes/calls_mean"] == 2.0 and step_log["episodes/failed"] == 0.0
+        assert step_log["sampling/sampling_logp_difference/max"] < 1e-3
+        assert step_log["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
+    engine.close()

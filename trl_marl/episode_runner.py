@@ -30,9 +30,10 @@ class TrainingTeam:
     """The trainer's team as the serving engine reads a loaded `Team`: its bases (model, tokenizer, router, decode
     step), each agent's adapter and role, the tokens that end a completion, and the sampling it trains with."""
 
-    engine = None  # generates with transformers (the trainer's routed `generate` or captured decode step)
-
     def __init__(self, trainer: Any):
+        # the trainer's vLLM engine (`use_vllm`), else None: transformers generates (routed `generate` or the captured
+        # decode step)
+        self.engine = trainer.vllm_generation if trainer.use_vllm else None
         self.bases, self.agent_base = trainer.bases, trainer.agent_base
         self.agent_names = trainer.agent_names
         self.agents = [
@@ -76,15 +77,14 @@ class EpisodeRunner:
         max_batch_rows: int = 64,
     ):
         from .serving.app import ServingSettings
-        from .serving.engine import BatchingEngine
-        from .serving.server import bind_server
+        from .serving.server import batching_engine, bind_server
 
         self.episode, self.timeout = episode, timeout
         self.book = EpisodeBook(sampling, max_calls)
         self.api_key = secrets.token_hex(16)
         # A batch's episodes start together: their first calls wait a little longer for each other to share one call
-        # (a row that misses it joins the running call after at most 16 tokens).
-        engine = BatchingEngine(team, max_batch_rows=max_batch_rows, gather_seconds=EPISODE_GATHER_SECONDS)
+        # (a row that misses it joins the running call after at most 16 tokens; with vLLM, at its next step).
+        engine = batching_engine(team, max_batch_rows=max_batch_rows, gather_seconds=EPISODE_GATHER_SECONDS)
         settings = ServingSettings(api_key=self.api_key, max_tokens=sampling.max_tokens, episodes=self.book)
         self.server = bind_server(engine, settings)
         self.server._start_in_thread()

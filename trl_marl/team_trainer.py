@@ -655,6 +655,8 @@ class TeamTrainer(GRPOTrainer):
         no_loss = not trained
         # (A program rollout whose every episode failed on this process has no row at all: one loss-free stand-in.)
         samples = trained or rollout.samples[:1] or [self._stand_in_sample()]
+        if not rollout.samples and self.sampling_correction is not None:  # no sampler's log-probs: a ratio of 1
+            self.sampling_correction.record([0], [samples[0].prompt_ids], [samples[0].completion_ids], [[None]])
         device = self.accelerator.device
         output = self._pad_samples(
             [s.prompt_ids for s in samples], [s.completion_ids for s in samples], no_loss, [s.agent for s in samples]

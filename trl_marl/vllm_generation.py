@@ -32,11 +32,12 @@ The engine's settings, the checks that refuse what vLLM cannot serve, and `Saved
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -248,6 +249,21 @@ class TeamVLLMGeneration(VLLMGeneration):
             self.sync_weights()  # wakes the weights (TRL's generate would, after the requests are built)
         with self.llm.serving(self.row_lora_requests(len(prompts)), self.request_seeds(len(prompts))):
             return super().generate(prompts, images, num_generations, profiler)  # its `llm.generate` serves the rows
+
+    @contextlib.contextmanager
+    def awake(self) -> Iterator[None]:
+        """The engine ready for requests made outside `generate` (the episode server's, `episode_runner.py`): started,
+        this step's adapters served, weights and KV cache awake; asleep again afterwards, as after `generate`
+        (`vllm_enable_sleep_mode`)."""
+        self.sync_weights()  # starts a closed engine, wakes the weights
+        if self.enable_sleep_mode:
+            self.llm.wake_up(tags=["kv_cache"])
+        try:
+            yield
+        finally:
+            if self.enable_sleep_mode:
+                self.llm.sleep()
+                self._llm_weights_sleeping = True
 
     def close(self) -> None:
         """Shut the engine down, free its memory (weights, KV cache) and remove the saved adapter versions. Another

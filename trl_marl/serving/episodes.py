@@ -30,7 +30,9 @@ class RecordedCall:
         prompt: what the request sent (chat messages, or the prompt text).
         prompt_ids: the prompt as the model saw it (the agent's role and chat template applied).
         completion_ids: the sampled completion (its end-of-sequence token kept, as `Team` keeps it).
-        logprobs: each completion token's log-probability under the model at sampling time (before temperature).
+        logprobs: each completion token's log-probability at sampling time, as the sampler gave it: on the
+            transformers path before temperature; on the trainer's vLLM engine after temperature and top-p (what
+            TRL's importance-sampling correction compares with the trainer's).
         text: the completion's text as the program received it.
         finish_reason: "stop" or "length".
     """

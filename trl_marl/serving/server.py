@@ -92,6 +92,16 @@ class TeamServer:
         self.close()
 
 
+def batching_engine(team: Any, **settings: Any) -> BatchingEngine:
+    """The engine that batches `team`'s rows (`settings`: `BatchingEngine`'s): vLLM's when the team generates with
+    vLLM (`team.engine`: loaded with `use_vllm=True`, or a trainer's vLLM engine), else transformers'."""
+    if team.engine is not None:
+        from .vllm_engine import VLLMBatchingEngine
+
+        return VLLMBatchingEngine(team, **settings)
+    return BatchingEngine(team, **settings)
+
+
 def prepare_server(
     team_or_path: Any,
     *,
@@ -125,12 +135,7 @@ def prepare_server(
         team, owns_team = team_or_path, False
     else:
         team, owns_team = load_team(team_or_path, **load_options), True
-    if team.engine is not None:  # loaded with `use_vllm=True`: vLLM batches the rows
-        from .vllm_engine import VLLMBatchingEngine
-
-        engine = VLLMBatchingEngine(team, max_batch_rows=max_batch_rows)
-    else:
-        engine = BatchingEngine(team, max_batch_rows=max_batch_rows, chunk_tokens=chunk_tokens)
+    engine = batching_engine(team, max_batch_rows=max_batch_rows, chunk_tokens=chunk_tokens)
     settings = ServingSettings(
         api_key=api_key,
         max_body_bytes=MAX_BODY_BYTES if max_body_bytes is None else max_body_bytes,

@@ -29,12 +29,13 @@ class VLLMBatchingEngine(BatchingEngine):
         team: a team loaded with `use_vllm=True`.
         max_batch_rows: at most this many rows in vLLM at once (vLLM's own `max_num_seqs` may run fewer at a time).
         chunk_tokens: unused (rows join the running batch at every step); kept for `BatchingEngine`'s signature.
+        **settings: `BatchingEngine`'s (`gather_seconds`).
     """
 
-    def __init__(self, team: Team, max_batch_rows: int = 16, chunk_tokens: int = 16):
+    def __init__(self, team: Team, max_batch_rows: int = 16, chunk_tokens: int = 16, **settings: Any):
         if team.engine is None:
             raise ValueError("VLLMBatchingEngine serves a team loaded with `use_vllm=True`; use BatchingEngine.")
-        super().__init__(team, max_batch_rows=max_batch_rows, chunk_tokens=chunk_tokens)
+        super().__init__(team, max_batch_rows=max_batch_rows, chunk_tokens=chunk_tokens, **settings)
         self._active: dict[str, GeneratedRow] = {}  # vLLM's request id -> its row
         self._request_ids = itertools.count()
 
@@ -47,6 +48,7 @@ class VLLMBatchingEngine(BatchingEngine):
         try:
             while True:
                 with self._condition:
+                    self._running = list(self._active.values())  # `pause` waits until no row runs
                     while not self._queue and not self._active and not self._closing:
                         self._condition.wait()
                     if self._closing:
