@@ -454,3 +454,20 @@ def test_a_call_arriving_after_its_episode_ended_never_reaches_the_model_during_
     # refused: the episode is over (404), the engine paused (503), the server stopped
     assert len(late) == 8 and set(late) <= {404, 503, "stopped"} and 404 in late
     assert calls_in_loss and not any(calls_in_loss)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("num_turns", 2),
+        ("joint_mode", "cross"),
+        ("top_k", 5),
+        ("min_p", 0.1),
+        ("repetition_penalty", 1.1),
+        ("generation_kwargs", {"no_repeat_ngram_size": 2}),
+        ("vllm_structured_outputs_regex", "[0-9]+"),
+    ],
+)
+def test_what_the_episode_server_cannot_do_is_refused_by_name_before_any_model_loads(tmp_path, field, value):
+    with pytest.raises(ValueError, match=rf"`{field}=.*` is not supported with an episode function"):
+        MAGRPOTrainer("no/such-model", args=config(tmp_path, **{field: value}), episode=lambda client, row: 1.0)

@@ -2,6 +2,8 @@
 text, for byte-level BPE tokens that hold part of a character and for SentencePiece tokens with a leading space, and
 the character offsets of the legacy completions format."""
 
+import json
+
 import pytest
 from test_team_bases import sentencepiece_tokenizer  # noqa: F401  (a fixture)
 from transformers import AutoTokenizer
@@ -74,6 +76,22 @@ def test_logprobs_entries_carry_each_tokens_bytes_and_text_offsets_count_from_th
     assert legacy["tokens"] == [" —", "bytes:\\x20\\xe6", "bytes:\\x97"]
     assert legacy["text_offset"] == [9, 11, 12]  # 4 prompt characters, then "héllo" ...
     assert legacy["top_logprobs"][0] == {" —": -0.5}
+
+
+def test_a_token_outside_the_nucleus_gets_openais_floor_not_an_infinity_json_cannot_carry(smol):
+    # log-probabilities taken after top-p (a trainer's vLLM engine) give -inf to the tokens top-p removed
+    ids = smol.encode("Hi there", add_special_tokens=False)
+    row = GeneratedRow(RowRequest(0, [1], 8, top_logprobs=2))
+    row.completion_ids, row.logprobs = ids, [-0.25, float("-inf")]
+    row.top_logprobs = [[(ids[0], -0.25), (7, float("-inf"))], [(ids[1], float("nan")), (7, -1.5)]]
+    pieces = TokenPieces(smol)
+    chat = chat_logprobs(pieces, row)["content"]
+    assert [entry["logprob"] for entry in chat] == [-0.25, -9999.0]
+    assert [[top["logprob"] for top in entry["top_logprobs"]] for entry in chat] == [[-0.25, -9999.0], [-9999.0, -1.5]]
+    legacy = completion_logprobs(pieces, row)
+    assert legacy["token_logprobs"] == [-0.25, -9999.0]
+    assert sorted(legacy["top_logprobs"][0].values()) == [-9999.0, -0.25]
+    json.dumps({"chat": chat, "legacy": legacy}, allow_nan=False)  # what FastAPI's response refuses otherwise
 
 
 def streamed_token_counts(tokenizer, text: str, stop: tuple[str, ...]) -> list[int]:

@@ -70,13 +70,13 @@ def test_an_agent_program_trains_on_the_teams_vllm_engine_with_its_log_probs(def
     pytest.importorskip("openai", reason="episodes call the agents with the `openai` client")
     from datasets import Dataset
 
-    def ask(client, agent, content):
+    def ask(client, agent, content, **kwargs):
         messages = [{"role": "user", "content": content}]
-        return client.chat.completions.create(model=agent, messages=messages).choices[0].message.content
+        return client.chat.completions.create(model=agent, messages=messages, **kwargs).choices[0].message.content
 
     def episode(client, row):
         draft = ask(client, "writer", row["prompt"])
-        edit = ask(client, "editor", f"Edit: {draft}")
+        edit = ask(client, "editor", f"Edit: {draft}", logprobs=True, top_logprobs=5)
         return len(edit) / 40
 
     args = MAGRPOConfig(
@@ -102,14 +102,17 @@ def test_an_agent_program_trains_on_the_teams_vllm_engine_with_its_log_probs(def
     data = Dataset.from_dict({"prompt": ["Write about rain.", "Write about owls."]})
     trainer = MAGRPOTrainer(default_model_dir, args=args, episode=episode, train_dataset=data)
     before = {name: lora_params(trainer.model, name) for name in ("writer", "editor")}
+    engine = trainer.vllm_generation
+    server_open_at_close, close = [], engine.close
+    engine.close = lambda: (server_open_at_close.append(trainer._episode_runner is not None), close())
     trainer.train()
     for name in ("writer", "editor"):
         after = lora_params(trainer.model, name)
         assert any(not torch.equal(before[name][n], p) for n, p in after.items()), f"adapter {name} did not move"
-    engine = trainer.vllm_generation
     assert engine.version == 1  # the second batch's episodes were served by the adapters of step 1
+    # the episode server's thread let go of the vLLM engine before `train()` closed it, so its memory is freed
+    assert server_open_at_close == [False] and engine.llm is None
     for step_log in trainer.state.log_history[:2]:
         assert step_log["episodes/calls_mean"] == 2.0 and step_log["episodes/failed"] == 0.0
         assert step_log["sampling/sampling_logp_difference/max"] < 1e-3
         assert step_log["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-3)
-    engine.close()

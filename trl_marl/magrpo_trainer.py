@@ -140,11 +140,10 @@ class MAGRPOTrainer(TeamTrainer):
             self._episode_runner.close()
             self._episode_runner = None
 
-    def train(self, *args, **kwargs):
-        try:
-            return super().train(*args, **kwargs)
-        finally:
-            self.close_episode_server()
+    def _release_generation(self) -> None:
+        """The episode server stops first: its engine's thread holds the vLLM engine that `super()` then closes."""
+        self.close_episode_server()
+        super()._release_generation()
 
     def evaluate(self, *args, **kwargs):
         """TRL's; an evaluation that started the episode server stops it (a later rollout starts it again)."""
@@ -160,12 +159,18 @@ def check_episode_settings(args) -> None:
     """What an episode rollout cannot do yet, refused before any model loads, naming the field."""
     if not isinstance(args, MAGRPOConfig):
         return  # TeamTrainer's own check says what `args` must be
+    sampling_only = "the episode server samples with temperature and top-p only"
     refusals = {
         "num_turns": (args.num_turns != 1, "the program decides the turns: leave `num_turns=1`"),
         "joint_mode": (args.joint_mode != "aligned", "an episode is one joint action: use `joint_mode='aligned'`"),
-        "top_k": (args.top_k not in (None, 0), "the episode server samples with temperature and top-p only"),
-        "min_p": (args.min_p is not None, "the episode server samples with temperature and top-p only"),
+        "top_k": (args.top_k not in (None, 0), sampling_only),
+        "min_p": (args.min_p is not None, sampling_only),
         "repetition_penalty": (args.repetition_penalty != 1.0, "the episode server applies no repetition penalty"),
+        "generation_kwargs": (bool(args.generation_kwargs), sampling_only),
+        "vllm_structured_outputs_regex": (
+            args.vllm_structured_outputs_regex is not None,
+            "the episode server does not constrain what the agents write",
+        ),
     }
     for name, (refused, why) in refusals.items():
         if refused:

@@ -3,18 +3,35 @@
 Before TRL's init, `load_team_models`: each base planned and checked before anything loads (`team_bases.plan_bases`),
 loaded once, and given its agents' adapters, seeded as TRL seeds (a fresh adapter per agent, or one shared by all);
 which agents and adapters train. After it, `check_team_training` refuses what the team cannot train under the
-accelerator TRL set up, and `prepare_other_bases` gives the other bases what TRL and Trainer did to the first.
+accelerator TRL set up, and `assemble_parts` builds what generates and scores the team's episodes around TRL's model:
+the other bases prepared as TRL and Trainer prepared the first, the router, the captured decode step or the team's
+vLLM engine, the routed generation, the team reward functions, each base's `TeamBase` and the rollout settings.
 """
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 from accelerate.utils import set_seed
+from trl.extras.profiling import profiling_context
 
-from .agents import agent_adapter_names, agent_lora_config, attach_agent_adapters
-from .routing import check_sharding_routable
+from .agents import (
+    adapter_parameters,
+    agent_adapter_names,
+    agent_lora_config,
+    agent_prompt,
+    attach_agent_adapters,
+    cast_frozen_adapters_like_trained,
+    keep_4bit_weights_trainable,
+)
+from .captured_decode import captured_decoder
+from .rollout import RolloutSettings
+from .routing import AdapterRouter, check_sharding_routable
 from .rows import PER_ROW_LOSS_TYPES
-from .team_bases import plan_bases, prepare_base, register_bases
+from .scoring import TeamScoring
+from .team_bases import TeamBase, other_base, plan_bases, prepare_base, register_bases
+from .team_generation import TeamGeneration, position_limit
+from .vllm_generation import SamplingCorrection, team_vllm_engine
 
 
 @dataclass
@@ -102,3 +119,150 @@ def prepare_other_bases(first: Any, others: list, args: Any, temperature: float,
         if not getattr(other, "is_loaded_in_4bit", False) and not getattr(other, "is_loaded_in_8bit", False):
             other.to(device)
     register_bases(first, others)
+
+
+@dataclass
+class TeamParts:
+    """What generates and scores a trainer's episodes, built after TRL's init (`assemble_parts`).
+
+    Args:
+        router: routes each row of the first base to its agent's adapter (`routing.AdapterRouter`).
+        adapter_parameters: each adapter's parameters (`agents.adapter_parameters`), checked before every loss.
+        captured_decoder: the first base's captured decode step, or None (with vLLM, sharded parameters or a
+            vision-language model, which generate otherwise).
+        vllm_generation: the team's vLLM engine (`vllm_generation.TeamVLLMGeneration`) with `use_vllm`, else None.
+        sampling_correction: vLLM's log-probs carried to TRL's importance-sampling correction, or None.
+        team_generation: the first base's routed generation (`team_generation.TeamGeneration`).
+        scoring: the team reward functions (`scoring.TeamScoring`).
+        bases: each base's `team_bases.TeamBase`, TRL's model first.
+        rollout_settings: what every rollout reads (`rollout.RolloutSettings`).
+    """
+
+    router: AdapterRouter
+    adapter_parameters: Any
+    captured_decoder: Any
+    vllm_generation: Any
+    sampling_correction: SamplingCorrection | None
+    team_generation: TeamGeneration
+    scoring: TeamScoring
+    bases: list[TeamBase]
+    rollout_settings: RolloutSettings
+
+
+def assemble_parts(trainer: Any, team: TeamModels, use_vllm: bool, sharding: str | None) -> TeamParts:
+    """The parts around the model TRL's init prepared (`trainer`: a `TeamTrainer` just past `GRPOTrainer.__init__`;
+    `team`: its bases from `load_team_models`; `sharding` as in `check_team_training`). TRL's generation methods are
+    looked up on the trainer at each call (as TRL's `_generate` does), so a subclass or a test may replace them."""
+    args = trainer.args
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+    prepare_other_bases(unwrapped, team.models[1:], args, trainer.temperature, trainer.accelerator.device)
+    # Every forward is routed, a one-adapter team's too: the KL reference goes to the base model through the router
+    # (PEFT's `disable_adapter` would change which adapters require grad). One adapter's rows are computed as PEFT
+    # computes them, so a one-agent team stays numerically identical to GRPOTrainer.
+    router = AdapterRouter(unwrapped, trainer._base_adapters(0))
+    keep_4bit_weights_trainable(unwrapped)
+    for base in team.models:
+        cast_frozen_adapters_like_trained(base, team.trained_adapters)
+    # Without vLLM, the team's decode step is captured (`captured_decode`): not under sharded parameters, which are
+    # gathered module by module while the step runs.
+    sharded = sharding is not None
+    if args.captured_decode and (sharded or trainer._is_vlm):
+        raise ValueError(
+            "`captured_decode=True` is not supported with FSDP or DeepSpeed ZeRO-3 (parameters gathered module by "
+            "module) or a vision-language model. Leave it None or False."
+        )
+    use_captured = not (use_vllm or sharded or trainer._is_vlm)
+    decoder = captured_decoder(unwrapped, router, args.captured_decode) if use_captured else None
+    vllm_engine = sampling_correction = None
+    if use_vllm:
+        vllm_engine = team_vllm_engine(
+            trainer.model,
+            args,
+            accelerator=trainer.accelerator,
+            processing_class=trainer.processing_class,
+            router=router,
+            adapter_names=team.adapter_names,
+            trained_adapters=team.trained_adapters,
+            current_step=lambda: trainer.state.global_step,
+        )
+        if trainer.vllm_importance_sampling_correction:
+            sampling_correction = SamplingCorrection(
+                trainer.vllm_importance_sampling_mode,
+                trainer.vllm_importance_sampling_clip_min,
+                trainer.vllm_importance_sampling_clip_max,
+            )
+    generation = TeamGeneration(
+        router,
+        team.agent_adapters,
+        args.agent_names,
+        tokenize=lambda *call: trainer._tokenize_prompts(*call),
+        generate_single_turn=lambda *call: trainer._generate_single_turn(*call),
+        processing_class=trainer.processing_class,
+        position_limit=position_limit(trainer.model.config, args.vllm_max_model_length if use_vllm else None),
+        max_completion_length=trainer.max_completion_length,
+        sampling_correction=sampling_correction,
+    )
+    profile = functools.partial(profiling_context, trainer)
+    scoring = TeamScoring(
+        trainer.reward_funcs,
+        trainer.reward_func_names,
+        trainer_state=lambda: trainer.state,
+        log_extra=trainer._log_completion_extra,
+        log_metric=trainer._log_metric,
+        async_loop=getattr(trainer, "async_loop", None),
+        profile=profile,
+    )
+    first = team.plans[0]
+    bases = [
+        TeamBase(
+            first.name, unwrapped, trainer._tokenizer, first.agents, router, decoder, generation, trainer.eos_token_ids
+        )
+    ]
+    for plan, model in zip(team.plans[1:], team.models[1:]):
+        # a base other than TRL's model, with its own tokenizer, router, captured decoder and generation, generating
+        # as TRL's model does
+        bases.append(
+            other_base(
+                plan,
+                model,
+                first_tokenizer=trainer._tokenizer,
+                agent_adapters=team.agent_adapters,
+                agent_names=args.agent_names,
+                generation_config=trainer.generation_config,
+                captured=args.captured_decode if use_captured else False,
+                chat_template_kwargs=trainer.chat_template_kwargs,
+                tools=trainer.tools,
+                pad_to_multiple_of=trainer.pad_to_multiple_of,
+                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
+                max_completion_length=trainer.max_completion_length,
+                profile=profile,
+            )
+        )
+    chat = getattr(trainer.processing_class, "chat_template", None) is not None
+    roles = [agent["system_prompt"] for agent in args.agents]
+    rollout_settings = RolloutSettings.from_config(
+        args,
+        trainer.task,
+        reward_weights=trainer.reward_weights,
+        baseline=trainer.baseline,
+        scale_rewards=trainer.scale_rewards,
+        transition=trainer.transition,
+        agent_input=functools.partial(_agent_input, roles, chat),
+        scheduler=trainer.scheduler,
+    )
+    return TeamParts(
+        router,
+        adapter_parameters(unwrapped, team.adapter_names),
+        decoder,
+        vllm_engine,
+        sampling_correction,
+        generation,
+        scoring,
+        bases,
+        rollout_settings,
+    )
+
+
+def _agent_input(system_prompts: list[str], use_chat_template: bool, agent: int, prompt):
+    """What agent `agent` is given: its role, then the prompt (the rollouts' `agent_input`)."""
+    return agent_prompt(system_prompts[agent], prompt, use_chat_template)

@@ -5,8 +5,9 @@ This file is trl_marl's one seam with TRL: every method TRL or transformers call
 short, handing off to a collaborator the trainer owns or to functions that take their inputs explicitly. Reading it
 tells what moves when the TRL pin moves (docs/design.md, §10).
 
-- `__init__`: TRL's, run without vLLM and with `beta=0`; then the router, the team's vLLM engine
-  (`vllm_generation.team_vllm_engine`), `TeamGeneration`, `TeamScoring` and the rollout settings.
+- `__init__`: the team's bases loaded (`team_assembly.load_team_models`); TRL's init, run without vLLM and with
+  `beta=0`; then the parts around TRL's model (`team_assembly.assemble_parts`: the router, the captured decode step or
+  the team's vLLM engine, `TeamGeneration`, `TeamScoring`, each base's `TeamBase`, the rollout settings).
 - `_generate_and_score_completions`: the subclass's rollout (`_rollout`) with the collaborators' `generate` and
   `score` as hooks; one row per trained agent completion with `agent_index`, `turn_index`, `group_index`, padded with
   loss-free rows to what TRL's split needs (`rows.pad_rows`); the team's metrics (`metrics.py`).
@@ -31,17 +32,9 @@ from datasets import Dataset, IterableDataset
 from transformers import PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import GRPOTrainer
-from trl.extras.profiling import profiling_context
 from trl.models.utils import disable_gradient_checkpointing
 
-from .agents import (
-    adapter_parameters,
-    agent_prompt,
-    cast_frozen_adapters_like_trained,
-    check_adapters_train,
-    keep_4bit_weights_trainable,
-)
-from .captured_decode import captured_decoder
+from .agents import adapter_parameters, check_adapters_train
 from .checkpoints import (
     checkpoint_to_resume,
     load_rollout_state,
@@ -54,36 +47,25 @@ from .checkpoints import (
 from .config import TeamConfig
 from .hub import CARD_FILE, write_local_bases
 from .metrics import log_joint_actions, log_rollout_metrics
-from .reward_checks import (
-    TeamRewardFunc,
-)
-from .rollout import Rollout, RolloutSettings, Sample, default_transition
-from .routing import BASE_ROW, AdapterRouter
+from .reward_checks import TeamRewardFunc
+from .rollout import Rollout, Sample, default_transition
+from .routing import BASE_ROW
 from .rows import pad_rows, pad_samples, padding_loss_scale
 from .scheduling import resolve_scheduler, scheduled_phases
-from .scoring import TeamScoring
 from .sharing import card_example, card_settings, push_team_files, save_team, team_card, trained_team_spec
 from .team import local_base_paths
-from .team_assembly import check_team_training, load_team_models, prepare_other_bases
+from .team_assembly import assemble_parts, check_team_training, load_team_models
 from .team_bases import (
-    TeamBase,
     first_base_alone,
     generate_by_base,
     load_base_adapters,
     logps_by_base,
-    other_base,
     save_base_adapters,
 )
-from .team_generation import TeamGeneration, captured_single_turn, position_limit
+from .team_generation import captured_single_turn
 from .team_inputs import resolve_team_inputs
-from .vllm_generation import SamplingCorrection, team_vllm_engine
 
 logger = logging.getLogger("trl_marl")
-
-
-def _agent_input(system_prompts: list[str], use_chat_template: bool, agent: int, prompt):
-    """What agent `agent` is given: its role, then the prompt (the rollouts' `agent_input`)."""
-    return agent_prompt(system_prompts[agent], prompt, use_chat_template)
 
 
 class TeamTrainer(GRPOTrainer):
@@ -159,14 +141,13 @@ class TeamTrainer(GRPOTrainer):
         # The team's bases: one, unless agents name their own `model` (`team_bases.py`); checked before any loads,
         # then each loaded once with its agents' adapters (`team_assembly.py`).
         team = load_team_models(args, model, quantization_config, base_models, processing_class, peft_config)
-        base_plans, base_models = team.plans, team.models
         self.agent_names, self.agent_adapters, self.agent_base = args.agent_names, team.agent_adapters, team.agent_base
         self.adapter_names = team.adapter_names
         # Frozen agents act but do not train: their adapters (unless shared with a trained agent) get no gradient,
         # so the optimizer, built from what requires grad, never holds them.
         self.trained_agents, self.trained_adapters = team.trained_agents, team.trained_adapters
-        self._set_adapter_trainability(base_models)
-        model = base_models[0]
+        self._set_adapter_trainability(team.models)
+        model = team.models[0]
 
         if args.ddp_find_unused_parameters is None and len(self.adapter_names) > 1:
             # A micro-batch may hold rows of only some agents; the other adapters then get no gradient under DDP.
@@ -200,113 +181,17 @@ class TeamTrainer(GRPOTrainer):
         check_team_training(args, len(self.adapter_names), sharding, self.loss_type, extra_loss_terms)
         self.num_agents = args.num_agents
         self.baseline = args.baseline
-        chat = getattr(self.processing_class, "chat_template", None) is not None
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        prepare_other_bases(unwrapped, base_models[1:], args, self.temperature, self.accelerator.device)
-        # Every forward is routed, a one-adapter team's too: the KL reference goes to the base model through the router
-        # (PEFT's `disable_adapter` would change which adapters require grad). One adapter's rows are computed as PEFT
-        # computes them, so a one-agent team stays numerically identical to GRPOTrainer.
-        self.router = AdapterRouter(unwrapped, self._base_adapters(0))
-        keep_4bit_weights_trainable(unwrapped)
-        for base in base_models:
-            cast_frozen_adapters_like_trained(base, self.trained_adapters)
-        self._adapter_parameters = adapter_parameters(unwrapped, self.adapter_names)
         self._rows_agent_index: torch.Tensor | None = None
         self._rows_base: torch.Tensor | None = None  # each row's base, when its agent index says the base model alone
-        self.sampling_correction = None
-        # Without vLLM, the team's decode step is captured (`captured_decode`): not under sharded parameters, which
-        # are gathered module by module while the step runs.
-        sharded = sharding is not None
-        if args.captured_decode and (sharded or self._is_vlm):
-            raise ValueError(
-                "`captured_decode=True` is not supported with FSDP or DeepSpeed ZeRO-3 (parameters gathered module by "
-                "module) or a vision-language model. Leave it None or False."
-            )
-        use_captured = not (use_vllm or sharded or self._is_vlm)
-        self.captured_decoder = (
-            captured_decoder(unwrapped, self.router, args.captured_decode) if use_captured else None
-        )
+        # The router, decode step or vLLM engine, generation, scoring and bases around TRL's model (`team_assembly`).
+        parts = assemble_parts(self, team, use_vllm, sharding)
+        self.router, self._adapter_parameters = parts.router, parts.adapter_parameters
+        self.captured_decoder, self.sampling_correction = parts.captured_decoder, parts.sampling_correction
         if use_vllm:
-            self.vllm_generation = team_vllm_engine(
-                self.model,
-                args,
-                accelerator=self.accelerator,
-                processing_class=self.processing_class,
-                router=self.router,
-                adapter_names=self.adapter_names,
-                trained_adapters=self.trained_adapters,
-                current_step=lambda: self.state.global_step,
-            )
+            self.vllm_generation = parts.vllm_generation
             self._last_loaded_step = -1  # as TRL: adapters are sent at the first generation of a step
-            if self.vllm_importance_sampling_correction:
-                self.sampling_correction = SamplingCorrection(
-                    self.vllm_importance_sampling_mode,
-                    self.vllm_importance_sampling_clip_min,
-                    self.vllm_importance_sampling_clip_max,
-                )
-        self.team_generation = TeamGeneration(
-            self.router,
-            self.agent_adapters,
-            self.agent_names,
-            # TRL's methods, looked up at each call (as TRL's `_generate` does): a subclass or a test may replace them
-            tokenize=lambda *args: self._tokenize_prompts(*args),
-            generate_single_turn=lambda *args: self._generate_single_turn(*args),
-            processing_class=self.processing_class,
-            position_limit=position_limit(self.model.config, args.vllm_max_model_length if use_vllm else None),
-            max_completion_length=self.max_completion_length,
-            sampling_correction=self.sampling_correction,
-        )
-        self.scoring = TeamScoring(
-            self.reward_funcs,
-            self.reward_func_names,
-            trainer_state=lambda: self.state,
-            log_extra=self._log_completion_extra,
-            log_metric=self._log_metric,
-            async_loop=getattr(self, "async_loop", None),
-            profile=functools.partial(profiling_context, self),
-        )
-        self.bases = [
-            TeamBase(
-                base_plans[0].name,
-                unwrapped,
-                self._tokenizer,
-                base_plans[0].agents,
-                self.router,
-                self.captured_decoder,
-                self.team_generation,
-                self.eos_token_ids,
-            ),
-            *(self._other_base(plan, base, use_captured) for plan, base in zip(base_plans[1:], base_models[1:])),
-        ]
-        self.rollout_settings = RolloutSettings.from_config(
-            args,
-            task,
-            reward_weights=self.reward_weights,
-            baseline=self.baseline,
-            scale_rewards=self.scale_rewards,
-            transition=self.transition,
-            agent_input=functools.partial(_agent_input, [agent["system_prompt"] for agent in args.agents], chat),
-            scheduler=self.scheduler,
-        )
-
-    def _other_base(self, plan, model, use_captured: bool) -> TeamBase:
-        """A base other than TRL's model, with its own tokenizer, router, captured decoder and generation
-        (`team_bases.other_base`), generating as TRL's model does."""
-        return other_base(
-            plan,
-            model,
-            first_tokenizer=self._tokenizer,
-            agent_adapters=self.agent_adapters,
-            agent_names=self.agent_names,
-            generation_config=self.generation_config,
-            captured=self.args.captured_decode if use_captured else False,
-            chat_template_kwargs=self.chat_template_kwargs,
-            tools=self.tools,
-            pad_to_multiple_of=self.pad_to_multiple_of,
-            gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
-            max_completion_length=self.max_completion_length,
-            profile=functools.partial(profiling_context, self),
-        )
+        self.team_generation, self.scoring, self.bases = parts.team_generation, parts.scoring, parts.bases
+        self.rollout_settings = parts.rollout_settings
 
     def _base_adapters(self, base_index: int) -> list[str]:
         """The adapters of the agents on one base, each once."""
@@ -530,10 +415,13 @@ class TeamTrainer(GRPOTrainer):
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
-            # The vLLM engine's memory is free for what follows (`load_team(..., use_vllm=True)`, another trainer),
-            # also when training failed; a later `evaluate()` or `train()` starts it again.
-            if self.use_vllm:
-                self.vllm_generation.close()
+            self._release_generation()
+
+    def _release_generation(self) -> None:
+        """When `train()` returns, also when training failed: the vLLM engine's memory is free for what follows
+        (`load_team(..., use_vllm=True)`, another trainer); a later `evaluate()` or `train()` starts it again."""
+        if self.use_vllm:
+            self.vllm_generation.close()
 
     def _save_checkpoint(self, model, trial) -> None:
         # Complete or ignored: the marker goes last, once every process wrote its part (and its generation buffer);

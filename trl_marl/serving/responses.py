@@ -11,6 +11,15 @@ from .tokens import TokenPieces
 # A finished row's reason as OpenAI names it (a cancelled or failed row is not answered).
 FINISH_REASON = {"stop": "stop", "length": "length"}
 
+# The log-probability OpenAI gives a token the sampler could not pick; JSON has no infinity. A token outside the top-p
+# nucleus has -inf under log-probabilities taken after top-p (a trainer's vLLM engine, `vllm_generation.py`).
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    """`logprob`, or `LOGPROB_FLOOR` for -inf (and NaN)."""
+    return logprob if logprob > LOGPROB_FLOOR else LOGPROB_FLOOR
+
 
 def usage(prompt_tokens: int, rows: list[GeneratedRow]) -> dict:
     completion_tokens = sum(len(row.completion_ids) for row in rows)
@@ -25,7 +34,11 @@ def chat_logprobs(pieces: TokenPieces, row: GeneratedRow, start: int = 0, end: i
     """`choices[i].logprobs` of a chat completion for the row's tokens `start:end`."""
 
     def entry(token_id: int, logprob: float) -> dict:
-        return {"token": pieces.text_of(token_id), "logprob": logprob, "bytes": list(pieces.bytes_of(token_id))}
+        return {
+            "token": pieces.text_of(token_id),
+            "logprob": _finite(logprob),
+            "bytes": list(pieces.bytes_of(token_id)),
+        }
 
     return {
         "content": [
@@ -45,9 +58,9 @@ def completion_logprobs(
     end = len(row.completion_ids) if end is None else end
     return {
         "tokens": [pieces.text_of(token_id) for token_id in row.completion_ids[start:end]],
-        "token_logprobs": row.logprobs[start:end],
+        "token_logprobs": [_finite(logprob) for logprob in row.logprobs[start:end]],
         "top_logprobs": [
-            {pieces.text_of(other_id): value for other_id, value in top} for top in row.top_logprobs[start:end]
+            {pieces.text_of(other): _finite(value) for other, value in top} for top in row.top_logprobs[start:end]
         ],
         "text_offset": pieces.text_offsets(row.completion_ids[:end], prompt_chars, first=start),
     }

@@ -2,7 +2,8 @@
 
 A request becomes one row per choice (`n`); each row carries its own sampling settings, so rows of any agents and
 settings share a routed `generate` call. A row records the token ids it sampled and their log-probabilities (the
-model's, before temperature and top-p), what a recorder of episodes needs beside the prompt's ids.
+model's, before temperature and top-p; after them on a trainer's vLLM engine), what a recorder of episodes needs
+beside the prompt's ids.
 """
 
 import random

@@ -1,14 +1,17 @@
-"""The serving engine on a team loaded with vLLM (`load_team(..., use_vllm=True)`): vLLM batches the rows itself.
+"""The serving engine on a team loaded with vLLM (`load_team(..., use_vllm=True)`), or on a trainer's vLLM engine
+while it trains agent programs: vLLM batches the rows itself.
 
-Each row becomes one request to the team's vLLM engine (`SavedTeamEngine`): its agent's LoRA, its own sampling
-settings and seed, its completion budget, the log-probability of each sampled token (and of the `top_logprobs` most
-likely, vLLM's raw log-probabilities: before temperature and top-p, as on the transformers path). The engine's thread
-adds the waiting rows (up to `max_batch_rows` at once, taken in turn from each request as `BatchingEngine` takes
-them), steps vLLM (`LLMEngine.step`, one scheduler iteration: rows join and leave the running batch between steps,
-vLLM's continuous batching) and hands each step's new tokens to their rows. Stop strings and cancellation are this
-engine's, as on the transformers path: a row whose text reaches a stop string, or that is cancelled, is aborted in
-vLLM and finished here (its tokens past the stop string dropped). `chunk_tokens` has nothing to do: a new row joins
-the running batch at the next step.
+Each row becomes one request to the team's vLLM engine (`SavedTeamEngine`, or the trainer's `TeamVLLMGeneration`): its
+agent's LoRA, its own sampling settings and seed, its completion budget, the log-probability of each sampled token (and
+of the `top_logprobs` most likely) as the engine computes them: a saved team's engine gives the raw ones (before
+temperature and top-p, as on the transformers path); a trainer's engine, serving its episodes (`episode_runner.py`),
+gives them after temperature and top-p (its `processed_logprobs`, what TRL's importance-sampling correction compares).
+The engine's thread adds the waiting rows (up to `max_batch_rows` at once, taken in turn from each request as
+`BatchingEngine` takes them), steps vLLM (`LLMEngine.step`, one scheduler iteration: rows join and leave the running
+batch between steps, vLLM's continuous batching) and hands each step's new tokens to their rows. Stop strings and
+cancellation are this engine's, as on the transformers path: a row whose text reaches a stop string, or that is
+cancelled, is aborted in vLLM and finished here (its tokens past the stop string dropped). `chunk_tokens` has nothing
+to do: a new row joins the running batch at the next step.
 
 The team's own `run` and `play` use the same vLLM engine: do not call them while the team is served.
 """
