@@ -334,6 +334,8 @@ def test_results_come_back_in_order_and_check_many_scores_each(isolated):
 INTERRUPTED = """
 import concurrent.futures, signal, sys, threading, time, warnings
 warnings.simplefilter("ignore")
+# Ctrl-C raises KeyboardInterrupt here also when the tests run as a background job, which starts with SIGINT ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from trl_marl.sandbox import Limits, Sandbox, process
 backend, moment = sys.argv[1:]
 sandbox = Sandbox(backend, limits=Limits(wall_time_s=120), max_workers=2)
