@@ -155,6 +155,19 @@ def test_rows_record_each_tokens_log_probability_under_the_model(team, engine):
     assert all(len(top) == 2 for top in row.top_logprobs)
 
 
+def test_the_engines_thread_runs_on_the_cuda_device_of_the_thread_that_started_it(monkeypatch):
+    # CUDA's current device is per thread; under `accelerate launch` a process's GPU is not a new thread's device 0
+    set_on = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: set_on.append((threading.current_thread(), device)))
+    engine = BatchingEngine(team=None).start()
+    engine_thread = engine._thread
+    engine.close()
+    assert set_on == [(engine_thread, 3)]
+
+
 def test_a_failing_call_fails_its_rows_and_the_next_call_is_served(team, engine, monkeypatch):
     model = team.bases[0].model
 

@@ -77,8 +77,14 @@ class BatchingEngine:
         }
 
     def start(self) -> "BatchingEngine":
+        """Start the engine's thread, on the CUDA device of the thread that starts it: CUDA's current device is per
+        thread, and a new thread's is device 0 (not, under `accelerate launch`, the process's own GPU)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name="trl-marl-serving-engine", daemon=True)
+            initialized = torch.cuda.is_available() and torch.cuda.is_initialized()
+            cuda_device = torch.cuda.current_device() if initialized else None
+            self._thread = threading.Thread(
+                target=self._serve, args=(cuda_device,), name="trl-marl-serving-engine", daemon=True
+            )
             self._thread.start()
         return self
 
@@ -178,8 +184,10 @@ class BatchingEngine:
                 row.error = error
                 finish(row, "error", self.decoder_of(row.request.agent))
 
-    def _serve(self) -> None:
+    def _serve(self, cuda_device: int | None = None) -> None:
         try:
+            if cuda_device is not None:
+                torch.cuda.set_device(cuda_device)
             self._serve_calls()
         except BaseException as error:  # the thread stops: later requests are refused (503), not left waiting
             with self._condition:
