@@ -63,8 +63,7 @@ def main() -> None:
         episode=answer_then_explain,
     )
 
-    train_and_report(trainer, args.output_dir, len(eval_dataset))
-    trainer.close_episode_server()  # the evaluation after training started it again
+    train_and_report(trainer, args.output_dir, len(eval_dataset))  # train() and evaluate() each stop their server
 
 
 if __name__ == "__main__":

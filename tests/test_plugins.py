@@ -10,7 +10,16 @@ import pytest
 import torch
 from datasets import Dataset
 
-from trl_marl import MAGRPOConfig, MAGRPOTrainer, PluginError, Task, load_team, register_reward, register_task
+from trl_marl import (
+    MAGRPOConfig,
+    MAGRPOTrainer,
+    PluginError,
+    Task,
+    load_team,
+    register_episode,
+    register_reward,
+    register_task,
+)
 from trl_marl.registry import discover, get_plugin, load_plugin, unregister
 from trl_marl.tasks import local_rewards
 
@@ -101,6 +110,22 @@ def test_in_process_registration_makes_a_reward_usable_by_name():
         assert get_plugin("rewards", "notebook_reward").description == "Always one."
     finally:
         unregister("rewards", "notebook_reward")
+
+
+def test_a_bare_decorator_registers_the_object_under_its_own_name_and_returns_it():
+    @register_episode
+    def bare_program(client, row):
+        return 1.0
+
+    try:
+        assert callable(bare_program) and bare_program(None, {}) == 1.0  # the function itself, not a decorator
+        assert load_plugin("episodes", "bare_program") is bare_program
+        assert (
+            MAGRPOConfig(output_dir="out", agents=["writer", "critic"], episode="bare_program", use_cpu=True).episode
+            == "bare_program"
+        )
+    finally:
+        unregister("episodes", "bare_program")
 
 
 def test_a_training_run_uses_the_packages_task_reward_and_scheduler_by_name(installed, tiny_model_dir, tmp_path):

@@ -3,6 +3,7 @@ concurrently against the trainer's own server, each call recorded as the model p
 ids; episodes grouped and credited as MAGRPO's single-turn rollout; failed and hung episodes left out."""
 
 import asyncio
+import sys
 import threading
 import uuid
 
@@ -471,3 +472,11 @@ def test_a_call_arriving_after_its_episode_ended_never_reaches_the_model_during_
 def test_what_the_episode_server_cannot_do_is_refused_by_name_before_any_model_loads(tmp_path, field, value):
     with pytest.raises(ValueError, match=rf"`{field}=.*` is not supported with an episode function"):
         MAGRPOTrainer("no/such-model", args=config(tmp_path, **{field: value}), episode=lambda client, row: 1.0)
+
+
+def test_without_the_openai_client_an_episode_trainer_says_what_to_install_before_any_model_loads(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setitem(sys.modules, "openai", None)  # `import openai` fails
+    with pytest.raises(ImportError, match=r'needs openai, which is not installed: pip install "trl-marl\[serve\]"'):
+        MAGRPOTrainer("no/such-model", args=config(tmp_path), episode=lambda client, row: 1.0)

@@ -15,6 +15,7 @@ from .metrics import log_local_rewards
 from .program_rollout import EpisodeResult, ProgramRollout, episode_outcome
 from .registry import load_plugin
 from .rollout import Rollout
+from .serving.server import require_serving_packages
 from .team_trainer import TeamTrainer
 from .vllm_serving import sampling_seed
 
@@ -57,6 +58,7 @@ class MAGRPOTrainer(TeamTrainer):
             episode = load_plugin("episodes", episode)
         if episode is not None:
             check_episode_settings(args)
+            require_serving_packages("openai")  # the trainer serves its team; each episode gets an `openai` client
             if reward_funcs is None and kwargs.get("task") is None:
                 reward_funcs = [episode_outcome]
         funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]

@@ -136,9 +136,10 @@ def load_plugin(kind: str, name: str) -> Any:
     return get_plugin(kind, name).load()
 
 
-def register(kind: str, name: str | None = None) -> Callable[[Any], Any]:
-    """Decorator registering an in-process plugin of `kind` under `name` (default: the object's `__name__`).
-    Registering a name again replaces the earlier in-process plugin (re-running a notebook cell)."""
+def register(kind: str, name: str | Callable | None = None) -> Callable[[Any], Any]:
+    """Decorator registering an in-process plugin of `kind` under `name` (default: the object's `name` attribute or
+    `__name__`), used as `@register_episode("my_program")` or bare, `@register_episode`. Registering a name again
+    replaces the earlier in-process plugin (re-running a notebook cell)."""
 
     def decorator(obj: Any) -> Any:
         plugin_name = name or getattr(obj, "name", None) or obj.__name__
@@ -148,6 +149,9 @@ def register(kind: str, name: str | None = None) -> Callable[[Any], Any]:
 
     if kind not in GROUPS:
         raise ValueError(f"Unknown plugin kind {kind!r}; the kinds are {list(GROUPS)}.")
+    if callable(name):  # used bare: `name` is the decorated object
+        obj, name = name, None
+        return decorator(obj)
     return decorator
 
 

@@ -10,18 +10,19 @@ from .engine import BatchingEngine
 SERVE_EXTRA_HINT = 'pip install "trl-marl[serve]"'
 
 
-def require_serving_packages() -> None:
-    """Import FastAPI and uvicorn, or say how to install them."""
+def require_serving_packages(*more: str) -> None:
+    """Import FastAPI and uvicorn (and the packages `more` names, of the same extra), or say how to install them."""
     missing = []
-    for package in ("fastapi", "uvicorn"):
+    for package in ("fastapi", "uvicorn", *more):
         try:
             __import__(package)
         except ImportError:
             missing.append(package)
     if missing:
         raise ImportError(
-            f"Serving a team needs {' and '.join(missing)}, which are not installed: {SERVE_EXTRA_HINT} "
-            "(FastAPI and uvicorn)."
+            f"Serving a team needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not "
+            f"installed: {SERVE_EXTRA_HINT} "
+            "(FastAPI, uvicorn and the `openai` client)."
         )
 
 
