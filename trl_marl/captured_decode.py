@@ -8,7 +8,7 @@ one graph. `CapturedDecoder.generate` keeps `generate`'s preparation (generation
 processors, stopping criteria: sampling settings keep their meaning) and hands it a decoding loop of its own
 (`custom_generate`, transformers' public hook for one): the prompt's prefill runs eagerly, then each token is one call
 of the captured step on fixed shapes. Shapes are bucketed so a handful of graphs serve every call: a batch is padded
-with rows that go through the base alone (`ROW_BUCKETS`), and the cache is sized up to a multiple of
+with rows whose output nothing reads (`ROW_BUCKETS`), and the cache is sized up to a multiple of
 `CACHE_LENGTH_STEP`. One cache per row bucket (as long as the longest call it served) is kept and reset between calls,
 so a replay reads and writes the same memory each time; its rows never reach the next call (the reset zeroes it, and
 the attention never reads past a row's own positions). The trainer `release`s the caches when a rollout ends, so
@@ -55,7 +55,7 @@ try:  # how transformers' own caches read a config's layers (shared-KV and atten
 except ImportError:  # earlier transformers 5 releases: `layer_types`, else inferred (`attention_layer_types`)
     get_layer_types_and_kwargs = None
 
-from .routing import BASE, AdapterRouter
+from .routing import AdapterRouter
 
 logger = logging.getLogger(__name__)
 
@@ -274,7 +274,7 @@ class CapturedDecoder:
         self.cache_keyword = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
         self._caches: dict[int, StaticCache] = {}  # per row bucket
         self._buffers: dict[tuple[int, int], StepBuffers] = {}  # per (rows, cache length)
-        self._recorded: dict[tuple[int, int], RecordedStep] = {}  # per (rows, cache length), path "cuda-graphs"
+        self._recorded: dict[tuple[int, int, str], RecordedStep] = {}  # per (rows, cache length, routing mode)
         self._pool = None  # the memory pool every recorded graph shares
         self._real_rows = 0
         # Seconds spent recording (or compiling) the step for each (rows, cache length), its first call included.
@@ -376,7 +376,7 @@ class CapturedDecoder:
         rows, width = input_ids.shape
         padded_rows = bucket_rows(rows)
         extra = padded_rows - rows
-        if extra:  # copies of the last row, routed to the base alone and finished from the start
+        if extra:  # copies of the last row, finished from the start (their tokens and LoRA deltas are never read)
             input_ids = torch.cat([input_ids, input_ids[-1:].expand(extra, -1)])
             attention_mask = torch.cat([attention_mask, attention_mask[-1:].expand(extra, -1)])
         cache = self._cache(padded_rows, bucket_length(width + max_new_tokens))
@@ -395,7 +395,7 @@ class CapturedDecoder:
         model_cache_implementation, model_config.cache_implementation = model_config.cache_implementation, None
         try:
             if self.router is not None and self.router.row_adapters is not None:
-                with self.router.tensor_routing(self.router.row_adapters + [BASE] * extra):
+                with self.router.tensor_routing(self.router.row_adapters, rows=padded_rows):
                     output = generate()
             else:
                 output = generate()
@@ -485,9 +485,11 @@ class CapturedDecoder:
         return logits
 
     def _replay_step(self, model, cache, buffers: StepBuffers) -> torch.Tensor:
-        """The step as a recorded CUDA graph: recorded at the first call for a shape, and again when the cache or a
-        routing buffer it reads was replaced since (`AdapterRouter.tensor_buffers_version`)."""
-        key = (buffers.input_ids.shape[0], buffers.key_mask.shape[1])
+        """The step as a recorded CUDA graph: recorded at the first call for a shape and routing mode (every row on one
+        adapter, or mixed: `AdapterRouter.tensor_routing_mode`), and again when the cache or a routing buffer it reads
+        was replaced since (`AdapterRouter.tensor_buffers_version`)."""
+        mode = self.router.tensor_routing_mode if self.router is not None else "mixed"
+        key = (buffers.input_ids.shape[0], buffers.key_mask.shape[1], mode)
         version = self.router.tensor_buffers_version if self.router is not None else 0
         recorded = self._recorded.get(key)
         if recorded is None or recorded.cache is not cache or recorded.routing_version != version:
@@ -556,6 +558,8 @@ class CapturedDecoder:
             logits_to_keep=1,
             **{self.cache_keyword: cache},
         ).logits[:, -1]
+        if self.router is not None:  # the prefill showed which LoRA layers read one input: they now share matmuls
+            self.router.fuse_shared_inputs()
         buffers = self._step_buffers(rows, cache)
         buffers.key_mask.copy_(attention_mask.bool())
         buffers.position_ids.copy_(position_ids[:, -1:])  # advanced before each step

@@ -21,7 +21,6 @@ When every row goes to the same adapter (AT-GRPO's `generate` calls under a sequ
 only that adapter's LoRA projection is computed, as PEFT computes it, with no concatenation and no mask.
 """
 
-import functools
 import inspect
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -34,6 +33,7 @@ from peft.utils import AuxiliaryTrainingWrapper
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from .agents import is_4bit_linear
+from .tensor_routing import TensorRouting, routed_lora_delta, routed_lora_dropout
 
 BASE = "__base__"  # PEFT's name for "no adapter": a row routed here goes through the base model alone
 BASE_ROW = -1  # the agent index of a row routed to the base model alone (the KL reference)
@@ -245,17 +245,20 @@ class AdapterRouter:
         return None
 
     @contextmanager
-    def tensor_routing(self, row_adapters: Sequence[str]) -> Iterator[None]:
+    def tensor_routing(self, row_adapters: Sequence[str], rows: int | None = None) -> Iterator[None]:
         """Route the rows of the forwards inside the block through forwards that read the routing from tensors only.
 
         Each plain LoRA layer's forward becomes its base layer plus `routed_lora_delta` of its input after the routed
         adapters' dropout (`routed_lora_dropout`: the module the ordinary routing applies, so that in train mode both
-        draw alike). The matrices and masks live in buffers allocated once and refreshed in place at each entry (the
-        adapters may have trained since), so a decode step captured inside one block (`torch.compile`, CUDA graphs)
-        replays in the next with new weights and rows and no recompilation: nothing in it is a Python list of rows, a
-        hook or a tensor made per call. The hooks of the ordinary routing are idle inside the block. Rows past
-        `len(row_adapters)` of a batch, and rows routed to `BASE`, get no LoRA delta. Unsupported models raise
-        (`tensor_routing_unsupported`)."""
+        draw alike), layers reading one input sharing their matmuls once `fuse_shared_inputs` has run, and a call
+        whose rows all go to one adapter reading that adapter's weights alone (`tensor_routing.py`). The matrices and
+        masks live in buffers allocated once and refreshed in place at each entry (the adapters may have trained
+        since), so a decode step captured inside one block (`torch.compile`, CUDA graphs) replays in the next with new
+        weights and rows and no recompilation: nothing in it is a Python list of rows, a hook or a tensor made per
+        call. The hooks of the ordinary routing are idle inside the block. Batches have up to `rows` rows (default
+        `len(row_adapters)`); the rows past `row_adapters` are padding, whose outputs nothing reads (a mixed call
+        routes them to the base alone, a call on one adapter to that adapter). Rows routed to `BASE` get no LoRA
+        delta. Unsupported models raise (`tensor_routing_unsupported`)."""
         reason = self.tensor_routing_unsupported()
         if reason:
             raise ValueError(f"This team's routing cannot be captured: {reason}.")
@@ -266,17 +269,29 @@ class AdapterRouter:
             self._tensor_routing = TensorRouting(self._plain_layers, self.adapter_names)
         previous = self.row_adapters
         self.route(None)
-        self._tensor_routing.refresh([self.adapter_names.index(n) if n != BASE else -1 for n in row_adapters])
+        self._tensor_routing.refresh([self.adapter_names.index(n) if n != BASE else -1 for n in row_adapters], rows)
         try:
             with self._tensor_routing.installed():
                 yield
         finally:
             self.route(previous)
 
+    def fuse_shared_inputs(self) -> bool:
+        """Inside `tensor_routing`, after a forward of the whole model: group the layers that read one input (q/k/v,
+        gate/up), so that their LoRA work is one A matmul, one mask and one B matmul
+        (`TensorRouting.fuse_shared_inputs`); whether it regrouped."""
+        return self._tensor_routing is not None and self._tensor_routing.fuse_shared_inputs()
+
+    @property
+    def tensor_routing_mode(self) -> str:
+        """The buffers the tensor-routed forwards read now (`TensorRouting.mode`): "single" (every routed row on one
+        adapter, no mask) or "mixed"; a decode step recorded in one mode is not replayed in the other."""
+        return self._tensor_routing.mode if self._tensor_routing is not None else "mixed"
+
     @property
     def tensor_buffers_version(self) -> int:
-        """How many times `tensor_routing`'s buffers were replaced so far (`TensorRouting.version`): a decode step
-        recorded under one version reads stale buffers under another."""
+        """How many times the current mode's `tensor_routing` buffers were replaced so far (`TensorRouting.version`):
+        a decode step recorded under one version reads stale buffers under another."""
         return self._tensor_routing.version if self._tensor_routing is not None else 0
 
     # -- PEFT's mixed-batch path
@@ -297,103 +312,3 @@ class AdapterRouter:
             handle.remove()
         self._handles = []
         self.route(None)
-
-
-def routed_lora_dropout(layer: LoraLayer, adapter_names: Sequence[str]) -> torch.nn.Module:
-    """The LoRA dropout of a batch routed to `adapter_names` on `layer`: the first routed adapter's module. A layer on
-    the batched path has one dropout p for all of them (`AdapterRouter._is_plain_lora`); the layer may list other
-    adapters, not routed, whose dropout must not apply."""
-    return layer.lora_dropout[adapter_names[0]]
-
-
-def routed_lora_delta(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Each row's own agent's LoRA delta, `scale_a · B_a A_a x`, for a batch of every agent's rows.
-
-    Args:
-        x: `(rows, ..., in)`, the layer's input (after LoRA dropout).
-        lora_a: `(Σr, in)`, the agents' A matrices concatenated along the rank.
-        lora_b: `(out, Σr)`, their B matrices, each scaled by its agent's LoRA scaling.
-        mask: `(rows, Σr)`: 1 on the rank block of each row's agent, 0 elsewhere (0 everywhere: the base alone).
-            Rows past the mask's are not allowed; a mask with more rows than `x` is used for its first rows.
-    """
-    hidden = x.to(lora_a.dtype) @ lora_a.T  # (rows, ..., Σr): every agent's projection of every row
-    mask = mask[: hidden.shape[0]]
-    hidden = hidden * mask.view(mask.shape[0], *([1] * (hidden.dim() - 2)), mask.shape[1])
-    return hidden @ lora_b.T
-
-
-class TensorRouting:
-    """The buffers of `AdapterRouter.tensor_routing`: per plain LoRA layer, the concatenated A and scaled B; per rank
-    layout, a `(rows, Σr)` mask (grown, never shrunk, when a call has more rows); and per layer a forward callable made
-    once, so that what a captured step reads has the same identity and addresses at every call.
-
-    Args:
-        layers: the router's plain LoRA layers.
-        adapter_names: the adapters, in the router's order.
-    """
-
-    def __init__(self, layers: Sequence[LoraLayer], adapter_names: Sequence[str]):
-        self.layers, self.adapter_names = list(layers), list(adapter_names)
-        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.masks: dict[tuple, torch.Tensor] = {}
-        self.forwards: dict[int, functools.partial] = {}
-        # Counts the buffers replaced (a new shape, dtype or device, a grown mask): a step recorded before reads the
-        # old ones, so a recorded CUDA graph is valid while this has not changed since its recording.
-        self.version = 0
-
-    def refresh(self, row_index: list[int]) -> None:
-        """Copy the adapters' current weights into the buffers and route row `i` to adapter `row_index[i]` (-1: the
-        base alone; so are rows past `len(row_index)`)."""
-        for layer in self.layers:
-            lora_a = torch.cat([layer.lora_A[name].weight.detach() for name in self.adapter_names])
-            lora_b = torch.cat(
-                [layer.lora_B[name].weight.detach() * layer.scaling[name] for name in self.adapter_names], dim=1
-            )
-            ranks = tuple(layer.r[name] for name in self.adapter_names)
-            mask = self._mask(ranks, len(row_index), lora_a)
-            buffers = self.weights.get(id(layer))
-            if buffers is None or any(
-                getattr(buffers[0], key) != getattr(lora_a, key) for key in ("shape", "dtype", "device")
-            ):
-                buffers = self.weights[id(layer)] = (lora_a, lora_b)
-                self.version += 1
-                for buffer in buffers:
-                    torch._dynamo.mark_static_address(buffer)  # CUDA graphs read it in place, never copy it
-            else:
-                buffers[0].copy_(lora_a)
-                buffers[1].copy_(lora_b)
-            arguments = (layer, routed_lora_dropout(layer, self.adapter_names), *buffers, mask)
-            forward = self.forwards.get(id(layer))
-            if forward is None or any(old is not new for old, new in zip(forward.args, arguments)):
-                self.forwards[id(layer)] = functools.partial(_tensor_routed_forward, *arguments)
-        for (ranks, _, _), mask in self.masks.items():
-            block_of_column = torch.tensor([block for block, rank in enumerate(ranks) for _ in range(rank)])
-            rows = torch.tensor(row_index + [-1] * (mask.shape[0] - len(row_index)))
-            mask.copy_((rows[:, None] == block_of_column[None, :]).to(mask.dtype))
-
-    def _mask(self, ranks: tuple[int, ...], rows: int, like: torch.Tensor) -> torch.Tensor:
-        """The mask of a rank layout, grown (a new tensor) when a call has more rows than it."""
-        key = (ranks, like.device, like.dtype)
-        mask = self.masks.get(key)
-        if mask is None or mask.shape[0] < rows:
-            mask = self.masks[key] = torch.zeros(rows, sum(ranks), device=like.device, dtype=like.dtype)
-            self.version += 1
-            torch._dynamo.mark_static_address(mask)
-        return mask
-
-    @contextmanager
-    def installed(self) -> Iterator[None]:
-        """Each layer's forward is its tensor-routed one inside the block."""
-        for layer in self.layers:
-            layer.forward = self.forwards[id(layer)]
-        try:
-            yield
-        finally:
-            for layer in self.layers:
-                del layer.forward
-
-
-def _tensor_routed_forward(layer: LoraLayer, dropout, lora_a, lora_b, mask, x, *args, **kwargs):
-    output = layer.base_layer(x, *args, **kwargs)
-    x = dropout(x)
-    return output + routed_lora_delta(x, lora_a, lora_b, mask).to(output.dtype)

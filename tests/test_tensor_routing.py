@@ -1,0 +1,120 @@
+"""Routing held in tensors (`trl_marl.tensor_routing`), as the captured decode step reads it: layers that read one
+input share their LoRA matmuls, a call on one adapter reads that adapter alone with no mask, and both give the logits
+and tokens of the ordinary routing, with the kernels counted."""
+
+from collections import Counter
+
+import torch
+from peft import LoraConfig
+from test_captured_decode import NAMES, emulate_recording, generate_both, left_padded, tiny_team
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trl_marl.captured_decode import CapturedDecoder
+from trl_marl.routing import AdapterRouter
+
+# The tiny team's decoder layers (2) each have seven LoRA linears: q, k, v, o, gate, up, down; plus an untargeted head.
+LAYERS, LINEARS = 2, 7
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the aten operations run inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def routed_logits(team, router, adapters, input_ids):
+    """The ordinary (hook) routing's logits."""
+    router.route(adapters)
+    try:
+        with torch.no_grad():
+            return team(input_ids).logits
+    finally:
+        router.route(None)
+
+
+def counted_forward(team, input_ids):
+    with torch.no_grad(), CountOps() as ops:
+        logits = team(input_ids).logits
+    return logits, ops.counts
+
+
+def test_layers_reading_one_input_share_their_matmuls_and_one_adapter_needs_no_mask():
+    team = tiny_team(2)
+    router = AdapterRouter(team, NAMES[:2])
+    input_ids = torch.randint(3, 100, (4, 5), generator=torch.Generator().manual_seed(0))
+    mixed = ["a", "b", "a", "b"]
+    with router.tensor_routing(mixed):
+        unfused, before = counted_forward(team, input_ids)
+        assert router.fuse_shared_inputs() and not router.fuse_shared_inputs()  # once
+        fused, after = counted_forward(team, input_ids)
+    groups = [[layer for layer in group.layers] for group in router._tensor_routing.groups]
+    names = {layer: name.rsplit(".", 1)[-1] for name, layer in team.named_modules() if name.endswith("proj")}
+    assert [[names[layer] for layer in group] for group in groups] == [
+        ["q_proj", "k_proj", "v_proj"],
+        ["o_proj"],
+        ["gate_proj", "up_proj"],
+        ["down_proj"],
+    ] * LAYERS
+    with router.tensor_routing(["b"] * 4):
+        assert router.tensor_routing_mode == "single"
+        single, alone = counted_forward(team, input_ids)
+
+    reference = routed_logits(team, router, mixed, input_ids)
+    assert torch.equal(unfused, reference)
+    torch.testing.assert_close(fused, reference, rtol=0, atol=1e-5)
+    torch.testing.assert_close(single, routed_logits(team, router, ["b"] * 4, input_ids), rtol=0, atol=1e-5)
+    # matmuls: per layer 7 base + 7 A + 7 B unfused; 7 base + 4 groups x (A, B) fused; plus the head
+    assert before["aten.mm.default"] == LAYERS * 3 * LINEARS + 1 == 43
+    assert after["aten.mm.default"] == alone["aten.mm.default"] == LAYERS * (LINEARS + 4 * 2) + 1 == 31
+    # the mask: one multiply per layer unfused, one per group fused, none on one adapter
+    assert before["aten.mul.Tensor"] - after["aten.mul.Tensor"] == LAYERS * (LINEARS - 4)
+    assert after["aten.mul.Tensor"] - alone["aten.mul.Tensor"] == LAYERS * 4
+
+
+def test_a_grouped_layer_handed_another_input_computes_its_own_delta():
+    team = tiny_team(2)
+    router = AdapterRouter(team, NAMES[:2])
+    attention = team.base_model.model.model.layers[0].self_attn
+    x, other = torch.randn(2, 3, 32), torch.randn(2, 3, 32)
+    with torch.no_grad():
+        router.route(["a", "b"])
+        expected = attention.k_proj(other)
+        router.route(None)
+        with router.tensor_routing(["a", "b"]):
+            team(torch.ones(2, 3, dtype=torch.long))
+            router.fuse_shared_inputs()
+            attention.q_proj(x)  # the group's deltas for x, kept for k and v
+            torch.testing.assert_close(attention.k_proj(other), expected, rtol=0, atol=1e-6)
+
+
+def test_layers_with_lora_dropout_are_never_grouped():
+    team = tiny_team(1)
+    team.add_adapter("dropping", LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.5))
+    router = AdapterRouter(team, ["dropping"])
+    with torch.no_grad(), router.tensor_routing(["dropping"] * 2):
+        team(torch.ones(2, 3, dtype=torch.long))
+        assert router.fuse_shared_inputs()
+    assert {len(group.layers) for group in router._tensor_routing.groups} == {1}
+
+
+def test_one_adapter_calls_replay_one_recording_whichever_agent_and_never_a_mixed_calls(monkeypatch):
+    recorded = emulate_recording(monkeypatch)
+    team = tiny_team(2)
+    router = AdapterRouter(team, NAMES[:2])
+    decoder = CapturedDecoder(team, router, path="cuda-graphs")
+    addresses = []
+    for call, adapters in enumerate((["a"] * 6, ["b"] * 6, ["a", "b"] * 3, ["b"] * 6, ["a", "b"] * 3)):
+        eager, captured = generate_both(team, router, decoder, adapters, *left_padded(6, 7, seed=call))
+        assert torch.equal(eager, captured), adapters
+        group = router._tensor_routing.groups[0]
+        if router.tensor_routing_mode == "single":
+            addresses.append((group.lora_a.data_ptr(), group.lora_b.data_ptr()))
+    # one recording per mode: agent b's calls replay agent a's graph, on the same buffers (its weights copied in)
+    assert len(recorded) == 2 and set(decoder._recorded) == {(8, 256, "single"), (8, 256, "mixed")}
+    assert len(set(addresses)) == 1 and len(addresses) == 3
