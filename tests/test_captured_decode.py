@@ -213,14 +213,6 @@ def test_shapes_are_bucketed_so_a_handful_of_graphs_serve_every_call():
     assert [bucket_length(n) for n in (1, 256, 257, 700)] == [256, 256, 512, 768]
 
 
-def test_the_path_is_chosen_by_device_and_off_with_one_flag():
-    assert choose_path(None, torch.device("cuda")) == "cuda-graphs"
-    assert choose_path(None, torch.device("cpu")) is None
-    assert choose_path(True, torch.device("cpu")) == "compiled"
-    assert choose_path(True, torch.device("cuda")) == "cuda-graphs"
-    assert choose_path(False, torch.device("cuda")) is None
-
-
 def test_a_team_whose_routing_cannot_be_captured_is_refused_when_asked_and_falls_back_otherwise():
     team = tiny_team(1)
     team.add_adapter("dora", LoraConfig(r=4, target_modules="all-linear", use_dora=True))
@@ -694,3 +686,91 @@ def test_the_step_mask_sees_written_keys_within_the_window_and_never_padding():
     assert (
         additive[1, 0, 0].tolist() == [torch.finfo(torch.float32).min] * 2 + [0.0, 0.0] + [-3.4028234663852886e38] * 2
     )
+
+
+# -- the compiled path: one compile for every shape, kept on disk
+
+
+def test_the_compiled_step_compiles_once_for_every_row_bucket_and_cache_length(monkeypatch):
+    """Rows and cache length are dynamic sizes of the compiled step: three row buckets and two cache lengths, one
+    compile (counted by a backend that runs the traced graph as it is, so no code is generated)."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter, compile_ = CompileCounter(), torch.compile
+    monkeypatch.setattr(
+        torch,
+        "compile",
+        lambda function, mode=None, fullgraph=False: compile_(function, backend=counter, fullgraph=fullgraph),
+    )
+    torch._dynamo.reset()
+    team = tiny_team(2)
+    router = AdapterRouter(team, NAMES[:2])
+    decoder = CapturedDecoder(team, router, path="compiled")
+    for rows, width in ((6, 7), (12, 7), (20, 7), (6, 250)):
+        adapters = ["a", "b"] * (rows // 2)
+        eager, captured = generate_both(team, router, decoder, adapters, *left_padded(rows, width, seed=rows + width))
+        assert torch.equal(eager, captured), (rows, width)
+    assert set(decoder.warmups) == {(8, 256), (16, 256), (32, 256), (8, 512)}
+    assert counter.frame_count == 1
+
+
+COMPILED_DECODE = """
+import torch
+from torch._dynamo.utils import counters
+from transformers import LlamaConfig, LlamaForCausalLM
+from trl_marl.captured_decode import CapturedDecoder
+
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+model = LlamaForCausalLM(config).eval()
+CapturedDecoder(model, path="compiled").generate(
+    torch.ones(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.long), max_new_tokens=3, pad_token_id=0
+)
+print("HITS", counters["inductor"]["fxgraph_cache_hit"], "MISSES", counters["inductor"]["fxgraph_cache_miss"])
+"""
+
+
+@pytest.mark.slow
+def test_the_compiled_step_is_kept_in_the_users_cache_directory_and_a_second_run_loads_it(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if key != "TORCHINDUCTOR_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = str(tmp_path)
+    runs = [
+        subprocess.run([sys.executable, "-c", COMPILED_DECODE], env=env, capture_output=True, text=True, check=True)
+        for _ in range(2)
+    ]
+    (_, first_hits, _, first_misses), (_, second_hits, _, second_misses) = (run.stdout.split()[-4:] for run in runs)
+    assert (int(first_hits), int(second_misses)) == (0, 0), (runs[0].stdout, runs[1].stdout)
+    assert int(first_misses) >= 1 and int(second_hits) == int(first_misses)  # the second run compiled nothing
+    assert any((tmp_path / "trl_marl" / "torch_compile").rglob("*")), "nothing was kept on disk"
+
+
+def test_the_path_is_chosen_by_device_or_named_in_python_and_as_command_line_words(tmp_path):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [choose_path(value, cuda) for value in (None, True, "cuda-graphs", "compiled", False)] == [
+        "cuda-graphs",
+        "cuda-graphs",
+        "cuda-graphs",
+        "compiled",
+        None,
+    ]
+    assert [choose_path(value, cpu) for value in (None, True, "compiled", False)] == [
+        None,
+        "compiled",
+        "compiled",
+        None,
+    ]
+    with pytest.raises(ValueError, match="'cuda-graphs'.*records CUDA graphs.*cpu.*'compiled'"):
+        choose_path("cuda-graphs", cpu)
+    for given, read in (("false", False), ("true", True), ("None", None), ("compiled", "compiled")):
+        assert (
+            MAGRPOConfig(
+                output_dir=str(tmp_path), agents=["writer", "critic"], use_cpu=True, captured_decode=given
+            ).captured_decode
+            is read
+        )
+    with pytest.raises(ValueError, match="`captured_decode` must be .*'cuda-graphs' or 'compiled', got 'graphs'"):
+        MAGRPOConfig(output_dir=str(tmp_path), agents=["writer", "critic"], use_cpu=True, captured_decode="graphs")

@@ -185,7 +185,10 @@ def test_the_captured_decode_steps_memory_by_hand_on_a_gpu_and_none_of_it_when_o
     gpu = estimate_memory(team_config(tmp_path, **settings), model_config, prompt_length=40, device="cuda")  # on
     # One call of 8 rows (bucket 8) needing 40 + 32 positions (bucket 256): its cache lives through the rollout.
     assert gpu.kv_cache == 2 * 30 * 3 * 64 * 4 * 8 * 256  # 2·L·n_kv·d·b_m·R_b·length
-    copies = 2 * 30 * 16 * (1152 + 768 + 768 + 1152 + 3 * 2112) * 4  # N·L·Σ r·(in + out)·b_a
+    # (N + 1)·L·r·Σ(in + |G|·out)·b_a: both adapters for mixed calls and one for a call on one agent; q/k/v (|G| = 3)
+    # and gate/up (2) each share one block-diagonal B
+    inputs, outputs = 6 * 576 + 1536, 3 * (576 + 192 + 192) + 576 + 2 * (1536 + 1536) + 576
+    copies = (2 + 1) * 30 * 16 * (inputs + outputs) * 4
     pool = 8 * (49152 * 4 + 2 * 576 * 4 + 4 * 576 + 4 * 9 * 64 * 4 + 3 * 1536 * 4)  # R·(V·b_m + one layer)
     assert gpu.captured_decode == copies + pool and gpu.routed_lora_weights == 0  # static, for the whole run
     assert gpu.static == gpu.base_weights + gpu.adapters + gpu.optimizer_states + gpu.captured_decode
@@ -194,7 +197,7 @@ def test_the_captured_decode_steps_memory_by_hand_on_a_gpu_and_none_of_it_when_o
         team_config(tmp_path, **settings, captured_decode=False), model_config, prompt_length=40, device="cuda"
     )
     assert eager.captured_decode == 0 and eager.kv_cache == 2 * 30 * 3 * 64 * 4 * 8 * (40 + 32)
-    assert eager.routed_lora_weights == copies
+    assert eager.routed_lora_weights == 2 * 30 * 16 * (1152 + 768 + 768 + 1152 + 3 * 2112) * 4  # N·L·Σ r·(in + out)
     cpu = estimate_memory(team_config(tmp_path, **settings), model_config, prompt_length=40, device="cpu")
     assert cpu.captured_decode == 0  # off by default on the CPU
 

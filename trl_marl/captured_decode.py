@@ -41,12 +41,14 @@ import functools
 import inspect
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from transformers import GenerationConfig, StaticCache
 from transformers.cache_utils import StaticLayer
 
@@ -101,6 +103,31 @@ def bucket_rows(rows: int) -> int:
 def bucket_length(positions: int) -> int:
     """The cache length a call needing `positions` positions (prompt and completion) gets."""
     return math.ceil(positions / CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
+
+
+def compile_cache_dir() -> str:
+    """Where the compiled step's kernels are kept between runs (inductor's on-disk caches): `TORCHINDUCTOR_CACHE_DIR`
+    when it names a directory of the user's choice, else `trl_marl/torch_compile` under the user's cache directory
+    (`$XDG_CACHE_HOME`, else `~/.cache`), not inductor's default in the temporary directory, which a reboot may empty.
+    (Importing transformers' models sets the variable to that default: it counts as not chosen.)"""
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+        return chosen
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "trl_marl", "torch_compile")
+
+
+def mark_rows_and_length_dynamic(buffers: "StepBuffers", cache) -> None:
+    """Let the compiled step serve every row bucket and cache length with one compile: the rows (and the cache
+    length) of what it reads are symbolic sizes, not constants it is specialised on. Under CUDA graphs
+    (`mode="reduce-overhead"`) each new shape is still recorded once, which costs a few steps, not a compile."""
+    for tensor in (buffers.input_ids, buffers.position_ids):
+        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+    torch._dynamo.maybe_mark_dynamic(buffers.key_mask, (0, 1))
+    for layer in cache.layers:
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(tensor, torch.Tensor) and tensor.dim() == 4:  # (rows, heads, length, head size)
+                torch._dynamo.maybe_mark_dynamic(tensor, (0, 2))
 
 
 def default_path(device: torch.device) -> str | None:
@@ -232,14 +259,42 @@ class RecordedStep:
     seconds: float
 
 
-def choose_path(requested: bool | None, device: torch.device) -> str | None:
+# What `captured_decode` takes: None (by device), True, False, or the mechanism by name.
+CAPTURED_DECODE_SETTINGS = (None, True, False, "cuda-graphs", "compiled")
+
+
+def captured_decode_setting(value) -> bool | str | None:
+    """A `captured_decode` value as given in Python or on a command line ("true", "false", "none"/"auto", "on",
+    "off"), checked: one of `CAPTURED_DECODE_SETTINGS`."""
+    words = {"true": True, "on": True, "false": False, "off": False, "none": None, "auto": None}
+    if isinstance(value, str):
+        value = words.get(value.lower(), value)
+    if not any(
+        value is setting or (isinstance(value, str) and value == setting) for setting in CAPTURED_DECODE_SETTINGS
+    ):
+        raise ValueError(
+            f"`captured_decode` must be None (by device: CUDA graphs on CUDA, eager elsewhere), True, False, "
+            f"'cuda-graphs' or 'compiled', got {value!r}."
+        )
+    return value
+
+
+def choose_path(requested: bool | str | None, device: torch.device) -> str | None:
     """The decode path for a `captured_decode` setting (None: `default_path`; True: captured, with CUDA graphs where
-    the device has them, compiled elsewhere; False: eager `generate`)."""
+    the device has them, compiled elsewhere; "cuda-graphs" or "compiled": that mechanism; False: eager `generate`)."""
+    requested = captured_decode_setting(requested)
     if requested is None:
         return default_path(device)
-    if not requested:
+    if requested is False:
         return None
-    return "cuda-graphs" if device.type == "cuda" else "compiled"
+    if requested == "cuda-graphs" and device.type != "cuda":
+        raise ValueError(
+            f"`captured_decode='cuda-graphs'` records CUDA graphs, and the model is on {device.type}: use "
+            "'compiled' (or True) off CUDA."
+        )
+    if requested is True:
+        return "cuda-graphs" if device.type == "cuda" else "compiled"
+    return requested
 
 
 class CapturedDecoder:
@@ -288,6 +343,9 @@ class CapturedDecoder:
         if path == "static":
             self._step = self._step_function
         elif path == "compiled":
+            # Inductor keeps what it compiles on disk (its FX graph and AOTAutograd caches, on by default): there, a
+            # later run of the same model and shapes loads the kernels instead of generating and building them
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = compile_cache_dir()
             # fullgraph: a graph break (a host sync, a branch on a value) is an error, not a silent slow path
             mode = "reduce-overhead" if self._device.type == "cuda" else None
             self._step = torch.compile(self._step_function, mode=mode, fullgraph=True)
@@ -481,7 +539,13 @@ class CapturedDecoder:
         if self._device.type == "cuda":
             torch.cuda.synchronize()
         self.warmups[key] = time.perf_counter() - started
-        logger.info("Compiled the decode step for %d rows and %d cache positions in %.1f s.", *key, self.warmups[key])
+        logger.info(
+            "Warmed up the compiled decode step for %d rows and %d cache positions in %.1f s (compiled, or loaded "
+            "from %s, at the first shape; recorded as a CUDA graph at each shape on a GPU).",
+            *key,
+            self.warmups[key],
+            compile_cache_dir(),
+        )
         return logits
 
     def _replay_step(self, model, cache, buffers: StepBuffers) -> torch.Tensor:
@@ -564,6 +628,8 @@ class CapturedDecoder:
         buffers.key_mask.copy_(attention_mask.bool())
         buffers.position_ids.copy_(position_ids[:, -1:])  # advanced before each step
         buffers.cache_position.fill_(width - 1)
+        if self.path == "compiled":
+            mark_rows_and_length_dynamic(buffers, cache)  # the prefill allocated the cache's tensors
 
         pad_token_id = generation_config._pad_token_tensor
         has_eos_stopping_criteria = any(hasattr(criteria, "eos_token_id") for criteria in stopping_criteria)
@@ -596,7 +662,7 @@ class CapturedDecoder:
         return input_ids[:, : width + generated]
 
 
-def captured_decoder(model, router: AdapterRouter | None, requested: bool | None) -> CapturedDecoder | None:
+def captured_decoder(model, router: AdapterRouter | None, requested: bool | str | None) -> CapturedDecoder | None:
     """The decoder for a `captured_decode` setting on the model's device, or None for eager `generate`. Asked for
     explicitly (True) on a model it cannot serve, it raises; chosen by default, it logs why and returns None, and a
     step that fails later falls back to eager `generate` with a warning (`CapturedDecoder.fall_back`)."""

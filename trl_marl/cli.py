@@ -22,7 +22,8 @@
                                                   use_cpu: true; no weights load), each base of the team listed,
                                                   with use_vllm the vLLM engine's pool and KV cache on each card
     trl-marl serve TEAM [--host H] [--port P] [--api_key KEY] [--load_in_4bit] [--dtype D]
-                        [--captured_decode auto|on|off] [--max_batch_rows N] [--chunk_tokens N] [--max_tokens N]
+                        [--captured_decode auto|on|off|cuda-graphs|compiled] [--max_batch_rows N]
+                        [--chunk_tokens N] [--max_tokens N]
                         [--use_vllm [--vllm_gpu_memory_utilization U] [--vllm_max_model_length N]]
                                                   a saved team behind an OpenAI-compatible endpoint (each agent a
                                                   model); prints its base URL; needs the `serve` extra
@@ -149,6 +150,7 @@ def vllm_settings(arguments) -> dict[str, Any]:
 
 def serve(arguments) -> int:
     """`trl-marl serve`: the team (a folder or Hub id, checked before any model loads) served until interrupted."""
+    from .captured_decode import captured_decode_setting
     from .hub import resolve_team_folder
     from .serving.server import require_serving_packages, serve_forever
     from .team import read_team_file
@@ -163,7 +165,7 @@ def serve(arguments) -> int:
         value = getattr(arguments, name)
         if value is not None and value < 1:
             raise UsageError(f"trl-marl serve: --{name} must be at least 1, got {value}.")
-    load_options = {"captured_decode": {"auto": None, "on": True, "off": False}[arguments.captured_decode]}
+    load_options = {"captured_decode": captured_decode_setting(arguments.captured_decode)}
     if arguments.load_in_4bit:
         load_options["load_in_4bit"] = True
     for name in ("dtype", "base_model"):
@@ -350,8 +352,8 @@ def run(argv: list[str]) -> int:
     serving.add_argument("--load_in_4bit", action="store_true", help="load the base model in 4-bit NF4")
     serving.add_argument("--dtype", default=None, help="the base model's dtype (default: as the team recorded)")
     serving.add_argument("--base_model", default=None, help="where the base model is, if not where team.json says")
-    serving.add_argument("--captured_decode", default="auto", choices=["auto", "on", "off"],
-                         help="generate through the captured decode step (auto: on CUDA)")  # fmt: skip
+    serving.add_argument("--captured_decode", default="auto", choices=["auto", "on", "off", "cuda-graphs", "compiled"],
+                         help="generate through the captured decode step (auto: CUDA graphs on CUDA)")  # fmt: skip
     serving.add_argument("--max_batch_rows", type=int, default=16, help="most rows in one routed generate call")
     serving.add_argument("--chunk_tokens", type=int, default=16,
                          help="a call yields to waiting requests after this many tokens")  # fmt: skip

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 from trl import GRPOConfig
 
 from .agents import normalize_agents
+from .captured_decode import captured_decode_setting
 from .precision import default_mixed_precision
 from .registry import check_plugin_name
 
@@ -94,12 +95,13 @@ class TeamConfig(GRPOConfig, metaclass=_TeamConfigType):
 
         > Parameters that control generation
 
-        captured_decode (`bool` or `None`, *optional*, defaults to `None`):
+        captured_decode (`bool`, `str` or `None`, *optional*, defaults to `None`):
             Generate with the captured decode step (`trl_marl.captured_decode`): a static KV cache, the routing to each
-            row's adapter held in tensors, and the one-token forward compiled, replayed as CUDA graphs on a GPU.
-            `None`: on for CUDA devices, off elsewhere (on a few CPU cores compiling costs more than it saves);
-            `True`: on (on a CPU, compiled without graphs); `False`: transformers' eager `generate`. Without vLLM
-            only.
+            row's adapter held in tensors, and the one-token forward replayed on fixed shapes. `None`: on for CUDA
+            devices, recorded as CUDA graphs (a few steps' time per shape), off elsewhere; `True`: on (CUDA graphs on
+            CUDA, compiled on a CPU); `"cuda-graphs"` or `"compiled"` (`torch.compile`: one compile for every shape,
+            kept on disk for later runs; CUDA graphs through it on a GPU): that mechanism; `False`: transformers'
+            eager `generate`. Without vLLM only.
 
         > Differences from `GRPOConfig`'s defaults
 
@@ -177,11 +179,14 @@ class TeamConfig(GRPOConfig, metaclass=_TeamConfigType):
     )
 
     # Parameters that control generation
-    captured_decode: bool | None = field(
+    # Typed `str | None` for the command line (where "true", "false" and "none" are read as True, False and None);
+    # Python takes True, False and None as they are.
+    captured_decode: str | None = field(
         default=None,
         metadata={
-            "help": "Generate with a static KV cache and a compiled one-token step (CUDA graphs on a GPU). None: on "
-            "for CUDA devices, off elsewhere; True: on; False: eager generate. Without vLLM only."
+            "help": "Generate with a static KV cache and a one-token step replayed on fixed shapes. None: on for CUDA "
+            "devices (recorded CUDA graphs), off elsewhere; true: on; 'cuda-graphs' or 'compiled' (torch.compile, "
+            "cached on disk): that mechanism; false: eager generate. Without vLLM only."
         },
     )
 
@@ -228,10 +233,7 @@ class TeamConfig(GRPOConfig, metaclass=_TeamConfigType):
                 f"`num_generations` must be at least 2 (got {self.num_generations!r}): advantages compare the joint "
                 "actions sampled for one prompt, so each agent needs at least two completions per prompt."
             )
-        if self.captured_decode not in (None, True, False):
-            raise ValueError(
-                f"`captured_decode` must be True, False or None (by device), got {self.captured_decode!r}."
-            )
+        self.captured_decode = captured_decode_setting(self.captured_decode)
         if self.captured_decode and self.use_vllm:
             raise ValueError(
                 "`captured_decode=True` and `use_vllm=True` both choose how to generate: vLLM serves the team's "

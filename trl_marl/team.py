@@ -148,7 +148,7 @@ class Team:
         scheduler: Any,
         task: Any = None,
         engine: Any = None,
-        captured_decode: bool | None = None,
+        captured_decode: bool | str | None = None,
         other_bases: list[tuple] = (),
     ):
         self.model, self.tokenizer, self.spec, self.transition = model, tokenizer, spec, transition
@@ -474,7 +474,7 @@ def load_team(
     use_vllm: bool = False,
     vllm_gpu_memory_utilization: float = 0.3,
     vllm_max_model_length: int | None = None,
-    captured_decode: bool | None = None,
+    captured_decode: bool | str | None = None,
 ) -> Team:
     """Rebuild a team saved by a trainer's `save_model`: each base model once (one for most teams; agents that trained
     on their own `model` get theirs, `team.json` names it), each agent's adapter on its base, built from its own saved
@@ -502,7 +502,8 @@ def load_team(
             `vllm_max_model_length` (the model's when None) are passed to it as in training. With `do_sample=True`,
             `torch.manual_seed` makes `run` sample the same tokens again, as with `generate`.
         captured_decode: without vLLM, generate through the captured decode step (`trl_marl.captured_decode`): None
-            chooses by device (on for CUDA), True forces it, False is eager `generate`.
+            chooses by device (CUDA graphs on CUDA), True forces it, "cuda-graphs" or "compiled" names the
+            mechanism, False is eager `generate`.
 
     Raises:
         FileNotFoundError: a base cannot be found (`find_bases`); the message says what to pass.

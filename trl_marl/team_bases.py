@@ -264,7 +264,7 @@ def other_base(
     agent_adapters: Sequence[str],
     agent_names: Sequence[str],
     generation_config,
-    captured: bool | None,
+    captured: bool | str | None,
     chat_template_kwargs: dict,
     tools,
     pad_to_multiple_of: int | None,

@@ -189,6 +189,7 @@ class TensorRouting:
             mask = self.masks[key] = torch.zeros(rows, len(columns), device=like.device, dtype=like.dtype)
             self.versions[MIXED] += 1
             torch._dynamo.mark_static_address(mask)
+            torch._dynamo.maybe_mark_dynamic(mask, 0)  # a grown mask does not recompile a compiled step
         return mask
 
     def _build_forwards(self) -> None:

@@ -2,7 +2,9 @@
 (`trl_marl.captured_decode`), on the embedded default model (SmolLM2-135M-Instruct). Prints figures; not a test.
 
 For each precision and row count, five models: the base alone; one PEFT adapter (PEFT's own forward, no router);
-the team's router with 2 and 4 agents (rows spread evenly over the agents, LoRA B randomised so the adapters differ).
+the team's router with 2 and 4 agents (rows spread evenly over the agents, LoRA B randomised so the adapters differ),
+and 4 agents again with the LoRA matmuls of layers sharing an input left ungrouped (`tensor_routing.py`); then the
+captured step of 4 agents over the base's, fused and unfused (`team_over_base`).
 Each is timed eager and on the captured path. A decode step's time is `(t(T) - t(1)) / (T - 1)`, with `t(n)` the best
 of `--repeats` generate calls making exactly n tokens per row (`min_new_tokens = max_new_tokens`), so the prefill and
 the call's fixed costs cancel; the captured path is warmed (compiled) first. Greedy: the captured tokens are compared
@@ -43,6 +45,8 @@ from trl_marl.routing import AdapterRouter
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_info import run_header  # noqa: E402
 
+# The arm timing the team's step without its LoRA matmuls grouped (`tensor_routing.py`), for the fusion's gain.
+UNFUSED = "routed 4 agents, unfused"
 PROMPT = "Name a colour, then a fruit, then a country, in one short sentence."
 
 
@@ -138,6 +142,18 @@ def measure(model, decoder, router, adapters, input_ids, attention_mask, tokens:
     return result
 
 
+def team_over_base(rows: list[dict]) -> dict:
+    """Per precision and row count, the captured step of 4 routed agents (fused and unfused) over the base's."""
+    ratios = {}
+    for row in rows:
+        if row["model"] == "base":
+            base = row["captured_ms"]
+            key = f"{row['precision']} {row['rows']} rows"
+        elif row["model"] in ("routed 4 agents", UNFUSED):
+            ratios.setdefault(key, {})[row["model"]] = round(row["captured_ms"] / base, 2)
+    return ratios
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=None)
@@ -174,6 +190,7 @@ def main():
                 ("one PEFT adapter", 1),
                 ("routed 2 agents", 2),
                 ("routed 4 agents", 4),
+                (UNFUSED, 4),
             ):
                 model = load(precision, device, args.model_config)
                 router, adapters = None, None
@@ -182,13 +199,15 @@ def main():
                     adapters = [names[row % agents] for row in range(rows)]
                     if agents > 1:
                         router = AdapterRouter(model, names)
+                    if label == UNFUSED:  # each LoRA layer its own A, mask and B, as before they were grouped
+                        router.fuse_shared_inputs = lambda: False
                 decoder = CapturedDecoder(model, router, path=path)
                 input_ids, attention_mask = prompts(tokenizer, rows, model.device)
                 figures = measure(model, decoder, router, adapters, input_ids, attention_mask, tokens, args.repeats)
                 row = {"precision": precision, "rows": rows, "model": label, **figures}
                 summary["rows"].append(row)
                 print(
-                    f"{precision:5} {rows:3} rows  {label:17} eager {figures['eager_ms']:8.2f} ms  "
+                    f"{precision:5} {rows:3} rows  {label:27} eager {figures['eager_ms']:8.2f} ms  "
                     f"captured {figures['captured_ms']:8.2f} ms  ({figures['speedup']}x, greedy equal: "
                     f"{figures['equal']}; warm-up {figures['captured_warmup_s']} s, recording or compiling "
                     f"{figures['captured_shapes_s']})",
@@ -199,6 +218,9 @@ def main():
                 if device == "cuda":
                     torch.cuda.empty_cache()
                 torch._dynamo.reset()
+    summary["team_over_base"] = team_over_base(summary["rows"])
+    for key, ratios in summary["team_over_base"].items():
+        print(f"{key}: captured step of 4 routed agents / the base's: {ratios}")
     output = Path(
         args.output or Path(__file__).parent / "results" / f"bench_decode{'_quick' if args.quick else ''}.json"
     )

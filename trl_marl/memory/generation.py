@@ -62,14 +62,25 @@ def captured_kv_cache_bytes(
     return sum(kv_cache_bytes(shape, rows, length, model_bytes) for rows, length in longest.items())
 
 
+# The linears that read one input, whose LoRA matmuls the captured step groups (`tensor_routing.py`).
+SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
 def captured_decode_bytes(
     shape: ModelShape, targets: list[str], rank: int, adapters: int, adapter_width: int, rows: int, model_bytes: int
 ) -> int:
-    """What the captured decode step holds for the whole run: the router's copy of every adapter, concatenated,
-    `N·L·r·Σ_targeted(in + out)·b_a` (one adapter too), and the graph pool of the one-token step for the largest
-    bucket's R = `rows` rows, its logits and one layer's working set:
-    `R·(V·b_m + 2·h·b_m + 4·h + 4·n_h·d·b_m + 3·I·b_m)`."""
-    copies = adapters * shape.num_layers * layer_lora_parameters(shape, rank, targets) * adapter_width
+    """What the captured decode step holds for the whole run: the router's copies of the adapters, and the graph pool
+    of the one-token step for the largest bucket's R = `rows` rows, its logits and one layer's working set:
+    `R·(V·b_m + 2·h·b_m + 4·h + 4·n_h·d·b_m + 3·I·b_m)`.
+
+    The copies (`tensor_routing.py`): every adapter's A stacked and its B on the diagonal of its group's B (the layers
+    reading one input, q/k/v and gate/up, share one: a layer's B columns are repeated `|G|` times, zeros off its
+    block), once for the calls mixing agents and once for a call on one agent:
+    `(N + [N > 1])·L·r·Σ_targeted(in + |G|·out)·b_a`."""
+    linears = shape.linears()
+    group_size = {name: len(set(group) & set(targets)) for group in SHARED_INPUTS for name in group}
+    per_adapter = rank * sum(linears[name][0] + group_size.get(name, 1) * linears[name][1] for name in targets)
+    copies = (adapters + (adapters > 1)) * shape.num_layers * per_adapter * adapter_width
     h, heads_dim = shape.hidden_size, shape.num_heads * shape.head_dim
     layer = 2 * h * model_bytes + 4 * h + 4 * heads_dim * model_bytes + 3 * shape.intermediate_size * model_bytes
     return copies + rows * (shape.vocab_size * model_bytes + layer)
