@@ -20,6 +20,7 @@ Usage, from the repository root:
 """
 
 import argparse
+import functools
 import gc
 import json
 import shutil
@@ -142,6 +143,15 @@ def measure(model, decoder, router, adapters, input_ids, attention_mask, tokens:
     return result
 
 
+def leave_ungrouped(router: AdapterRouter) -> bool:
+    """In place of `AdapterRouter.fuse_shared_inputs`: the layers stay one to a group (the LoRA work unfused), and the
+    routing stops noting each layer's input as it does until it is fused (a compiled step would trace that too)."""
+    routing = router._tensor_routing
+    routing.fused, routing._seen = True, None
+    routing._build_forwards()
+    return False
+
+
 def team_over_base(rows: list[dict]) -> dict:
     """Per precision and row count, the captured step of 4 routed agents (fused and unfused) over the base's."""
     ratios = {}
@@ -200,7 +210,7 @@ def main():
                     if agents > 1:
                         router = AdapterRouter(model, names)
                     if label == UNFUSED:  # each LoRA layer its own A, mask and B, as before they were grouped
-                        router.fuse_shared_inputs = lambda: False
+                        router.fuse_shared_inputs = functools.partial(leave_ungrouped, router)
                 decoder = CapturedDecoder(model, router, path=path)
                 input_ids, attention_mask = prompts(tokenizer, rows, model.device)
                 figures = measure(model, decoder, router, adapters, input_ids, attention_mask, tokens, args.repeats)
