@@ -765,12 +765,11 @@ def test_the_path_is_chosen_by_device_or_named_in_python_and_as_command_line_wor
     ]
     with pytest.raises(ValueError, match="'cuda-graphs'.*records CUDA graphs.*cpu.*'compiled'"):
         choose_path("cuda-graphs", cpu)
-    for given, read in (("false", False), ("true", True), ("None", None), ("compiled", "compiled")):
-        assert (
-            MAGRPOConfig(
-                output_dir=str(tmp_path), agents=["writer", "critic"], use_cpu=True, captured_decode=given
-            ).captured_decode
-            is read
+    words = (("false", False), ("no", False), ("0", False), ("true", True), ("On", True), ("None", None))
+    for given, read in (*words, ("compiled", "compiled"), ("Compiled", "compiled"), ("CUDA-graphs", "cuda-graphs")):
+        config = MAGRPOConfig(
+            output_dir=str(tmp_path), agents=["writer", "critic"], use_cpu=True, captured_decode=given
         )
+        assert (config.captured_decode, type(config.captured_decode)) == (read, type(read)), given
     with pytest.raises(ValueError, match="`captured_decode` must be .*'cuda-graphs' or 'compiled', got 'graphs'"):
         MAGRPOConfig(output_dir=str(tmp_path), agents=["writer", "critic"], use_cpu=True, captured_decode="graphs")

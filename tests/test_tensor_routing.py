@@ -49,10 +49,12 @@ def test_layers_reading_one_input_share_their_matmuls_and_one_adapter_needs_no_m
     router = AdapterRouter(team, NAMES[:2])
     input_ids = torch.randint(3, 100, (4, 5), generator=torch.Generator().manual_seed(0))
     mixed = ["a", "b", "a", "b"]
+    one_token = input_ids[:, :1]  # a decode step's shape: a prefill's tokens keep one delta per layer (below)
     with router.tensor_routing(mixed):
-        unfused, before = counted_forward(team, input_ids)
+        unfused, before = counted_forward(team, one_token)
         assert router.fuse_shared_inputs() and not router.fuse_shared_inputs()  # once
-        fused, after = counted_forward(team, input_ids)
+        fused, after = counted_forward(team, one_token)
+        prefill, prefill_ops = counted_forward(team, input_ids)
     groups = [[layer for layer in group.layers] for group in router._tensor_routing.groups]
     names = {layer: name.rsplit(".", 1)[-1] for name, layer in team.named_modules() if name.endswith("proj")}
     assert [[names[layer] for layer in group] for group in groups] == [
@@ -63,14 +65,16 @@ def test_layers_reading_one_input_share_their_matmuls_and_one_adapter_needs_no_m
     ] * LAYERS
     with router.tensor_routing(["b"] * 4):
         assert router.tensor_routing_mode == "single"
-        single, alone = counted_forward(team, input_ids)
+        single, alone = counted_forward(team, one_token)
+    assert router.tensor_routing_mode == "unrouted"
 
-    reference = routed_logits(team, router, mixed, input_ids)
+    reference = routed_logits(team, router, mixed, one_token)
     assert torch.equal(unfused, reference)
     torch.testing.assert_close(fused, reference, rtol=0, atol=1e-5)
-    torch.testing.assert_close(single, routed_logits(team, router, ["b"] * 4, input_ids), rtol=0, atol=1e-5)
+    torch.testing.assert_close(prefill, routed_logits(team, router, mixed, input_ids), rtol=0, atol=1e-5)
+    torch.testing.assert_close(single, routed_logits(team, router, ["b"] * 4, one_token), rtol=0, atol=1e-5)
     # matmuls: per layer 7 base + 7 A + 7 B unfused; 7 base + 4 groups x (A, B) fused; plus the head
-    assert before["aten.mm.default"] == LAYERS * 3 * LINEARS + 1 == 43
+    assert before["aten.mm.default"] == prefill_ops["aten.mm.default"] == LAYERS * 3 * LINEARS + 1 == 43
     assert after["aten.mm.default"] == alone["aten.mm.default"] == LAYERS * (LINEARS + 4 * 2) + 1 == 31
     # the mask: one multiply per layer unfused, one per group fused, none on one adapter
     assert before["aten.mul.Tensor"] - after["aten.mul.Tensor"] == LAYERS * (LINEARS - 4)
@@ -113,8 +117,58 @@ def test_one_adapter_calls_replay_one_recording_whichever_agent_and_never_a_mixe
         eager, captured = generate_both(team, router, decoder, adapters, *left_padded(6, 7, seed=call))
         assert torch.equal(eager, captured), adapters
         group = router._tensor_routing.groups[0]
-        if router.tensor_routing_mode == "single":
+        if router._tensor_routing.mode == "single":  # the last call's
             addresses.append((group.lora_a.data_ptr(), group.lora_b.data_ptr()))
     # one recording per mode: agent b's calls replay agent a's graph, on the same buffers (its weights copied in)
     assert len(recorded) == 2 and set(decoder._recorded) == {(8, 256, "single"), (8, 256, "mixed")}
     assert len(set(addresses)) == 1 and len(addresses) == 3
+
+
+def test_the_first_forward_keeps_no_layers_input_alive_to_group_them():
+    """Grouping compares each layer's input with its group's: only that one input is held, so the first prefill
+    frees each layer's input as an ordinary forward does."""
+    import gc
+    import weakref
+
+    team = tiny_team(2)
+    router = AdapterRouter(team, NAMES[:2])
+    first_attention_input = []
+    attention = team.base_model.model.model.layers[0].self_attn
+    hook = attention.q_proj.register_forward_pre_hook(
+        lambda module, args: first_attention_input.append(weakref.ref(args[0]))
+    )
+    with torch.no_grad(), router.tensor_routing(["a", "b"]):
+        team(torch.ones(2, 9, dtype=torch.long))
+        gc.collect()
+        assert first_attention_input[0]() is None  # freed before the grouping ran
+        assert router.fuse_shared_inputs()
+    hook.remove()
+    assert [len(group.layers) for group in router._tensor_routing.groups] == [3, 1, 2, 1] * LAYERS
+
+
+def test_agents_of_different_ranks_share_one_agents_buffers_and_recording(monkeypatch):
+    recorded = emulate_recording(monkeypatch)
+    team = tiny_team(1)
+    team.add_adapter("wide", LoraConfig(r=8, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    router = AdapterRouter(team, ["a", "wide"])
+    decoder = CapturedDecoder(team, router, path="cuda-graphs")
+    versions = []
+    for call, adapter in enumerate(("a", "wide", "a", "wide")):
+        eager, captured = generate_both(team, router, decoder, [adapter] * 6, *left_padded(6, 7, seed=call))
+        assert torch.equal(eager, captured), adapter
+        versions.append(router._tensor_routing.versions["single"])
+    assert len(set(versions)) == 1 and len(recorded) == 1  # rank 4 padded with zeros to 8: no new buffers
+
+
+def test_a_call_without_routing_never_replays_a_routed_recording(monkeypatch):
+    recorded = emulate_recording(monkeypatch)
+    team = tiny_team(2)
+    router = AdapterRouter(team, NAMES[:2])
+    decoder = CapturedDecoder(team, router, path="cuda-graphs")
+    input_ids, attention_mask = left_padded(6, 7, seed=0)
+    generate_both(team, router, decoder, ["a"] * 6, input_ids, attention_mask)
+    team.set_adapter("b")
+    for adapters in (None, None):  # PEFT's active adapter, no routing: its own recording, replayed the second time
+        eager, captured = generate_both(team, None, decoder, adapters, input_ids, attention_mask)
+        assert torch.equal(eager, captured)
+    assert set(decoder._recorded) == {(8, 256, "single"), (8, 256, "unrouted:b")} and len(recorded) == 2

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from peft import PeftModel
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from transformers import GenerationConfig, StaticCache
 from transformers.cache_utils import StaticLayer
@@ -264,11 +265,12 @@ CAPTURED_DECODE_SETTINGS = (None, True, False, "cuda-graphs", "compiled")
 
 
 def captured_decode_setting(value) -> bool | str | None:
-    """A `captured_decode` value as given in Python or on a command line ("true", "false", "none"/"auto", "on",
-    "off"), checked: one of `CAPTURED_DECODE_SETTINGS`."""
-    words = {"true": True, "on": True, "false": False, "off": False, "none": None, "auto": None}
+    """A `captured_decode` value as given in Python or on a command line (any case; "true", "on", "yes", "1";
+    "false", "off", "no", "0"; "none", "auto"), checked: one of `CAPTURED_DECODE_SETTINGS`."""
+    words = {"true": True, "on": True, "yes": True, "1": True, "false": False, "off": False, "no": False, "0": False}
+    words |= {"none": None, "auto": None}
     if isinstance(value, str):
-        value = words.get(value.lower(), value)
+        value = words.get(value.lower(), value.lower())
     if not any(
         value is setting or (isinstance(value, str) and value == setting) for setting in CAPTURED_DECODE_SETTINGS
     ):
@@ -329,7 +331,7 @@ class CapturedDecoder:
         self.cache_keyword = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
         self._caches: dict[int, StaticCache] = {}  # per row bucket
         self._buffers: dict[tuple[int, int], StepBuffers] = {}  # per (rows, cache length)
-        self._recorded: dict[tuple[int, int, str], RecordedStep] = {}  # per (rows, cache length, routing mode)
+        self._recorded: dict[tuple[int, int, str], RecordedStep] = {}  # per (rows, cache length, `_routing_mode`)
         self._pool = None  # the memory pool every recorded graph shares
         self._real_rows = 0
         # Seconds spent recording (or compiling) the step for each (rows, cache length), its first call included.
@@ -552,13 +554,22 @@ class CapturedDecoder:
         """The step as a recorded CUDA graph: recorded at the first call for a shape and routing mode (every row on one
         adapter, or mixed: `AdapterRouter.tensor_routing_mode`), and again when the cache or a routing buffer it reads
         was replaced since (`AdapterRouter.tensor_buffers_version`)."""
-        mode = self.router.tensor_routing_mode if self.router is not None else "mixed"
-        key = (buffers.input_ids.shape[0], buffers.key_mask.shape[1], mode)
+        key = (buffers.input_ids.shape[0], buffers.key_mask.shape[1], self._routing_mode())
         version = self.router.tensor_buffers_version if self.router is not None else 0
         recorded = self._recorded.get(key)
         if recorded is None or recorded.cache is not cache or recorded.routing_version != version:
             recorded = self._recorded[key] = self._record(model, cache, buffers, version)
         return recorded.replay()
+
+    def _routing_mode(self) -> str:
+        """What the step's LoRA layers read, as a recorded step's key: the router's tensor-routing mode, or, unrouted
+        (no router, or a call without a routing), PEFT's active adapters by name (a graph recorded for one adapter
+        replays that adapter's matmuls)."""
+        mode = self.router.tensor_routing_mode if self.router is not None else "unrouted"
+        if mode != "unrouted":
+            return mode
+        active = self.model.active_adapters if isinstance(self.model, PeftModel) else []
+        return "unrouted:" + ",".join(active)
 
     def _record(self, model, cache, buffers: StepBuffers, version: int) -> RecordedStep:
         started = time.perf_counter()

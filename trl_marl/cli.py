@@ -352,7 +352,8 @@ def run(argv: list[str]) -> int:
     serving.add_argument("--load_in_4bit", action="store_true", help="load the base model in 4-bit NF4")
     serving.add_argument("--dtype", default=None, help="the base model's dtype (default: as the team recorded)")
     serving.add_argument("--base_model", default=None, help="where the base model is, if not where team.json says")
-    serving.add_argument("--captured_decode", default="auto", choices=["auto", "on", "off", "cuda-graphs", "compiled"],
+    serving.add_argument("--captured_decode", default="auto",
+                         choices=["auto", "on", "off", "true", "false", "cuda-graphs", "compiled"],
                          help="generate through the captured decode step (auto: CUDA graphs on CUDA)")  # fmt: skip
     serving.add_argument("--max_batch_rows", type=int, default=16, help="most rows in one routed generate call")
     serving.add_argument("--chunk_tokens", type=int, default=16,

@@ -236,8 +236,8 @@ class TeamConfig(GRPOConfig, metaclass=_TeamConfigType):
         self.captured_decode = captured_decode_setting(self.captured_decode)
         if self.captured_decode and self.use_vllm:
             raise ValueError(
-                "`captured_decode=True` and `use_vllm=True` both choose how to generate: vLLM serves the team's "
-                "adapters itself. Set one of them."
+                f"`captured_decode={self.captured_decode!r}` and `use_vllm=True` both choose how to generate: vLLM "
+                "serves the team's adapters itself. Set one of them."
             )
         if self.use_vllm and self.vllm_mode != "colocate":
             raise ValueError(SERVER_MODE_REASON)

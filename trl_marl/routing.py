@@ -236,7 +236,7 @@ class AdapterRouter:
         if self._other_layers:
             return (
                 f"{type(self._other_layers[0]).__name__} layers (LoRA variants, biases, modules_to_save, differing "
-                "dropouts) route through PEFT's per-row Python path"
+                "dropouts, adapters on different modules) route through PEFT's per-row Python path"
             )
         if any(layer.merged for layer in self._plain_layers):
             return "an adapter is merged into the base weights"
@@ -284,15 +284,20 @@ class AdapterRouter:
 
     @property
     def tensor_routing_mode(self) -> str:
-        """The buffers the tensor-routed forwards read now (`TensorRouting.mode`): "single" (every routed row on one
-        adapter, no mask) or "mixed"; a decode step recorded in one mode is not replayed in the other."""
-        return self._tensor_routing.mode if self._tensor_routing is not None else "mixed"
+        """What the LoRA layers' forwards read now: inside `tensor_routing`, its buffers (`TensorRouting.mode`:
+        "single", every routed row on one adapter, no mask; or "mixed"); outside it, "unrouted" (the ordinary
+        forwards). A decode step recorded in one mode is not replayed in another."""
+        if self._tensor_routing is None or not self._tensor_routing.active:
+            return "unrouted"
+        return self._tensor_routing.mode
 
     @property
     def tensor_buffers_version(self) -> int:
-        """How many times the current mode's `tensor_routing` buffers were replaced so far (`TensorRouting.version`):
-        a decode step recorded under one version reads stale buffers under another."""
-        return self._tensor_routing.version if self._tensor_routing is not None else 0
+        """How many times the current mode's `tensor_routing` buffers were replaced so far (`TensorRouting.version`;
+        0 when unrouted): a decode step recorded under one version reads stale buffers under another."""
+        if self.tensor_routing_mode == "unrouted":
+            return 0
+        return self._tensor_routing.version
 
     # -- PEFT's mixed-batch path
 

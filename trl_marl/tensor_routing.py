@@ -83,26 +83,36 @@ class SharedInput:
         self.lora_b: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None  # the mixed mode's; None in the single mode
         self.columns: tuple[int, ...] = ()  # the mixed mode's adapter index of each rank column
+        self.rank_slices: list[slice] = []  # the current mode's: each layer's rows of A (columns of B)
         self.output_slices: list[slice] = []  # each layer's columns of the group's delta
         self.x: torch.Tensor | None = None
         self.delta: torch.Tensor | None = None
 
     def refresh(self, adapter_names: Sequence[str], single: int | None) -> bool:
         """Copy the adapters' current weights into the buffers of the mode (`single`: the one adapter's index, or None
-        for every adapter); whether a buffer was replaced (allocated, or of another shape, dtype or device)."""
-        names = list(adapter_names) if single is None else [adapter_names[single]]
-        lora_a = torch.cat([layer.lora_A[name].weight.detach() for layer in self.layers for name in names])
-        blocks = [
-            torch.cat([layer.lora_B[name].weight.detach() * layer.scaling[name] for name in names], dim=1)
-            for layer in self.layers
-        ]
-        lora_b = torch.block_diag(*blocks) if len(blocks) > 1 else blocks[0]
+        for every adapter); whether a buffer was replaced (allocated, or of another shape, dtype or device).
+
+        In the single mode each layer's block is as wide as its largest adapter's rank, the adapter's matrices padded
+        with zeros (which add nothing): every agent fits the same buffers, so a step recorded for one replays for
+        all."""
         if single is None:
+            matrices = [[self._scaled(layer, name) for name in adapter_names] for layer in self.layers]
             self.columns = tuple(
-                adapter for layer in self.layers for adapter, name in enumerate(names) for _ in range(layer.r[name])
+                adapter
+                for layer in self.layers
+                for adapter, name in enumerate(adapter_names)
+                for _ in range(layer.r[name])
             )
-        ends = itertools.accumulate(block.shape[0] for block in blocks)
-        self.output_slices = [slice(end - block.shape[0], end) for end, block in zip(ends, blocks)]
+        else:
+            matrices = [
+                [self._scaled(layer, adapter_names[single], max(layer.r[name] for name in adapter_names))]
+                for layer in self.layers
+            ]
+        lora_a = torch.cat([lora_a for layer in matrices for lora_a, _ in layer])
+        blocks = [torch.cat([lora_b for _, lora_b in layer], dim=1) for layer in matrices]
+        lora_b = torch.block_diag(*blocks) if len(blocks) > 1 else blocks[0]
+        self.rank_slices = _slices(block.shape[1] for block in blocks)
+        self.output_slices = _slices(block.shape[0] for block in blocks)
         mode = MIXED if single is None else SINGLE
         buffers = self.buffers.get(mode)
         replaced = buffers is None or any(
@@ -120,12 +130,38 @@ class SharedInput:
         self.lora_a, self.lora_b = buffers
         return replaced
 
+    @staticmethod
+    def _scaled(layer: LoraLayer, name: str, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`layer`'s A and scaled B for adapter `name`, padded with zeros to rank `width` when given."""
+        lora_a = layer.lora_A[name].weight.detach()
+        lora_b = layer.lora_B[name].weight.detach() * layer.scaling[name]
+        extra = (width or lora_a.shape[0]) - lora_a.shape[0]
+        if extra:
+            lora_a = torch.cat([lora_a, lora_a.new_zeros(extra, lora_a.shape[1])])
+            lora_b = torch.cat([lora_b, lora_b.new_zeros(lora_b.shape[0], extra)], dim=1)
+        return lora_a, lora_b
+
     def delta_of(self, x: torch.Tensor, dropout: torch.nn.Module) -> torch.Tensor:
         """Every layer's delta for input `x`, side by side along the last dimension."""
-        x = dropout(x)
-        if self.mask is None:  # the single mode
-            return (x.to(self.lora_a.dtype) @ self.lora_a.T) @ self.lora_b.T
-        return routed_lora_delta(x, self.lora_a, self.lora_b, self.mask)
+        return self._delta(dropout(x), self.lora_a, self.lora_b, self.mask)
+
+    def layer_delta(self, x: torch.Tensor, dropout: torch.nn.Module, index: int) -> torch.Tensor:
+        """Layer `index`'s delta alone, from its blocks of the group's buffers (views: no copy)."""
+        ranks, outputs = self.rank_slices[index], self.output_slices[index]
+        mask = self.mask[:, ranks] if self.mask is not None else None
+        return self._delta(dropout(x), self.lora_a[ranks], self.lora_b[outputs, ranks], mask)
+
+    @staticmethod
+    def _delta(x, lora_a, lora_b, mask) -> torch.Tensor:
+        if mask is None:  # the single mode
+            return (x.to(lora_a.dtype) @ lora_a.T) @ lora_b.T
+        return routed_lora_delta(x, lora_a, lora_b, mask)
+
+
+def _slices(widths) -> list[slice]:
+    """Consecutive slices of the given widths, from 0."""
+    widths = list(widths)
+    return [slice(end - width, end) for end, width in zip(itertools.accumulate(widths), widths)]
 
 
 class TensorRouting:
@@ -150,10 +186,14 @@ class TensorRouting:
         # recorded before reads the old ones, so a recorded CUDA graph is valid while its mode's count is unchanged.
         self.versions = {MIXED: 0, SINGLE: 0}
         self.fused = False  # whether layers sharing an input were looked for (`fuse_shared_inputs`)
-        # While not yet fused: each layer's input, in call order, at the first forward under the routing
-        self._seen: list[tuple[LoraLayer, torch.Tensor]] | None = None
+        # While not yet fused, at the first forward under the routing: the layers in call order, grouped while they
+        # are handed the same input, and the input of the last group (held, not its id: no later tensor can take its
+        # identity; only that one, so the prefill keeps no more alive than it would)
+        self._seen: list[list[LoraLayer]] | None = None
+        self._seen_input: torch.Tensor | None = None
+        self._seen_ids: set[int] = set()
         self._forwards: dict[int, functools.partial] = {}
-        self._installed = False
+        self.active = False  # whether the forwards are installed (inside `installed`)
 
     @property
     def mode(self) -> str:
@@ -199,7 +239,7 @@ class TensorRouting:
                 forward = self._forwards.get(id(layer))
                 if forward is None or any(old is not new for old, new in zip(forward.args, arguments)):
                     self._forwards[id(layer)] = functools.partial(_shared_input_forward, *arguments)
-        if self._installed:
+        if self.active:
             self._install()
 
     def _install(self) -> None:
@@ -209,20 +249,34 @@ class TensorRouting:
             layer.forward = functools.partial(self._seeing_forward, layer, forward) if seeing else forward
 
     def _seeing_forward(self, layer: LoraLayer, forward, x, *args, **kwargs):
-        self._seen.append((layer, x))  # held (not its id): no later tensor can take its identity
+        if id(layer) not in self._seen_ids:  # a layer called again (a later forward) is placed already
+            self._seen_ids.add(id(layer))
+            joins = (
+                self._seen
+                and x is self._seen_input
+                and not dropout_is_live(layer, self.adapter_names)
+                and not dropout_is_live(self._seen[-1][0], self.adapter_names)
+            )
+            if joins:
+                self._seen[-1].append(layer)
+            else:
+                self._seen.append([layer])
+                self._seen_input = x
         return forward(x, *args, **kwargs)
 
     @contextmanager
     def installed(self) -> Iterator[None]:
         """Each layer's forward is its tensor-routed one inside the block (until fused, also noting its input)."""
         if not self.fused:
-            self._seen = []
-        self._installed = True
+            self._seen, self._seen_ids = [], set()
+        self.active = True
         self._install()
         try:
             yield
         finally:
-            self._installed, self._seen = False, None
+            self.active, self._seen, self._seen_input = False, None, None
+            for group in self.groups:  # a forward that raised mid-group leaves its delta: not kept past the block
+                group.x = group.delta = None
             for layer in self.layers:
                 del layer.forward
 
@@ -233,26 +287,12 @@ class TensorRouting:
         LoRA dropout stay alone."""
         if self.fused or not self._seen:
             return False
-        groups: list[list[LoraLayer]] = []
-        inputs: list[torch.Tensor] = []
-        placed = set()
-        for layer, x in self._seen:
-            if id(layer) in placed:
-                continue
-            placed.add(id(layer))
-            if (
-                groups
-                and inputs[-1] is x
-                and not dropout_is_live(layer, self.adapter_names)
-                and not dropout_is_live(groups[-1][0], self.adapter_names)
-            ):
-                groups[-1].append(layer)
-            else:
-                groups.append([layer])
-                inputs.append(x)
-        unseen = [layer for layer in self.layers if id(layer) not in placed]
-        self.groups = [SharedInput(layers) for layers in groups] + [SharedInput([layer]) for layer in unseen]
-        self.fused, self._seen = True, None
+        unseen = [[layer] for layer in self.layers if id(layer) not in self._seen_ids]
+        for group in self.groups:  # the ungrouped copies are freed before the grouped ones are made
+            group.buffers.clear()
+            group.lora_a = group.lora_b = group.mask = None
+        self.groups = [SharedInput(layers) for layers in self._seen + unseen]
+        self.fused, self._seen, self._seen_input = True, None, None
         self.versions = {mode: count + 1 for mode, count in self.versions.items()}
         self.refresh(self.row_index, self.rows)
         return True
@@ -260,11 +300,14 @@ class TensorRouting:
 
 def _shared_input_forward(group: SharedInput, index: int, dropout, x, *args, **kwargs):
     """Layer `index` of `group`: its base layer plus its slice of the group's deltas for `x`, computed by the first
-    layer of the group handed `x` and dropped by the last."""
+    layer of the group handed `x` and dropped by the last. An input of several tokens (a prefill) gets each layer's
+    delta alone: the group's would hold every layer's at once, tokens × their summed widths."""
     layer = group.layers[index]
     output = layer.base_layer(x, *args, **kwargs)
     if len(group.layers) == 1:
         return output + group.delta_of(x, dropout).to(output.dtype)
+    if x.dim() > 2 and x.shape[-2] > 1:
+        return output + group.layer_delta(x, dropout, index).to(output.dtype)
     if group.x is not x:
         group.x, group.delta = x, group.delta_of(x, dropout)
     delta = group.delta[..., group.output_slices[index]]
