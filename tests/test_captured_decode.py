@@ -8,6 +8,8 @@ path, the same loop with an eager step, where compiling adds nothing to what is 
 default model's equality checks are in the slow set.
 """
 
+import weakref
+
 import pytest
 import torch
 from datasets import Dataset
@@ -643,6 +645,43 @@ def test_a_recorded_step_is_recorded_again_when_its_cache_or_routing_buffers_wer
     decoder.release()
     call(8, 6, 10)
     assert len(recorded) == 5  # released: its cache is gone, the step is recorded on the new one
+
+
+def test_a_released_decoder_records_into_a_new_memory_pool(monkeypatch):
+    """PyTorch's allocator frees a graph pool with the last graph recorded into it and refuses to record into it again
+    (an internal assert, `use_count > 0`: seen on an H200 at the second rollout of a training run, after the first
+    one's end had released the recordings). The stand-in counts each pool's live graphs as the allocator does."""
+    live, pools = {}, []
+
+    def record_step(step, restore, pool, warmup_steps=2):
+        if live.get(pool, None) == 0:
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED")
+        live[pool] = live.get(pool, 0) + 1
+        for _ in range(warmup_steps):
+            step()
+            restore()
+        step()
+        restore()
+        replay = lambda: step()  # noqa: E731
+        weakref.finalize(replay, lambda: live.__setitem__(pool, live[pool] - 1))
+        return replay
+
+    def graph_pool(device):
+        pools.append(object())
+        return pools[-1]
+
+    monkeypatch.setattr(captured_decode, "record_step", record_step)
+    monkeypatch.setattr(captured_decode, "graph_pool", graph_pool)
+    team = tiny_team(2)
+    router = AdapterRouter(team, NAMES[:2])
+    decoder = CapturedDecoder(team, router, path="cuda-graphs")
+    for rollout in range(3):  # each ends as a training rollout does, its recordings released
+        eager, captured = generate_both(team, router, decoder, ["a", "b"] * 3, *left_padded(6, 7, seed=rollout))
+        assert torch.equal(eager, captured)
+        assert live[pools[-1]] == 1  # one shape, one graph, in the pool of this rollout
+        decoder.release()
+        assert live[pools[-1]] == 0
+    assert len(pools) == 3 and decoder.failure is None
 
 
 def test_the_decode_step_traces_as_one_graph_with_no_host_sync_or_data_dependent_branch(monkeypatch):

@@ -212,6 +212,11 @@ def step_attention_mask(
     )
 
 
+def graph_pool(device: torch.device):
+    """A new memory pool for a decoder's CUDA graphs to share (None off CUDA, where nothing is recorded)."""
+    return torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+
+
 def record_step(step, restore, pool, warmup_steps: int = 2):
     """Record `step()` (no arguments: it reads static buffers only) as a CUDA graph; a callable that replays it and
     returns its output tensor (overwritten by the next replay).
@@ -490,6 +495,9 @@ class CapturedDecoder:
         self._caches.clear()
         self._buffers.clear()
         self._recorded.clear()
+        # With its last graph gone, the pool is released: PyTorch's allocator refuses to record into it again (an
+        # internal assert, `use_count > 0`), so the next recording starts a new one.
+        self._pool = None
 
     @property
     def _device(self) -> torch.device:
@@ -585,8 +593,8 @@ class CapturedDecoder:
             for layer, length in lengths:
                 layer.cumulative_length.copy_(length)
 
-        if self._pool is None and self._device.type == "cuda":
-            self._pool = torch.cuda.graph_pool_handle()
+        if self._pool is None:
+            self._pool = graph_pool(self._device)
         replay = record_step(functools.partial(self._step_function, model, cache, buffers), restore, self._pool)
         seconds = time.perf_counter() - started
         rows, length = buffers.key_mask.shape
