@@ -27,16 +27,16 @@ from transformers import (
     Qwen2Config,
 )
 
-from trl_marl import MAGRPOConfig, MAGRPOTrainer, captured_decode
+from trl_marl import MAGRPOConfig, MAGRPOTrainer, captured_decode, decode_support
 from trl_marl.agents import keep_4bit_weights_trainable
 from trl_marl.captured_decode import (
     CapturedDecoder,
     bucket_length,
     bucket_rows,
     captured_decoder,
-    choose_path,
     describe,
 )
+from trl_marl.decode_support import choose_path
 from trl_marl.routing import BASE, AdapterRouter
 
 NAMES = ["a", "b", "c", "d"]
@@ -550,8 +550,8 @@ def test_a_model_with_other_attention_layers_goes_eager_by_default_and_is_refuse
     them, or, in releases without its reader, from `layer_types` and the config's window fields."""
     model = AutoModelForCausalLM.from_config(config()).eval()
     monkeypatch.setattr("trl_marl.captured_decode.choose_path", lambda requested, device: "static")
-    for reader in (captured_decode.get_layer_types_and_kwargs, None):
-        monkeypatch.setattr(captured_decode, "get_layer_types_and_kwargs", reader)
+    for reader in (decode_support.get_layer_types_and_kwargs, None):
+        monkeypatch.setattr(decode_support, "get_layer_types_and_kwargs", reader)
         assert captured_decoder(model, None, None) is None
         with pytest.raises(ValueError, match=f"cannot be captured: .*`{layer_type}` layers.*captured_decode=False"):
             captured_decoder(model, None, True)

@@ -150,7 +150,7 @@ def vllm_settings(arguments) -> dict[str, Any]:
 
 def serve(arguments) -> int:
     """`trl-marl serve`: the team (a folder or Hub id, checked before any model loads) served until interrupted."""
-    from .captured_decode import captured_decode_setting
+    from .decode_support import captured_decode_setting
     from .hub import resolve_team_folder
     from .serving.server import require_serving_packages, serve_forever
     from .team import read_team_file

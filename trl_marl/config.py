@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 from trl import GRPOConfig
 
 from .agents import normalize_agents
-from .captured_decode import captured_decode_setting
+from .decode_support import captured_decode_setting
 from .precision import default_mixed_precision
 from .registry import check_plugin_name
 

@@ -39,7 +39,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from trl_marl import default_model_path
 from trl_marl.agents import agent_lora_config, attach_agent_adapters
-from trl_marl.captured_decode import CapturedDecoder, choose_path
+from trl_marl.captured_decode import CapturedDecoder
+from trl_marl.decode_support import choose_path
 from trl_marl.precision import four_bit_config
 from trl_marl.routing import AdapterRouter
 
