@@ -11,9 +11,9 @@ of the captured step on fixed shapes. Shapes are bucketed so a handful of graphs
 with rows whose output nothing reads (`ROW_BUCKETS`), and the cache is sized up to a multiple of
 `CACHE_LENGTH_STEP`. One cache per row bucket (as long as the longest call it served) is kept and reset between calls,
 so a replay reads and writes the same memory each time; its rows never reach the next call (the reset zeroes it, and
-the attention never reads past a row's own positions). The trainer `release`s the caches when a rollout ends, so
-training gets that memory back (the next rollout's caches of the same sizes most likely reuse the same blocks of the
-CUDA caching allocator; where they do not, the graphs are recorded again).
+the attention never reads past a row's own positions). The trainer `release`s the caches and the graphs recorded on
+them when a rollout ends, so training gets that memory back; the next rollout records its shapes again (a fraction of
+a second each), in a new memory pool.
 
 Every attention layer of that cache is a full-length `StaticLayer`, sliding-window layers included (Mistral-7B-v0.1,
 Phi-3-mini-4k, Qwen2's `use_sliding_window`): each writes at absolute positions, as long as the call's bucket, and the
@@ -25,15 +25,15 @@ default, refused naming the layer type with `captured_decode=True` (`decode_supp
 
 The step (`CapturedDecoder._step_function`) reads only static buffers (`StepBuffers`: each row's token and position,
 the cache position written, the key mask) and builds its 4-D attention mask from them (`step_attention_mask`, one per
-layer type), so transformers' mask creation, with its branches on values, never runs in it: it has no host sync and
-no data-dependent branch (it traces whole with `torch.compile(fullgraph=True)`, tested on the CPU). On CUDA it is
-recorded by hand, as serving engines record their decode graphs (`record_step`): a few warm-up runs on a side stream,
-then one recording per (rows, cache length) in a memory pool every graph of the decoder shares, then replays with the
+layer type), so transformers' mask creation, with its branches on values, never runs in it: it has no host sync and no
+data-dependent branch (it traces whole with `torch.compile(fullgraph=True)`, tested on the CPU). On CUDA it is recorded
+by hand, as serving engines record their decode graphs (`record_step`): a few warm-up runs on a side stream, then one
+recording per (rows, cache length) in a memory pool every graph since the last `release` shares, then replays with the
 inputs copied into the buffers; recording costs a few steps' time instead of a compile's tens of seconds. A graph is
-recorded again when the cache or a routing buffer it reads was replaced. `path="compiled"` compiles the same step
-(CUDA graphs through `mode="reduce-overhead"` on CUDA); `path="static"` runs it eagerly, the same loop and buffers
-(what the CPU tests check token for token). A 4-bit (bitsandbytes) base is served by all three (its 4-bit matmul is
-a registered torch op and can be recorded in a CUDA graph).
+recorded again when the cache or a routing buffer it reads was replaced. `path="compiled"` compiles the same step (CUDA
+graphs through `mode="reduce-overhead"` on CUDA); `path="static"` runs it eagerly, the same loop and buffers (what the
+CPU tests check token for token). A 4-bit (bitsandbytes) base is served by all three (its 4-bit matmul is a registered
+torch op and can be recorded in a CUDA graph).
 """
 
 import copy
@@ -156,7 +156,7 @@ def record_step(step, restore, pool, warmup_steps: int = 2):
     As CUDA graphs must be recorded: a few warm-up runs on a side stream first (kernels pick their algorithms and
     allocate their workspaces outside the graph), `restore()` after each (a step writes its token's keys and values
     and advances the cache's written length: the warm-ups must leave the cache as they found it), then one recording
-    in the decoder's memory `pool`, shared by every graph of the decoder. Recording runs no kernel."""
+    in the decoder's memory `pool`, shared by every graph it records until `release`. Recording runs no kernel."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -230,7 +230,7 @@ class CapturedDecoder:
         self._caches: dict[int, StaticCache] = {}  # per row bucket
         self._buffers: dict[tuple[int, int], StepBuffers] = {}  # per (rows, cache length)
         self._recorded: dict[tuple[int, int, str], RecordedStep] = {}  # per (rows, cache length, `_routing_mode`)
-        self._pool = None  # the memory pool every recorded graph shares
+        self._pool = None  # the memory pool the graphs recorded since the last `release` share
         self._real_rows = 0
         # Seconds spent recording (or compiling) the step for each (rows, cache length), its first call included.
         self.warmups: dict[tuple[int, int], float] = {}

@@ -108,7 +108,7 @@ def main() -> None:
     for arm in ARMS:  # each in a fresh process: nothing recorded or compiled by the other carries over
         command = [sys.executable, __file__, "--arm", arm, "--max_steps", str(args.max_steps)]
         command += ["--eval_questions", str(args.eval_questions)]
-        # its log and any error show as it runs; its result line comes back on stdout
+        # its stderr (progress, warnings, a traceback) shows as it runs; its stdout (the result line) comes back
         output = subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
         arms.append(json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[7:]))
         result = arms[-1]
