@@ -642,6 +642,7 @@ def test_a_recorded_step_is_recorded_again_when_its_cache_or_routing_buffers_wer
     # needing 260 positions (a longer cache replaces the 8-row one); 8 rows again on that cache, replayed
     assert recorded == [(8, 128), (16, 128), (8, 128), (8, 128)]
     assert set(decoder.warmups) == {(8, 256), (16, 256), (8, 512)}
+    assert len(decoder.recordings) == 4 and all(seconds > 0 for seconds in decoder.recordings)
     decoder.release()
     call(8, 6, 10)
     assert len(recorded) == 5  # released: its cache is gone, the step is recorded on the new one
@@ -681,7 +682,7 @@ def test_a_released_decoder_records_into_a_new_memory_pool(monkeypatch):
         assert live[pools[-1]] == 1  # one shape, one graph, in the pool of this rollout
         decoder.release()
         assert live[pools[-1]] == 0
-    assert len(pools) == 3 and decoder.failure is None
+    assert len(pools) == 3 and len(decoder.recordings) == 3 and decoder.failure is None
 
 
 def test_the_decode_step_traces_as_one_graph_with_no_host_sync_or_data_dependent_branch(monkeypatch):

@@ -234,6 +234,9 @@ class CapturedDecoder:
         self._real_rows = 0
         # Seconds spent recording (or compiling) the step for each (rows, cache length), its first call included.
         self.warmups: dict[tuple[int, int], float] = {}
+        # Seconds of every CUDA-graph recording, in order: a shape is recorded again after each `release` (a training
+        # run's rollouts) and when what it reads was replaced, and `warmups` keeps only its last.
+        self.recordings: list[float] = []
         config = model.config.get_text_config(decoder=True)
         windows = {"full_attention": None, "sliding_attention": getattr(config, "sliding_window", None)}
         layer_types = dict.fromkeys(attention_layer_types(config))
@@ -492,6 +495,7 @@ class CapturedDecoder:
         seconds = time.perf_counter() - started
         rows, length = buffers.key_mask.shape
         self.warmups[(rows, length)] = seconds
+        self.recordings.append(seconds)
         logger.info("Recorded the decode step for %d rows and %d cache positions in %.2f s.", rows, length, seconds)
         return RecordedStep(replay, cache, version, seconds)
 

@@ -88,6 +88,8 @@ def run_arm(arm: str, max_steps: int, eval_questions: int, output_dir: str) -> d
         "steady_step_s": statistics.median(steps.seconds[1:]) if len(steps.seconds) > 1 else None,
         "total_s": time.perf_counter() - started,
         "warmups_s": {f"{r}x{n}": s for (r, n), s in getattr(decoder, "warmups", {}).items()},
+        "recordings": len(getattr(decoder, "recordings", [])),  # CUDA graphs recorded in the run, and their seconds
+        "recordings_s": sum(getattr(decoder, "recordings", [])),
         "failure": getattr(decoder, "failure", None),
     }
 
@@ -117,7 +119,8 @@ def main() -> None:
             f"{arm:8} ({result['path']}): first step {result['first_step_s']:.2f} s, steady step "
             f"{steady if steady is None else round(steady, 2)} s, evaluations {result['eval_before']:.1f} + "
             f"{result['eval_after']:.1f} s, in all {result['total_s']:.1f} s; reward "
-            f"{result['eval_before_reward']:.3f} -> {result['eval_after_reward']:.3f}; warm-ups {result['warmups_s']}"
+            f"{result['eval_before_reward']:.3f} -> {result['eval_after_reward']:.3f}; warm-ups "
+            f"{result['warmups_s']}, {result['recordings']} recordings in {result['recordings_s']:.1f} s"
             + (f"; FAILED, fell back: {result['failure']}" if result["failure"] else ""),
             flush=True,
         )
