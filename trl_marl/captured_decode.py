@@ -188,13 +188,12 @@ class StepBuffers:
 
 @dataclass
 class RecordedStep:
-    """A recorded decode step: its replay, the cache and routing buffers it was recorded on, and how long recording
-    took (warm-up included)."""
+    """A recorded decode step: its replay, and the cache and routing buffers it was recorded on (how long recording
+    took is in the decoder's `warmups` and `recordings`)."""
 
     replay: Callable[[], torch.Tensor]
     cache: Any
     routing_version: int
-    seconds: float
 
 
 class CapturedDecoder:
@@ -497,7 +496,7 @@ class CapturedDecoder:
         self.warmups[(rows, length)] = seconds
         self.recordings.append(seconds)
         logger.info("Recorded the decode step for %d rows and %d cache positions in %.2f s.", rows, length, seconds)
-        return RecordedStep(replay, cache, version, seconds)
+        return RecordedStep(replay, cache, version)
 
     @torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
     def _decode(
