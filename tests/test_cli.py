@@ -304,6 +304,8 @@ def test_evaluate_names_a_missing_team_or_a_baseline_that_does_not_go_with_it(tm
     assert message.startswith(f"No team.json in {tmp_path / 'empty'}")
     message = one_line_error(capsys, ["evaluate", "explain", "--team", str(tmp_path), "--baseline", "sequential"])
     assert message == "trl-marl evaluate: --team PATH goes with --baseline team (its default), and only with it."
+    message = one_line_error(capsys, ["evaluate", "explain", "--dtype", "bfloat16"])
+    assert message == "trl-marl evaluate: --load_in_4bit and --dtype set how a team's bases load (with --team)."
     message = one_line_error(capsys, ["evaluate", "explain", "--split", "test"])  # a task has train and eval only
     assert message.startswith("trl-marl evaluate: argument --split: invalid choice: 'test' (choose from ")
     assert message.replace("'", "").endswith("(choose from train, eval)")  # newer argparse quotes them

@@ -378,23 +378,24 @@ def test_evaluate_task_scores_a_saved_two_base_team_with_its_trained_adapters(ti
         torch.testing.assert_close(loaded[name], trained[name], msg=name)
 
 
-def saved_two_base_team(tiny_model_dir, other_base_dir, folder, agents=None, **trainer_kwargs):
+def saved_two_base_team(tiny_model_dir, other_base_dir, folder, agents=None, config=None, **trainer_kwargs):
     """The `explain` task's team on the two tiny bases (the detailed agent on the Qwen2 unless `agents` says
-    otherwise), untrained but for its randomised LoRA B, saved to `folder`."""
+    otherwise), untrained but for its randomised LoRA B, saved to `folder`; `config`: more config fields."""
     concise, detailed = resolve_task("explain").agents
     agents = agents or [concise, {**detailed, "model": other_base_dir}]
-    args = MAGRPOConfig.for_task("explain", output_dir=str(folder), agents=agents, num_generations=2, **TINY_RUN)
+    settings = {**TINY_RUN, **(config or {})}
+    args = MAGRPOConfig.for_task("explain", output_dir=str(folder), agents=agents, num_generations=2, **settings)
     trainer = MAGRPOTrainer(tiny_model_dir, args=args, task="explain", **trainer_kwargs)
     randomize_lora_b(trainer.model)
     trainer.save_model()
     return trainer
 
 
-def evaluator_of(team, monkeypatch):
+def evaluator_of(team, monkeypatch, **options):
     """The trainer `evaluate_task` builds to score the saved `team` (its evaluation itself left out)."""
     built = []
     monkeypatch.setattr(MAGRPOTrainer, "evaluate", lambda trainer, *a, **k: built.append(trainer) or {})
-    evaluate_task("explain", team=str(team), limit=1, use_cpu=True)
+    evaluate_task("explain", team=str(team), limit=1, use_cpu=True, **options)
     (evaluator,) = built
     return evaluator
 
@@ -462,6 +463,26 @@ def test_an_agents_recorded_dtype_loads_its_base_alike_in_load_team_and_evaluate
     assert base_dtypes(load_team(tmp_path / "team", dtype="float32").bases) == [torch.float32, torch.float32]
 
 
+def test_a_base_that_follows_the_trainers_loading_records_it_and_loads_as_trained(
+    tiny_model_dir, other_base_dir, tmp_path, monkeypatch
+):
+    # The detailed agent sets no dtype of its own: its base follows the trainer's (bfloat16). team.json recorded none
+    # for it, and load_team and evaluate_task loaded that base in the checkpoint's float32.
+    team = tmp_path / "team"
+    saved_two_base_team(tiny_model_dir, other_base_dir, team, config={"model_init_kwargs": {"dtype": "bfloat16"}})
+    concise, detailed = json.loads((team / "team.json").read_text())["agents"]
+    assert (detailed["load_in_4bit"], detailed["dtype"]) == (False, "bfloat16")
+    assert "dtype" not in concise and "load_in_4bit" not in concise  # the first base records none
+    assert base_dtypes(load_team(team).bases) == [torch.float32, torch.bfloat16]
+    assert base_dtypes(evaluator_of(team, monkeypatch).bases) == [torch.float32, torch.bfloat16]
+    # The first base's loading is the caller's, for load_team and evaluate_task alike.
+    bf16 = [torch.bfloat16, torch.bfloat16]
+    assert base_dtypes(load_team(team, dtype="bfloat16").bases) == bf16
+    assert base_dtypes(evaluator_of(team, monkeypatch, dtype="bfloat16").bases) == bf16
+    with pytest.raises(ValueError, match=r"`load_in_4bit` / `dtype` say how a saved team's bases load"):
+        evaluate_task("explain", baseline="parallel", dtype="bfloat16")
+
+
 def test_adapter_weights_missing_from_a_checkpoint_are_refused_naming_the_first(tiny_two_base_team, tmp_path):
     trainer, out = tiny_two_base_team
     partial = tmp_path / "partial"
@@ -473,6 +494,32 @@ def test_adapter_weights_missing_from_a_checkpoint_are_refused_naming_the_first(
         trainer._load_from_checkpoint(str(partial))  # a resume, or the best model
     with pytest.raises(ValueError, match=missing):
         load_team(partial)  # and evaluate_task, which loads a saved team as load_team does
+
+
+def test_a_module_trained_whole_loads_with_its_adapter_and_is_refused_when_missing(
+    tiny_model_dir, other_base_dir, tmp_path
+):
+    # `modules_to_save` crashed evaluate_task on a two-base team; a missing copy failed in PEFT with a bare KeyError.
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=["norm"], task_type="CAUSAL_LM")
+    team = tmp_path / "team"
+    trainer = saved_two_base_team(tiny_model_dir, other_base_dir, team, peft_config=config)
+    with torch.no_grad():  # the norms' copies trained to values of their own (fresh, they equal the base's norms)
+        for name, param in trainer.bases[1].model.named_parameters():
+            if "modules_to_save.detailed" in name:
+                param.fill_(0.5)
+    trainer.save_model()
+    loaded = {
+        name: param for name, param in load_team(team).bases[1].model.named_parameters() if "modules_to_save" in name
+    }
+    assert loaded and all(torch.equal(param, torch.full_like(param, 0.5)) for param in loaded.values())
+    weights = team / "detailed" / "adapter_model.safetensors"
+    saved = load_file(weights)
+    kept = {key: value for key, value in saved.items() if not key.endswith(".model.norm.weight")}
+    assert len(kept) == len(saved) - 1  # the final norm's copy, and only it
+    save_file(kept, weights)
+    missing = r"adapter 'detailed' are missing, the first base_model\.model\.model\.norm\.weight"
+    with pytest.raises(ValueError, match=missing):
+        load_team(team)
 
 
 def test_load_team_elsewhere_names_each_base_it_cannot_find_and_takes_them_by_their_recorded_names(

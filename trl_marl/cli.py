@@ -8,7 +8,8 @@
                                                   `dataset_name` / `dataset_config` / `dataset_train_split` /
                                                   `dataset_test_split` with `rewards`, `model_name_or_path` and
                                                   `load_in_4bit`; flags override the file; `--help` lists every field
-    trl-marl evaluate TASK [--baseline B] [--team PATH [--base_model M] [--base_models NAME=PATH ...]] [--model M]
+    trl-marl evaluate TASK [--baseline B] [--team PATH [--base_model M] [--base_models NAME=PATH ...]
+                      [--load_in_4bit] [--dtype D]] [--model M]
                       [--limit N] [--split S] [--task_source SRC]
                       [--algorithm magrpo|at_grpo] [--use_vllm [--vllm_gpu_memory_utilization U]]
                       [--max_completion_length N] [--temperature T] [--top_p P] [--top_k K] [--min_p P]
@@ -16,7 +17,8 @@
                                                   a saved team or a baseline (single, parallel, sequential) on a task;
                                                   prints the task's metrics as JSON; a team generates as its team.json
                                                   records unless a flag says otherwise; --base_model and
-                                                  --base_models say where a team's bases are, as load_team's
+                                                  --base_models say where a team's bases are, --load_in_4bit and
+                                                  --dtype how they load, as load_team's
     trl-marl estimate CONFIG.yaml [--prompt_length N] [--gpu_memory_gb 16 24] [--model_config NAME=FOLDER ...]
                                                   predicted peak memory of a `train` config on one GPU (in RAM with
                                                   use_cpu: true; no weights load), each base of the team listed,
@@ -90,6 +92,8 @@ def evaluate(arguments) -> int:
         )
     if arguments.team is None and (arguments.base_model is not None or arguments.base_models):
         raise UsageError("trl-marl evaluate: --base_model and --base_models go with --team; a baseline's is --model.")
+    if arguments.team is None and (arguments.load_in_4bit or arguments.dtype is not None):
+        raise UsageError("trl-marl evaluate: --load_in_4bit and --dtype set how a team's bases load (with --team).")
     base_models = {}
     for entry in arguments.base_models or []:
         name, _, where = entry.partition("=")
@@ -118,6 +122,8 @@ def evaluate(arguments) -> int:
         model=arguments.model,
         base_model=arguments.base_model,
         base_models=base_models or None,
+        load_in_4bit=arguments.load_in_4bit or None,
+        dtype=arguments.dtype,
         split=arguments.split,
         limit=arguments.limit,
         algorithm=arguments.algorithm,
@@ -310,6 +316,10 @@ def run(argv: list[str]) -> int:
                             help="with --team: where its first agent's base is (a folder or Hub id)")  # fmt: skip
     evaluating.add_argument("--base_models", action="append", default=None, metavar="NAME=PATH",
                             help="with --team: where the base team.json records as NAME is (repeatable)")  # fmt: skip
+    evaluating.add_argument("--load_in_4bit", action="store_true",
+                            help="with --team: every base in 4-bit NF4 (default: as team.json records)")  # fmt: skip
+    evaluating.add_argument("--dtype", default=None,
+                            help="with --team: every base's dtype (default: as team.json records)")  # fmt: skip
     evaluating.add_argument("--split", default="eval", choices=["train", "eval"], help="the task's split to score")
     evaluating.add_argument(
         "--algorithm", default="magrpo", choices=list(ALGORITHMS),

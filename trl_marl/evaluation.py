@@ -59,11 +59,15 @@ def evaluate_task(
     algorithm: str = "magrpo",
     base_model: str | None = None,
     base_models: dict[str, str] | None = None,
+    load_in_4bit: bool | None = None,
+    dtype: str | None = None,
     **config: Any,
 ) -> dict[str, float]:
     """Evaluate on `task`'s `split` (its first `limit` rows). `team` (for ``baseline="team"``): a saved team folder
     or the Hub id of a pushed team; `base_model` and `base_models` say where its bases are on this machine, as
-    `load_team`'s do (the first agent's base; the others by the names team.json records). `model`: the base model of
+    `load_team`'s do (the first agent's base; the others by the names team.json records); `load_in_4bit` and `dtype`,
+    when given, how every base loads, as `load_team`'s do (else each base as its agents recorded, and the first base,
+    which records none, unquantized in its checkpoint's dtype: pass a 4-bit team's again). `model`: the base model of
     the baselines (default: the embedded default model); a team sits on the bases its team.json names, so `model` with
     ``baseline="team"`` is refused (pass `base_model`). `config`: `MAGRPOConfig` fields
     (e.g. `max_completion_length`, `temperature`, `use_cpu`; `use_vllm=True` with `vllm_gpu_memory_utilization` and
@@ -101,6 +105,11 @@ def evaluate_task(
             "`base_model` / `base_models` say where a saved team's bases are (baseline='team'); a baseline's base "
             "model is `model=`."
         )
+    if baseline != "team" and (load_in_4bit is not None or dtype is not None):
+        raise ValueError(
+            "`load_in_4bit` / `dtype` say how a saved team's bases load (baseline='team'); a baseline's base model "
+            "loads by `model_init_kwargs` (e.g. model_init_kwargs={'dtype': 'bfloat16'})."
+        )
     task = resolve_task(task)
     dataset = task.dataset(split)
     if limit is not None:
@@ -116,7 +125,9 @@ def evaluate_task(
         settings.update(team_settings(spec))
         # Every base loaded as `load_team` loads it (precision, each adapter from its own saved config), then handed to
         # the trainer as it is: the first as its model, the others for their agents' recorded `model` names.
-        first, *others = load_saved_bases(team, spec, base_model=base_model, base_models=base_models)
+        first, *others = load_saved_bases(
+            team, spec, load_in_4bit=load_in_4bit, dtype=dtype, base_model=base_model, base_models=base_models
+        )
         model, other_bases = first.model, {base.name: base.model for base in others} or None
     elif baseline in ("parallel", "sequential"):
         settings["scheduler"] = baseline

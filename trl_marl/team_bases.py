@@ -88,6 +88,15 @@ class BasePlan:
             kwargs["dtype"] = self.dtype
         return create_model_from_path(self.source if self.trainer_base else loadable(self.source), **kwargs)
 
+    def recorded_loading(self, model) -> dict:
+        """How this base (not the trainer's) loaded, as its agents record it in `team.json` so that `load_team` loads
+        it alike, whether they set it or followed the trainer's loading: `load_in_4bit` (read from the loaded
+        `model`), and `dtype` when one was set."""
+        loading = {"load_in_4bit": bool(getattr(model, "is_loaded_in_4bit", False))}
+        if self.dtype is not None:
+            loading["dtype"] = str(self.dtype).removeprefix("torch.")
+        return loading
+
 
 def spec_bases(spec: dict) -> dict[str, list[int]]:
     """The bases of a saved team (`team.json`), the first agent's first: each base's recorded name and the indices of
@@ -239,8 +248,8 @@ def check_several_bases_supported(args, plans: Sequence[BasePlan]) -> None:
 @dataclass
 class TeamBase:
     """One loaded base of a team: its `PeftModel` (one adapter per agent on it), tokenizer, the indices of its
-    agents, router, captured decoder (None for eager `generate`), generation (`TeamGeneration`) and the tokens that
-    end its completions."""
+    agents, router, captured decoder (None for eager `generate`), generation (`TeamGeneration`), the tokens that end
+    its completions and, for a base other than the trainer's, how it loaded (`loading`)."""
 
     name: str
     model: Any
@@ -250,6 +259,7 @@ class TeamBase:
     decoder: Any
     generation: Any
     eos_token_ids: list[int]
+    loading: dict = field(default_factory=dict)  # another base's `BasePlan.recorded_loading`, for `team.json`
 
     @property
     def pad_token_id(self) -> int:
@@ -312,7 +322,9 @@ def other_base(
         position_limit=position_limit(model.config, None),
         max_completion_length=max_completion_length,
     )
-    return TeamBase(plan.name, model, tokenizer, plan.agents, router, decoder, generation, list(config.eos_token_id))
+    eos_token_ids = list(config.eos_token_id)
+    loading = plan.recorded_loading(model)
+    return TeamBase(plan.name, model, tokenizer, plan.agents, router, decoder, generation, eos_token_ids, loading)
 
 
 def base_tokenizer(name: str):
@@ -576,8 +588,8 @@ def save_base_adapters(folder: str | os.PathLike, base: TeamBase, adapters: Sequ
 def load_base_adapters(checkpoint: str | os.PathLike, model, adapters: Sequence[str]) -> None:
     """Load a base's adapters from `checkpoint/<adapter>/` into the parameters the model already holds (in place, in
     their own dtype: the optimizer and the router hold them). Raises `ValueError` naming the adapter and the first key
-    when the folder holds weights the adapter does not have, or lacks some of its LoRA weights (which would otherwise
-    keep their fresh, untrained values)."""
+    when the folder holds weights the adapter does not have, or lacks some of its own (`is_adapter_key`: LoRA weights,
+    modules trained whole, trained token rows), which would otherwise keep their fresh, untrained values."""
     from pathlib import Path
 
     from peft.utils import load_peft_weights, set_peft_model_state_dict
@@ -586,7 +598,14 @@ def load_base_adapters(checkpoint: str | os.PathLike, model, adapters: Sequence[
     for adapter in adapters:
         folder = Path(checkpoint) / adapter
         weights = load_peft_weights(str(folder), device=str(device))
-        result = set_peft_model_state_dict(model, weights, adapter_name=adapter)
+        try:
+            result = set_peft_model_state_dict(model, weights, adapter_name=adapter)
+        except KeyError as error:  # PEFT looks up a module trained whole (`modules_to_save`) by its saved key
+            raise ValueError(
+                f"{folder}: weights of the adapter '{adapter}' are missing, the first {error.args[0]} (a module it "
+                "trains whole). The folder was saved from another configuration or is incomplete: load a complete "
+                "save of this team."
+            ) from None
         if result.unexpected_keys:
             raise ValueError(
                 f"{folder} holds weights the adapter '{adapter}' does not have "
@@ -596,7 +615,7 @@ def load_base_adapters(checkpoint: str | os.PathLike, model, adapters: Sequence[
         missing = [key for key in result.missing_keys if is_adapter_key(key, adapter)]
         if missing:
             raise ValueError(
-                f"{folder}: {len(missing)} LoRA weights of the adapter '{adapter}' are missing, the first "
+                f"{folder}: {len(missing)} weights of the adapter '{adapter}' are missing, the first "
                 f"{missing[0]}; they would keep their fresh, untrained values. The folder was saved from another LoRA "
                 "configuration (other target modules or layers) or is incomplete: load a complete save of this team."
             )
@@ -645,10 +664,13 @@ def keep_saved_dtype(model, adapter: str, folder: str | os.PathLike) -> None:
 
 
 def is_adapter_key(key: str, adapter: str) -> bool:
-    """Whether the parameter or state-dict key `key` is one of `adapter`'s LoRA weights: the adapter's name is the
-    path component right after a `lora_*` module (`...q_proj.lora_A.<adapter>.weight`,
-    `...embed_tokens.lora_embedding_A.<adapter>`), never a part of the name elsewhere (every key holds `.model.`)."""
-    return re.search(rf"\.lora_\w+\.{re.escape(adapter)}(\.|$)", key) is not None
+    """Whether the parameter or state-dict key `key` is one of `adapter`'s weights: the adapter's name is the path
+    component right after a `lora_*` module (`...q_proj.lora_A.<adapter>.weight`,
+    `...embed_tokens.lora_embedding_A.<adapter>`), a module trained whole (`...norm.modules_to_save.<adapter>.weight`)
+    or trained token rows (`...token_adapter.trainable_tokens_delta.<adapter>`); never a part of the name elsewhere
+    (every key holds `.model.`)."""
+    containers = r"lora_\w+|modules_to_save|trainable_tokens_delta"
+    return re.search(rf"\.(?:{containers})\.{re.escape(adapter)}(\.|$)", key) is not None
 
 
 def logps_by_base(

@@ -371,8 +371,9 @@ class TeamTrainer(GRPOTrainer):
     def _team_spec(self) -> dict:
         base = self.accelerator.unwrap_model(self.model).get_base_model()
         others = [other.model.get_base_model() for other in self.bases[1:]]
+        loadings = [other.loading for other in self.bases[1:]]
         return trained_team_spec(
-            base, self.args, self.agent_adapters, self.rollout_settings, self.task, others, self.agent_base
+            base, self.args, self.agent_adapters, self.rollout_settings, self.task, others, self.agent_base, loadings
         )
 
     def _team_card(self, spec: dict, folder, model_name=None, dataset_name=None, tags=None):

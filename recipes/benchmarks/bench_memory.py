@@ -313,6 +313,9 @@ def main() -> None:
     if args.worker:
         return worker(args.worker)
 
+    import trl_marl  # noqa: F401 (first: it filters a bitsandbytes notice that importing PEFT would print)
+
+    # isort: split
     import peft
     import torch
     import transformers
