@@ -20,9 +20,10 @@ from test_atgrpo_trainer import config as notebook_config
 from test_cli import dataset_config, no_model_load, one_line_error  # noqa: F401 (a fixture)
 from test_resume import StopAt, make_trainer
 from tiny_run import TINY_RUN
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, GenerationConfig, PreTrainedModel
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, Team, load_team
+from trl_marl.cli import main
 from trl_marl.default_model import DEFAULT_MODEL_ID
 from trl_marl.evaluation import evaluate_task
 from trl_marl.scheduling import parallel
@@ -466,21 +467,48 @@ def test_an_agents_recorded_dtype_loads_its_base_alike_in_load_team_and_evaluate
 def test_a_base_that_follows_the_trainers_loading_records_it_and_loads_as_trained(
     tiny_model_dir, other_base_dir, tmp_path, monkeypatch
 ):
-    # The detailed agent sets no dtype of its own: its base follows the trainer's (bfloat16). team.json recorded none
-    # for it, and load_team and evaluate_task loaded that base in the checkpoint's float32.
+    # The detailed agent sets no loading: its base follows the trainer's, which loads a model in float32 (TRL's
+    # default) whatever its checkpoint's dtype, here bfloat16. team.json recorded nothing for it, and load_team and
+    # evaluate_task loaded that base in the checkpoint's bfloat16.
+    bf16_base = tmp_path / "qwen2-bf16"
+    shutil.copytree(other_base_dir, bf16_base)
+    AutoModelForCausalLM.from_pretrained(other_base_dir, dtype=torch.bfloat16).save_pretrained(bf16_base)
+    concise, detailed = resolve_task("explain").agents
+    agents = [concise, {**detailed, "model": str(bf16_base)}]
     team = tmp_path / "team"
-    saved_two_base_team(tiny_model_dir, other_base_dir, team, config={"model_init_kwargs": {"dtype": "bfloat16"}})
+    trainer = saved_two_base_team(tiny_model_dir, other_base_dir, team, agents=agents)
+    as_trained = [torch.float32, torch.float32]
+    assert base_dtypes(trainer.bases) == as_trained
     concise, detailed = json.loads((team / "team.json").read_text())["agents"]
-    assert (detailed["load_in_4bit"], detailed["dtype"]) == (False, "bfloat16")
+    assert (detailed["load_in_4bit"], detailed["dtype"]) == (False, "float32")
     assert "dtype" not in concise and "load_in_4bit" not in concise  # the first base records none
-    assert base_dtypes(load_team(team).bases) == [torch.float32, torch.bfloat16]
-    assert base_dtypes(evaluator_of(team, monkeypatch).bases) == [torch.float32, torch.bfloat16]
-    # The first base's loading is the caller's, for load_team and evaluate_task alike.
+    assert base_dtypes(load_team(team).bases) == as_trained
+    assert base_dtypes(evaluator_of(team, monkeypatch).bases) == as_trained
+    # The caller's loading applies to every base, the first's too: load_team, evaluate_task and trl-marl evaluate.
     bf16 = [torch.bfloat16, torch.bfloat16]
     assert base_dtypes(load_team(team, dtype="bfloat16").bases) == bf16
     assert base_dtypes(evaluator_of(team, monkeypatch, dtype="bfloat16").bases) == bf16
+    built = []
+    monkeypatch.setattr(MAGRPOTrainer, "evaluate", lambda trainer, *a, **k: built.append(trainer) or {})
+    assert main(["evaluate", "explain", "--team", str(team), "--limit", "1", "--dtype", "bfloat16"]) == 0
+    assert base_dtypes(built[0].bases) == bf16
     with pytest.raises(ValueError, match=r"`load_in_4bit` / `dtype` say how a saved team's bases load"):
         evaluate_task("explain", baseline="parallel", dtype="bfloat16")
+
+
+def test_a_base_that_follows_a_4bit_trainer_records_it_and_loads_in_4bit(tiny_model_dir, other_base_dir, tmp_path):
+    four_bit = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    team = tmp_path / "team"
+    trainer = saved_two_base_team(tiny_model_dir, other_base_dir, team, quantization_config=four_bit)
+    assert four_bit_bases(trainer) == [True, True]
+    detailed = json.loads((team / "team.json").read_text())["agents"][1]
+    assert detailed["load_in_4bit"] is True  # recorded nothing: load_team loaded that base unquantized
+    assert four_bit_bases(load_team(team)) == [False, True]  # the first base records none
+    assert four_bit_bases(load_team(team, load_in_4bit=True)) == [True, True]
+
+
+def four_bit_bases(team) -> list[bool]:
+    return [bool(getattr(base.model, "is_loaded_in_4bit", False)) for base in team.bases]
 
 
 def test_adapter_weights_missing_from_a_checkpoint_are_refused_naming_the_first(tiny_two_base_team, tmp_path):

@@ -40,6 +40,7 @@ import os
 import sys
 from typing import Any
 
+from .agents import BASE_DTYPES
 from .cli_train import ALGORITHMS, TrainArguments, UsageError, flag_value, parse_train_config, read_config, train
 from .registry import GROUPS, PluginError, did_you_mean, discover
 
@@ -318,7 +319,7 @@ def run(argv: list[str]) -> int:
                             help="with --team: where the base team.json records as NAME is (repeatable)")  # fmt: skip
     evaluating.add_argument("--load_in_4bit", action="store_true",
                             help="with --team: every base in 4-bit NF4 (default: as team.json records)")  # fmt: skip
-    evaluating.add_argument("--dtype", default=None,
+    evaluating.add_argument("--dtype", default=None, choices=list(BASE_DTYPES),
                             help="with --team: every base's dtype (default: as team.json records)")  # fmt: skip
     evaluating.add_argument("--split", default="eval", choices=["train", "eval"], help="the task's split to score")
     evaluating.add_argument(
@@ -360,7 +361,8 @@ def run(argv: list[str]) -> int:
     serving.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     serving.add_argument("--api_key", default=None, help="require `Authorization: Bearer KEY` on /v1 requests")
     serving.add_argument("--load_in_4bit", action="store_true", help="load the base model in 4-bit NF4")
-    serving.add_argument("--dtype", default=None, help="the base model's dtype (default: as the team recorded)")
+    serving.add_argument("--dtype", default=None, choices=list(BASE_DTYPES),
+                         help="the base model's dtype (default: as the team recorded)")  # fmt: skip
     serving.add_argument("--base_model", default=None, help="where the base model is, if not where team.json says")
     serving.add_argument("--captured_decode", default="auto",
                          choices=["auto", "on", "off", "true", "false", "cuda-graphs", "compiled"],

@@ -484,8 +484,8 @@ def load_team(
         path: the saved folder (`output_dir` or a `checkpoint-N` folder), or the Hub repo id of a pushed team
             (fetched with `snapshot_download`; from the Hub cache under `HF_HUB_OFFLINE`).
         load_in_4bit: load every base in 4-bit NF4 (bitsandbytes), or, with False, none; or pass `quantization_config`.
-            Left None, a base loads as its agents' team.json entries record (an agent's own `load_in_4bit`), else
-            unquantized.
+            Left None, a base loads as its agents' team.json entries record (`load_in_4bit`: the agent's own, or
+            the trainer's that its base followed), else unquantized.
         base_model: a Hub id or path overriding the recorded base model (the first agent's base).
         base_models: Hub ids or paths of the bases, keyed by the names team.json records (another base is named in
             its agents' `model`): where a base is on this machine when its recorded name does not find it.

@@ -32,6 +32,7 @@ from trl.data_utils import is_conversational
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import create_model_from_path
 
+from .agents import BASE_DTYPES
 from .default_model import DEFAULT_MODEL_ID, default_model_path, is_default_model
 from .hub import portable_base_name
 from .routing import OTHER_BASES as TEAM_BASES  # the attribute of the first base's PeftModel holding the others
@@ -74,28 +75,34 @@ class BasePlan:
     dtype: str | None = None
     agents: list[int] = field(default_factory=list)
     trainer_base: bool = False  # the trainer's own `model`: loaded exactly as a one-base team's
+    loading: dict = field(default_factory=dict)  # how it loaded (`loading_of`), once `load` ran
 
     def load(self, args):
         """The base model: the trainer's own object as given, or loaded with TRL's `create_model_from_path` and the
         trainer's `from_pretrained` keywords (`precision.model_init_kwargs_for`) with this base's quantization and
-        dtype."""
-        if not isinstance(self.source, str):
-            return self.source
-        from .precision import model_init_kwargs_for
+        dtype. Keeps how it loaded in `loading`."""
+        if isinstance(self.source, str):
+            from .precision import model_init_kwargs_for
 
-        kwargs = model_init_kwargs_for(args, self.quantization_config)
-        if self.dtype is not None:
-            kwargs["dtype"] = self.dtype
-        return create_model_from_path(self.source if self.trainer_base else loadable(self.source), **kwargs)
+            kwargs = model_init_kwargs_for(args, self.quantization_config)
+            if self.dtype is not None:
+                kwargs["dtype"] = self.dtype
+            model = create_model_from_path(self.source if self.trainer_base else loadable(self.source), **kwargs)
+        else:
+            model = self.source
+        self.loading = loading_of(model)
+        return model
 
-    def recorded_loading(self, model) -> dict:
-        """How this base (not the trainer's) loaded, as its agents record it in `team.json` so that `load_team` loads
-        it alike, whether they set it or followed the trainer's loading: `load_in_4bit` (read from the loaded
-        `model`), and `dtype` when one was set."""
-        loading = {"load_in_4bit": bool(getattr(model, "is_loaded_in_4bit", False))}
-        if self.dtype is not None:
-            loading["dtype"] = str(self.dtype).removeprefix("torch.")
-        return loading
+
+def loading_of(model) -> dict:
+    """How a base model was loaded, as an agent on it records it in `team.json` so that `load_team` loads it alike:
+    `load_in_4bit`, and `dtype`, the dtype of its floating-point weights (TRL loads a model in float32 unless told
+    otherwise, whatever its checkpoint's dtype), when `agents` accepts it."""
+    loading = {"load_in_4bit": bool(getattr(model, "is_loaded_in_4bit", False))}
+    dtype = str(getattr(model, "dtype", "")).removeprefix("torch.")
+    if dtype in BASE_DTYPES:
+        loading["dtype"] = dtype
+    return loading
 
 
 def spec_bases(spec: dict) -> dict[str, list[int]]:
@@ -259,7 +266,7 @@ class TeamBase:
     decoder: Any
     generation: Any
     eos_token_ids: list[int]
-    loading: dict = field(default_factory=dict)  # another base's `BasePlan.recorded_loading`, for `team.json`
+    loading: dict = field(default_factory=dict)  # another base's `BasePlan.loading`, for `team.json`
 
     @property
     def pad_token_id(self) -> int:
@@ -323,8 +330,7 @@ def other_base(
         max_completion_length=max_completion_length,
     )
     eos_token_ids = list(config.eos_token_id)
-    loading = plan.recorded_loading(model)
-    return TeamBase(plan.name, model, tokenizer, plan.agents, router, decoder, generation, eos_token_ids, loading)
+    return TeamBase(plan.name, model, tokenizer, plan.agents, router, decoder, generation, eos_token_ids, plan.loading)
 
 
 def base_tokenizer(name: str):
@@ -588,8 +594,9 @@ def save_base_adapters(folder: str | os.PathLike, base: TeamBase, adapters: Sequ
 def load_base_adapters(checkpoint: str | os.PathLike, model, adapters: Sequence[str]) -> None:
     """Load a base's adapters from `checkpoint/<adapter>/` into the parameters the model already holds (in place, in
     their own dtype: the optimizer and the router hold them). Raises `ValueError` naming the adapter and the first key
-    when the folder holds weights the adapter does not have, or lacks some of its own (`is_adapter_key`: LoRA weights,
-    modules trained whole, trained token rows), which would otherwise keep their fresh, untrained values."""
+    when the folder holds weights the adapter does not have, or lacks some of its own: LoRA weights (`is_adapter_key`),
+    which would otherwise keep their fresh, untrained values, or a module it trains whole (`modules_to_save`, which
+    PEFT looks up by its saved key)."""
     from pathlib import Path
 
     from peft.utils import load_peft_weights, set_peft_model_state_dict
@@ -601,11 +608,13 @@ def load_base_adapters(checkpoint: str | os.PathLike, model, adapters: Sequence[
         try:
             result = set_peft_model_state_dict(model, weights, adapter_name=adapter)
         except KeyError as error:  # PEFT looks up a module trained whole (`modules_to_save`) by its saved key
+            key = error.args[0] if error.args else None
+            if not isinstance(key, str) or key in weights or not key.startswith("base_model."):
+                raise
             raise ValueError(
-                f"{folder}: weights of the adapter '{adapter}' are missing, the first {error.args[0]} (a module it "
-                "trains whole). The folder was saved from another configuration or is incomplete: load a complete "
-                "save of this team."
-            ) from None
+                f"{folder}: weights of the adapter '{adapter}' are missing, the first {key}. The folder was saved "
+                "from another configuration or is incomplete: load a complete save of this team."
+            ) from error
         if result.unexpected_keys:
             raise ValueError(
                 f"{folder} holds weights the adapter '{adapter}' does not have "
@@ -664,13 +673,10 @@ def keep_saved_dtype(model, adapter: str, folder: str | os.PathLike) -> None:
 
 
 def is_adapter_key(key: str, adapter: str) -> bool:
-    """Whether the parameter or state-dict key `key` is one of `adapter`'s weights: the adapter's name is the path
-    component right after a `lora_*` module (`...q_proj.lora_A.<adapter>.weight`,
-    `...embed_tokens.lora_embedding_A.<adapter>`), a module trained whole (`...norm.modules_to_save.<adapter>.weight`)
-    or trained token rows (`...token_adapter.trainable_tokens_delta.<adapter>`); never a part of the name elsewhere
-    (every key holds `.model.`)."""
-    containers = r"lora_\w+|modules_to_save|trainable_tokens_delta"
-    return re.search(rf"\.(?:{containers})\.{re.escape(adapter)}(\.|$)", key) is not None
+    """Whether the parameter or state-dict key `key` is one of `adapter`'s LoRA weights: the adapter's name is the
+    path component right after a `lora_*` module (`...q_proj.lora_A.<adapter>.weight`,
+    `...embed_tokens.lora_embedding_A.<adapter>`), never a part of the name elsewhere (every key holds `.model.`)."""
+    return re.search(rf"\.lora_\w+\.{re.escape(adapter)}(\.|$)", key) is not None
 
 
 def logps_by_base(
