@@ -4,13 +4,15 @@ and tokens of the ordinary routing, with the kernels counted."""
 
 from collections import Counter
 
+import pytest
 import torch
-from peft import LoraConfig
-from test_captured_decode import NAMES, emulate_recording, generate_both, left_padded, tiny_team
+from peft import LoraConfig, get_peft_model
+from test_captured_decode import NAMES, emulate_recording, generate_both, left_padded, tiny_base, tiny_team
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trl_marl.captured_decode import CapturedDecoder
 from trl_marl.routing import AdapterRouter
+from trl_marl.tensor_routing import TensorRouting
 
 # The tiny team's decoder layers (2) each have seven LoRA linears: q, k, v, o, gate, up, down; plus an untargeted head.
 LAYERS, LINEARS = 2, 7
@@ -172,3 +174,47 @@ def test_a_call_without_routing_never_replays_a_routed_recording(monkeypatch):
         eager, captured = generate_both(team, None, decoder, adapters, input_ids, attention_mask)
         assert torch.equal(eager, captured)
     assert set(decoder._recorded) == {(8, 256, "single"), (8, 256, "unrouted:b")} and len(recorded) == 2
+
+
+@pytest.mark.parametrize(
+    "lora",
+    [
+        dict(target_modules=["q_proj", "v_proj"]),  # PEFT's default for Llama
+        dict(target_modules=["q_proj", "k_proj", "v_proj"]),
+        dict(target_modules="all-linear", rank_pattern={"q_proj": 8}),
+    ],
+    ids=["q_v", "q_k_v", "rank_pattern"],
+)
+def test_a_mixed_call_larger_than_the_first_decodes_after_the_layers_were_grouped(lora):
+    """Grouping replaces the layers' rank layouts: the masks of the layouts before it are dropped, not refilled at
+    the first call's row count (a later call of more rows crashed on them)."""
+    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **lora)
+    team = get_peft_model(tiny_base(), config, adapter_name="a")
+    team.add_adapter("b", config)
+    router = AdapterRouter(team, ["a", "b"])
+    decoder = CapturedDecoder(team, router, path="static")
+    for call, rows in enumerate((6, 12, 20, 6)):
+        eager, captured = generate_both(team, router, decoder, ["a", "b"] * (rows // 2), *left_padded(rows, 7, call))
+        assert torch.equal(eager, captured), rows
+    used = {group.columns for group in router._tensor_routing.groups}
+    assert {columns for columns, _, _ in router._tensor_routing.masks} == used
+
+
+def test_when_the_routing_buffers_cannot_be_refreshed_the_fallback_answers_through_each_rows_adapter(monkeypatch):
+    """The default decoder falls back to eager `generate` when the captured step fails; a failure while the routing
+    is being moved into tensors must leave the rows routed, so the fallback gives the routed answer."""
+    team = tiny_team(2)
+    router = AdapterRouter(team, NAMES[:2])
+    decoder = CapturedDecoder(team, router, path="static", fall_back=True)
+    rows = left_padded(6, 7, seed=3)
+    adapters = ["a", "b"] * 3
+
+    def failing_refresh(self, row_index, rows=None):
+        raise RuntimeError("refresh failed")
+
+    monkeypatch.setattr(TensorRouting, "refresh", failing_refresh)
+    eager, fell_back = generate_both(team, router, decoder, adapters, *rows)
+    assert decoder.failure == "RuntimeError: refresh failed"
+    assert torch.equal(fell_back, eager)
+    unrouted = generate_both(team, None, decoder, None, *rows)[0]
+    assert not torch.equal(unrouted, eager)  # the check can fail: PEFT's active adapter alone answers otherwise

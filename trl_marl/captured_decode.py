@@ -304,6 +304,8 @@ class CapturedDecoder:
         except Exception as error:
             if not self.fall_back:
                 raise
+            if self.router is not None:  # eager `generate` takes the call's routing, whatever the failure left
+                self.router.route(routed)
             output = eager()  # raises too when the error was the call's own
             self.failure = f"{type(error).__name__}: {error}"
             logger.warning(

@@ -268,9 +268,10 @@ class AdapterRouter:
         if self._tensor_routing is None:
             self._tensor_routing = TensorRouting(self._plain_layers, self.adapter_names)
         previous = self.row_adapters
-        self.route(None)
-        self._tensor_routing.refresh([self.adapter_names.index(n) if n != BASE else -1 for n in row_adapters], rows)
-        try:
+        try:  # the routing is restored on every exit, a failing refresh's included (a fallback runs routed)
+            self.route(None)
+            row_index = [self.adapter_names.index(name) if name != BASE else -1 for name in row_adapters]
+            self._tensor_routing.refresh(row_index, rows)
             with self._tensor_routing.installed():
                 yield
         finally:

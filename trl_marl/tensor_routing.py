@@ -216,8 +216,12 @@ class TensorRouting:
                 self.versions[self.mode] += 1
             group.mask = None if self.single is not None else self._mask(group.columns, self.rows, group.lora_a)
         if self.single is None:
+            # Only the layouts the groups read now: those of the layers' grouping before `fuse_shared_inputs` are
+            # dropped, never refilled (they stayed at the row count of the call that made them).
+            used = {(group.columns, group.mask.device, group.mask.dtype) for group in self.groups}
+            self.masks = {key: mask for key, mask in self.masks.items() if key in used}
             for (columns, _, _), mask in self.masks.items():
-                rows = torch.tensor(row_index + [-1] * (mask.shape[0] - len(row_index)))
+                rows = torch.tensor(self.row_index + [-1] * (mask.shape[0] - len(self.row_index)))
                 mask.copy_((rows[:, None] == torch.tensor(columns)[None, :]).to(mask.dtype))
         self._build_forwards()
 
