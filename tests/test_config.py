@@ -207,6 +207,12 @@ def test_bad_turn_settings_are_rejected_naming_the_field(make_config, field, val
     assert f"`{field}`" in message and repr(value) in message
 
 
+@pytest.mark.parametrize("value", [1.5, -0.1, "half", True])
+def test_a_bad_share_of_failed_episodes_is_rejected_naming_the_field(make_config, value):
+    message = error_message(make_config, episode_max_failed_fraction=value)
+    assert "`episode_max_failed_fraction`" in message and repr(value) in message
+
+
 def test_raising_max_joint_actions_accepts_the_large_cross_team(make_config):
     config = make_config(agents=["ann", "bob", "cy"], joint_mode="cross", num_generations=8, max_joint_actions=512)
     assert config.joint_actions_per_prompt(config.num_generations) == 512

@@ -16,7 +16,7 @@ openai = pytest.importorskip("openai", reason="episodes call the agents with the
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer  # noqa: E402
 from trl_marl.magrpo_rollout import TreeRollout  # noqa: E402
-from trl_marl.program_rollout import EpisodeResult, ProgramRollout  # noqa: E402
+from trl_marl.program_rollout import EpisodeResult, EpisodesFailed, ProgramRollout  # noqa: E402
 from trl_marl.serving.episodes import RecordedCall  # noqa: E402
 from trl_marl.team_bases import tokenize_text_prompts  # noqa: E402
 
@@ -149,11 +149,31 @@ def test_an_episode_that_raises_or_hangs_is_left_out_and_the_run_goes_on(tiny_mo
     assert moved_adapters(before, trainer) == {"writer"}
 
 
-def test_a_step_whose_every_episode_failed_trains_nothing_and_goes_on(tiny_model_dir, tmp_path):
+def test_a_step_where_more_episodes_fail_than_allowed_stops_training_naming_the_episode_the_call_and_the_cause(
+    tiny_model_dir, tmp_path
+):
+    def episode(client, row):
+        return ask(client, "writer", row["prompt"], temperature=0.3)  # the trainer samples at 1.0: refused
+
+    trainer = MAGRPOTrainer(tiny_model_dir, args=config(tmp_path), episode=episode, train_dataset=DATA)
+    before = lora_b(trainer)
+    with pytest.raises(EpisodesFailed) as stopped:
+        trainer.train()
+    message = str(stopped.value)
+    assert "4 of the step's 4 episodes failed, more than `episode_max_failed_fraction` (0.5)" in message
+    assert "episode 0 (dataset row 0, episode 1 of its 4): the episode raised BadRequestError" in message
+    assert "its request 1 to `writer` was answered 400 (invalid_value)" in message and "`temperature`" in message
+    assert moved_adapters(before, trainer) == set() and trainer.state.global_step == 0
+
+
+def test_with_every_failure_allowed_a_step_whose_every_episode_failed_trains_nothing_and_goes_on(
+    tiny_model_dir, tmp_path
+):
     def episode(client, row):
         return "not a reward"
 
-    trainer = MAGRPOTrainer(tiny_model_dir, args=config(tmp_path), episode=episode, train_dataset=DATA)
+    args = config(tmp_path, episode_max_failed_fraction=1.0)
+    trainer = MAGRPOTrainer(tiny_model_dir, args=args, episode=episode, train_dataset=DATA)
     before = lora_b(trainer)
     trainer.train()
     assert trainer.state.log_history[0]["episodes/failed"] == 4
@@ -331,6 +351,7 @@ def test_during_training_requests_outside_an_open_episode_are_refused_and_calls_
         ask(episode_client(server, "0123456789abcdef"), "planner", "Hi.")
     key = book.open(seed=1)
     client = episode_client(server, key)
+    assert client.models.retrieve("checker").id == "checker"  # frameworks look their model up first
     texts = [ask(client, "planner", "Hi."), ask(client, "checker", "Hi.", temperature=0.7)]
     with pytest.raises(openai.RateLimitError, match="its 2 calls"):
         ask(client, "planner", "Hi.")
@@ -391,9 +412,8 @@ def test_an_outcome_nothing_scores_and_an_empty_completion_are_handled_and_error
     def scores_mappings(prompts, completions, **kwargs):
         return [1.0] * len(completions)
 
-    trainer = MAGRPOTrainer(
-        tiny_model_dir, scores_mappings, args=config(tmp_path), episode=episode, train_dataset=DATA
-    )
+    args = config(tmp_path, episode_max_failed_fraction=1.0)  # every episode fails: logged, not stopped
+    trainer = MAGRPOTrainer(tiny_model_dir, scores_mappings, args=args, episode=episode, train_dataset=DATA)
     with caplog.at_level("WARNING", logger="trl_marl"):
         trainer.train()
     assert trainer.state.log_history[0]["episodes/failed"] == 4
@@ -403,7 +423,7 @@ def test_an_outcome_nothing_scores_and_an_empty_completion_are_handled_and_error
         ask(client, "writer", row["prompt"], stop=[" ", "a", "e", "o"])
         return {"writer": "x"}
 
-    trainer = MAGRPOTrainer(tiny_model_dir, args=config(tmp_path), episode=names_the_agents, train_dataset=DATA)
+    trainer = MAGRPOTrainer(tiny_model_dir, args=args, episode=names_the_agents, train_dataset=DATA)
     with caplog.at_level("WARNING", logger="trl_marl"):
         trainer.train()
     assert "returned a mapping, but the trainer has no reward function to score it" in caplog.text

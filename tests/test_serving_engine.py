@@ -181,6 +181,21 @@ def test_a_failing_call_fails_its_rows_and_the_next_call_is_served(team, engine,
     assert engine.generate([RowRequest(0, [1, 2, 3], 4)])[0].finish_reason == "length"
 
 
+def test_a_row_that_fails_inside_a_shared_call_fails_alone_and_the_rows_beside_it_finish(team, engine):
+    """A temperature that overflows the logits makes sampling raise for the whole call; its neighbours run again in
+    calls of their own, continuing from their tokens, and answer as they would have alone."""
+    greedy = RowRequest(0, agent_prompt_ids(team, 0), 8)
+    seeded = RowRequest(1, agent_prompt_ids(team, 1), 8, temperature=0.8, seed=3)
+    broken = RowRequest(0, agent_prompt_ids(team, 0), 8, temperature=1e-39)  # inf logits: NaN probabilities
+    alone = [engine.generate([request])[0] for request in (greedy, seeded)]
+    rows = engine.generate([greedy, broken, seeded])
+    assert rows[1].finish_reason == "error" and "probability tensor" in str(rows[1].error)
+    assert [row.finish_reason for row in (rows[0], rows[2])] == ["length", "length"]
+    assert rows[0].completion_ids == alone[0].completion_ids  # greedy: exactly as alone
+    assert len(rows[2].completion_ids) == 8
+    assert engine.generate([greedy])[0].completion_ids == alone[0].completion_ids  # rows share calls again
+
+
 def test_a_failure_before_the_generate_call_fails_its_rows_and_the_next_call_is_served(team, engine, monkeypatch):
     def broken(agent):
         raise RuntimeError("no stop tokens")
@@ -322,7 +337,7 @@ def test_the_serve_command_passes_its_flags_to_the_server_and_load_team(team, tm
     flags = ["--host", "0.0.0.0", "--port", "0", "--api_key", "k", "--load_in_4bit", "--dtype", "bfloat16"]
     flags += ["--base_model", "org/model", "--captured_decode", "off", "--max_batch_rows", "4"]
     flags += ["--chunk_tokens", "8", "--max_tokens", "32", "--max_body_bytes", "1000", "--log_level", "info"]
-    flags += ["--max_request_rows", "9"]
+    flags += ["--max_request_rows", "9", "--allowed_hosts", "box.lan, gpu.lan", "--allowed_origins", "https://ui.lan"]
     assert main(["serve", str(tmp_path), *flags]) == 0
     assert seen == {
         "folder": tmp_path,
@@ -338,6 +353,8 @@ def test_the_serve_command_passes_its_flags_to_the_server_and_load_team(team, tm
         "max_tokens": 32,
         "max_body_bytes": 1000,
         "max_request_rows": 9,
+        "allowed_hosts": ("box.lan", "gpu.lan"),
+        "allowed_origins": ("https://ui.lan",),
         "log_level": "info",
     }
     seen.clear()
@@ -346,6 +363,28 @@ def test_the_serve_command_passes_its_flags_to_the_server_and_load_team(team, tm
     for flag in ("--max_request_rows", "--chunk_tokens"):
         assert main(["serve", str(tmp_path), flag, "0"]) == 2  # refused before anything loads
     assert capsys.readouterr().err.count("must be at least 1, got 0") == 2
+
+
+def test_the_serve_command_takes_its_key_from_a_file_or_the_environment_not_both_flags(tmp_path, monkeypatch, capsys):
+    import trl_marl.serving.server as server_module
+    from trl_marl.cli import main
+
+    (tmp_path / "team.json").write_text(json.dumps({"format": "trl_marl.team/1", "agents": []}))
+    seen = {}
+    monkeypatch.setattr(server_module, "serve_forever", lambda folder, **options: seen.update(options))
+    monkeypatch.delenv("TRL_MARL_API_KEY", raising=False)
+    assert main(["serve", str(tmp_path)]) == 0 and seen["api_key"] is None
+    monkeypatch.setenv("TRL_MARL_API_KEY", "from-env")
+    assert main(["serve", str(tmp_path)]) == 0 and seen["api_key"] == "from-env"
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    assert main(["serve", str(tmp_path), "--api_key_file", str(key_file)]) == 0 and seen["api_key"] == "from-file"
+    key_file.write_text("\n")
+    assert main(["serve", str(tmp_path), "--api_key_file", str(key_file)]) == 2
+    assert main(["serve", str(tmp_path), "--api_key_file", str(tmp_path / "missing")]) == 2
+    assert main(["serve", str(tmp_path), "--api_key_file", str(key_file), "--api_key", "k"]) == 2
+    errors = capsys.readouterr().err
+    assert "its first line is empty" in errors and "cannot read it" in errors and "give one" in errors
 
 
 def test_a_team_on_two_bases_answers_each_agent_on_its_own_base_as_team_run(tiny_model_dir, other_base_dir, tmp_path):

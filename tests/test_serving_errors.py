@@ -9,6 +9,8 @@ httpx = pytest.importorskip("httpx", reason="the serving tests send raw requests
 
 import test_serving  # noqa: E402
 
+from trl_marl import serve_team  # noqa: E402
+
 API_KEY = test_serving.API_KEY
 team_dir, server, client = test_serving.team_dir, test_serving.server, test_serving.client  # the same fixtures
 
@@ -194,7 +196,8 @@ def test_a_body_past_the_size_limit_is_a_413_and_the_server_stays_up(server):
             yield b"x" * 10_000  # no Content-Length: the body is counted as it arrives
         yield b'"}]}'
 
-    streamed = httpx.post(f"{server.base_url}/chat/completions", content=chunks(), headers=AUTHORIZED)
+    headers = {**AUTHORIZED, "Content-Type": "application/json"}
+    streamed = httpx.post(f"{server.base_url}/chat/completions", content=chunks(), headers=headers)
     assert streamed.status_code == 413
     assert post(server, "/chat/completions", CHAT).status_code == 200
 
@@ -202,3 +205,108 @@ def test_a_body_past_the_size_limit_is_a_413_and_the_server_stays_up(server):
 def test_an_unknown_path_is_a_404_in_openais_format(server):
     response = post(server, "/embeddings", {"model": "planner", "input": "Hi."})
     assert response.status_code == 404 and "/v1/embeddings" in error_of(response)["message"]
+
+
+def test_an_empty_prompt_is_a_400_naming_it(server):
+    response = post(server, "/completions", {**COMPLETION, "prompt": ""})
+    assert response.status_code == 400 and error_of(response)["param"] == "prompt"
+    assert "renders to no tokens" in error_of(response)["message"]
+
+
+def test_a_temperature_too_small_to_sample_with_answers_as_greedy(client):
+    def answer(temperature):
+        reply = client.completions.create(model="planner", prompt="Hi.", max_tokens=6, temperature=temperature)
+        return reply.choices[0].text
+
+    assert answer(1e-39) == answer(0)  # dividing the logits by it would overflow: the argmax, as vLLM rules
+
+
+def test_a_request_whose_log_probabilities_could_be_too_large_is_a_400_naming_both_fields(server):
+    body = {**CHAT, "n": 16, "max_tokens": 400, "logprobs": True, "top_logprobs": 20}
+    response = post(server, "/chat/completions", body)
+    error = error_of(response)
+    assert response.status_code == 400 and error["param"] == "top_logprobs" and error["code"] == "logprobs_too_large"
+    assert "134400 log-probabilities" in error["message"] and "`max_tokens`" in error["message"]
+    smaller = post(server, "/chat/completions", {**body, "top_logprobs": 2, "max_tokens": 2})
+    assert smaller.status_code == 200 and len(smaller.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"])
+
+
+def test_prompts_are_tokenised_and_bodies_built_off_the_event_loop(server, monkeypatch):
+    import threading
+
+    import trl_marl.serving.app as app_module
+
+    threads = {}
+
+    def noting(name, function):
+        def wrapper(*args, **kwargs):
+            threads[name] = threading.current_thread().name
+            return function(*args, **kwargs)
+
+        monkeypatch.setattr(app_module, name, wrapper)
+
+    noting("tokenize_text_prompts", app_module.tokenize_text_prompts)
+    noting("completion_body", app_module.completion_body)
+    assert post(server, "/chat/completions", CHAT).status_code == 200
+    assert threads["tokenize_text_prompts"].startswith("trl-marl-serving-tokenize")
+    assert threads["completion_body"] not in ("trl-marl-serving-http", "trl-marl-serving-tokenize_0")
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_its_chat_template_and_tokenisation(server, monkeypatch):
+    import trl_marl.serving.app as app_module
+
+    rendered = []
+    monkeypatch.setattr(app_module, "tokenize_text_prompts", lambda *args: rendered.append(args))
+    long = {**CHAT, "messages": [{"role": "user", "content": "hello " * 15_000}]}  # 90 kB: ~15,000 tokens
+    response = post(server, "/chat/completions", long)
+    assert response.status_code == 400 and error_of(response)["code"] == "context_length_exceeded"
+    assert "maximum context length is 512 tokens" in error_of(response)["message"] and rendered == []
+    many = {**COMPLETION, "prompt": ["Hi.", "word " * 18_000]}
+    response = post(server, "/completions", many)
+    assert response.status_code == 400 and error_of(response)["param"] == "prompt" and rendered == []
+
+
+def test_deeply_nested_json_is_a_400_not_a_server_failure(server):
+    headers = {**AUTHORIZED, "Content-Type": "application/json"}
+    nested = b'{"model": "planner", "messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    response = httpx.post(f"{server.base_url}/chat/completions", content=nested, headers=headers)
+    assert response.status_code == 400 and error_of(response)["code"] == "invalid_json"
+    shallow = b'{"model": "planner", "messages": ' + b"[" * 500 + b"]" * 500 + b"}"  # parses; refused, shown short
+    response = httpx.post(f"{server.base_url}/chat/completions", content=shallow, headers=headers)
+    assert response.status_code == 400 and error_of(response)["param"] == "messages[0]"
+    assert len(error_of(response)["message"]) < 200
+
+
+@pytest.mark.parametrize(
+    ("headers", "status", "code"),
+    [
+        ({"Host": "attacker.example:80"}, 421, "host_not_allowed"),  # a DNS-rebinding page
+        ({"Origin": "https://attacker.example"}, 403, "origin_not_allowed"),  # any web page
+        ({"Origin": "null"}, 403, "origin_not_allowed"),  # a sandboxed page or a file
+        ({"Content-Type": "text/plain"}, 415, "unsupported_media_type"),  # a "simple" cross-origin POST
+    ],
+)
+def test_a_request_a_web_page_could_send_is_refused_before_the_app_with_or_without_a_key(
+    server, monkeypatch, headers, status, code
+):
+    import json
+
+    monkeypatch.setattr(server.engine, "submit", lambda *args: pytest.fail("the request reached the engine"))
+    sent = {**AUTHORIZED, "Content-Type": "application/json", **headers}
+    response = httpx.post(f"{server.base_url}/chat/completions", content=json.dumps(CHAT), headers=sent)
+    assert response.status_code == status and error_of(response)["code"] == code
+
+
+def test_the_servers_own_addresses_and_allowed_origins_are_answered(server):
+    port = server.port
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"LOCALHOST:{port}"):
+        assert httpx.get(f"{server.root_url}/health", headers={"Host": host}).status_code == 200
+    own = {"Origin": f"http://localhost:{port}"}
+    assert post(server, "/chat/completions", CHAT, headers={**AUTHORIZED, **own}).status_code == 200
+    other_port = {"Host": f"127.0.0.1:{port + 1}"}
+    assert httpx.get(f"{server.root_url}/health", headers=other_port).status_code == 421
+    with serve_team(server.team, allowed_origins=("https://ui.example",), allowed_hosts=("box.lan",)) as allowing:
+        ui = {"Origin": "https://ui.example", "Host": f"box.lan:{allowing.port}"}
+        assert post(allowing, "/chat/completions", CHAT, headers=ui).status_code == 200
+        other = {"Origin": "https://else.example"}
+        assert post(allowing, "/chat/completions", CHAT, headers=other).status_code == 403

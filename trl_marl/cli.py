@@ -23,7 +23,8 @@
                                                   predicted peak memory of a `train` config on one GPU (in RAM with
                                                   use_cpu: true; no weights load), each base of the team listed,
                                                   with use_vllm the vLLM engine's pool and KV cache on each card
-    trl-marl serve TEAM [--host H] [--port P] [--api_key KEY] [--load_in_4bit] [--dtype D]
+    trl-marl serve TEAM [--host H] [--port P] [--api_key_file F] [--allowed_hosts H,..] [--allowed_origins O,..]
+                        [--load_in_4bit] [--dtype D]
                         [--captured_decode auto|on|off|cuda-graphs|compiled] [--max_batch_rows N]
                         [--chunk_tokens N] [--max_tokens N]
                         [--use_vllm [--vllm_gpu_memory_utilization U] [--vllm_max_model_length N]]
@@ -159,11 +160,13 @@ def serve(arguments) -> int:
     """`trl-marl serve`: the team (a folder or Hub id, checked before any model loads) served until interrupted."""
     from .decode_support import captured_decode_setting
     from .hub import resolve_team_folder
+    from .serving.access import api_key_from
     from .serving.server import require_serving_packages, serve_forever
     from .team import read_team_file
 
     try:
         require_serving_packages()
+        api_key = api_key_from(arguments.api_key, arguments.api_key_file)
         team = resolve_team_folder(arguments.team)
         read_team_file(team)
     except (ImportError, FileNotFoundError, ValueError) as error:
@@ -183,7 +186,9 @@ def serve(arguments) -> int:
         team,
         host=arguments.host,
         port=arguments.port,
-        api_key=arguments.api_key,
+        api_key=api_key,
+        allowed_hosts=split_list(arguments.allowed_hosts),
+        allowed_origins=split_list(arguments.allowed_origins),
         max_batch_rows=arguments.max_batch_rows,
         chunk_tokens=arguments.chunk_tokens,
         max_tokens=arguments.max_tokens,
@@ -264,6 +269,11 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise UsageError(message if self.prog == "trl-marl" else f"{self.prog}: {message}")
+
+
+def split_list(value: str) -> tuple[str, ...]:
+    """A comma-separated option's items, blanks dropped."""
+    return tuple(item.strip() for item in value.split(",") if item.strip())
 
 
 def check_arguments(parser: argparse.ArgumentParser, extra: list[str]) -> None:
@@ -359,7 +369,22 @@ def run(argv: list[str]) -> int:
     serving.add_argument("team", help="a folder written by save_model, or a pushed team's Hub id")
     serving.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
     serving.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    serving.add_argument("--api_key", default=None, help="require `Authorization: Bearer KEY` on /v1 requests")
+    serving.add_argument("--api_key_file", default=None,
+                         help="require `Authorization: Bearer KEY` on /v1 requests, KEY the file's first line "
+                              "(without it or --api_key: $TRL_MARL_API_KEY; none of them: no key)")  # fmt: skip
+    serving.add_argument("--api_key", default=None,
+                         help="the key itself (every local user can read it in the process list: prefer "
+                              "--api_key_file or $TRL_MARL_API_KEY)")  # fmt: skip
+    serving.add_argument(
+        "--allowed_hosts",
+        default="",
+        help="comma-separated host names the server answers to besides its address (* for any)",
+    )
+    serving.add_argument(
+        "--allowed_origins",
+        default="",
+        help="comma-separated web origins whose pages may call it (* for any; default none)",
+    )
     serving.add_argument("--load_in_4bit", action="store_true", help="load the base model in 4-bit NF4")
     serving.add_argument("--dtype", default=None, choices=list(BASE_DTYPES),
                          help="the base model's dtype (default: as the team recorded)")  # fmt: skip

@@ -330,6 +330,10 @@ class MAGRPOConfig(TeamConfig):
             The most requests one episode may make; the next is refused (429).
         episode_timeout (`float` or `None`, *optional*, defaults to `300`):
             Seconds an episode may run; one that runs longer is left out of its group.
+        episode_max_failed_fraction (`float`, *optional*, defaults to `0.5`):
+            The largest share of a step's episodes that may fail (raise, time out, return nothing the rewards
+            score); when more fail, training stops with an error naming the first failed episode and its cause.
+            `1.0` never stops.
 
     The team's fields are [`TeamConfig`]'s.
     """
@@ -347,6 +351,10 @@ class MAGRPOConfig(TeamConfig):
     )
     episode_max_calls: int | None = field(default=64, metadata={"help": "The most requests one episode may make."})
     episode_timeout: float | None = field(default=300.0, metadata={"help": "Seconds an episode may run."})
+    episode_max_failed_fraction: float = field(
+        default=0.5,
+        metadata={"help": "The largest share of a step's episodes that may fail before training stops (1.0: never)."},
+    )
 
     def __post_init__(self):
         if self.joint_mode not in JOINT_MODES:
@@ -357,6 +365,12 @@ class MAGRPOConfig(TeamConfig):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise ValueError(f"`{name}` must be a positive number or None, got {value!r}.")
+        fraction = self.episode_max_failed_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
+            raise ValueError(
+                f"`episode_max_failed_fraction` must be a number in [0, 1] (the share of a step's episodes that may "
+                f"fail; 1.0 never stops), got {fraction!r}."
+            )
         if self.episode is not None:
             check_plugin_name("episodes", self.episode, "episode")
         super().__post_init__()

@@ -102,12 +102,15 @@ class EpisodeRunner:
             else:
                 outcomes = self._run_threads(keys, examples)
         finally:
+            failures = [self.book.failures(key) for key in keys]
             recorded = [self.book.close(key) for key in keys]
             self.server.engine.pause()  # a late call (a hung program, a thread of its own) is refused from here on
         results = []
-        for (outcome, error), calls in zip(outcomes, recorded):
+        for (outcome, error), calls, refused in zip(outcomes, recorded, failures):
             if error is None:
                 outcome, error = checked_outcome(outcome)
+            if error is not None and refused:  # what the server answered the program, which may have hidden it
+                error = f"{error}; {'; '.join(refused)}"
             results.append(EpisodeResult(outcome, calls, error) if error is None else EpisodeResult(None, [], error))
         return results
 

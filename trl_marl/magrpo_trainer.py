@@ -75,7 +75,11 @@ class MAGRPOTrainer(TeamTrainer):
             hooks = self._rollout_hooks(inputs, num_generations)
             del hooks["generate"]
             rollout = ProgramRollout(
-                self.rollout_settings, num_generations, self._scores_floats, self._scores_mappings
+                self.rollout_settings,
+                num_generations,
+                self._scores_floats,
+                self._scores_mappings,
+                max_failed_fraction=self.args.episode_max_failed_fraction,
             )
             return rollout.run(inputs, run_episodes=self._run_episodes, **hooks)
         rollout = TreeRollout(

@@ -7,7 +7,9 @@ episode, in which the program called the agents as it liked. An episode is one j
 advantage (`advantages.node_credit`, aligned, with the trainer's `baseline` and `scale_rewards`), and every completion
 any agent produced in the episode is a training row with that advantage: an agent called k times adds k rows, an agent
 not called adds none. An episode that raised or timed out is left out of its group (no reward, no rows) and counted;
-a group left with fewer than two scored episodes gives no gradient and is counted too.
+a group left with fewer than two scored episodes gives no gradient and is counted too. When more than
+`max_failed_fraction` of a step's episodes fail, training stops (`EpisodesFailed`): a program that cannot run would
+otherwise train nothing, step after step, with only warnings to show for it.
 
 Like the other rollouts it is independent of any model: the trainer passes `run_episodes` (the programs run against
 its server, `episode_runner.EpisodeRunner`), `score` and `gather`.
@@ -33,6 +35,10 @@ from .serving.episodes import RecordedCall
 OUTCOME_COLUMN = "episode_outcome"
 
 logger = logging.getLogger("trl_marl")
+
+
+class EpisodesFailed(RuntimeError):
+    """More of a step's episodes failed than `episode_max_failed_fraction` allows; names the first and its cause."""
 
 
 @dataclass
@@ -72,11 +78,21 @@ class ProgramRollout(EpisodeRollout):
         scores_floats: the reward functions include `episode_outcome` (a float outcome is a team reward).
         scores_mappings: the reward functions include others (they score a mapping outcome). An episode whose
             outcome nothing scores is left out, its error saying what to change.
+        max_failed_fraction: the largest share of a step's episodes (every process's) that may fail; more raises
+            `EpisodesFailed` (1.0: never).
     """
 
-    def __init__(self, settings, num_generations: int, scores_floats: bool = True, scores_mappings: bool = True):
+    def __init__(
+        self,
+        settings,
+        num_generations: int,
+        scores_floats: bool = True,
+        scores_mappings: bool = True,
+        max_failed_fraction: float = 1.0,
+    ):
         super().__init__(settings, num_generations)
         self.scores_floats, self.scores_mappings = scores_floats, scores_mappings
+        self.max_failed_fraction = max_failed_fraction
 
     def run(
         self,
@@ -114,7 +130,8 @@ class ProgramRollout(EpisodeRollout):
             for joint_action, per_func, reward in zip(scored, rewards_per_func.tolist(), rewards.tolist()):
                 joint_action.rewards_per_func, joint_action.reward = per_func, reward
         table = gather([(ja.node, ja.index, ja.reward, ja.rewards_per_func) for ja in joint_actions])
-        failed = gather([result.error for result in results if result.error is not None])
+        failed = gather([(first_copy + row, r.error) for row, r in enumerate(results) if r.error is not None])
+        self._stop_if_too_many_failed(failed, len(table))
         calls = gather([len(result.calls) for result in results if result.error is None])
         turn_stats, credit_of, group_of, silent = self._credit(table)
         samples = []
@@ -140,6 +157,21 @@ class ProgramRollout(EpisodeRollout):
             samples, joint_actions, turn_stats, batch_rewards_per_func, torch.zeros(len(table), dtype=torch.long),
             metrics,
         )  # fmt: skip
+
+    def _stop_if_too_many_failed(self, failed: list[tuple[int, str]], episodes: int) -> None:
+        """Raise `EpisodesFailed` when more than `max_failed_fraction` of the step's `episodes` failed (`failed`: every
+        process's `(prompt copy, error)`), naming the first failed episode and its cause."""
+        if not episodes or len(failed) <= self.max_failed_fraction * episodes:
+            return
+        copy, error = min(failed)
+        raise EpisodesFailed(
+            f"{len(failed)} of the step's {episodes} episodes failed, more than `episode_max_failed_fraction` "
+            f"({self.max_failed_fraction:g}) allows, so training stops before it trains on what is left (nothing of "
+            f"this step was trained; saved checkpoints are untouched). The first, episode {copy} (dataset row "
+            f"{copy // self.num_generations}, episode {copy % self.num_generations + 1} of its "
+            f"{self.num_generations}): the episode {error}. Fix the program (or what the server refused), or raise "
+            "`episode_max_failed_fraction` to train on the episodes that succeed."
+        )
 
     def _checked(self, result: EpisodeResult) -> EpisodeResult:
         """The result, or a failed one when nothing scores its outcome."""

@@ -5,7 +5,7 @@ Files: `requests.py` (the OpenAI request bodies, checked; errors in OpenAI's for
 stream events, log-probabilities), `rows.py` (what the engine is asked and gives back per row), `step_hooks.py` (each
 row's sampling and stopping inside a `generate` call), `engine.py` (the batching engine), `vllm_engine.py` (the
 engine on a team loaded with vLLM), `tokens.py` (each token's bytes and text for log-probabilities), `app.py` (the ASGI
-app), `server.py` (the server and its handle). FastAPI and uvicorn come with the `serve` extra and are imported only
+app), `access.py` (who may call it: the API key, `Host`, `Origin`, `Content-Type`), `server.py` (the server and its handle). FastAPI and uvicorn come with the `serve` extra and are imported only
 when a server starts.
 """
 
@@ -25,6 +25,8 @@ def serve_team(
     max_tokens: int | None = None,
     max_body_bytes: int | None = None,
     max_request_rows: int | None = None,
+    allowed_hosts: tuple[str, ...] = (),
+    allowed_origins: tuple[str, ...] = (),
     log_level: str = "warning",
     **load_options: Any,
 ):
@@ -43,6 +45,10 @@ def serve_team(
             cut to what fits the context.
         max_body_bytes: larger request bodies are refused with 413 (default 4 MiB).
         max_request_rows: a request asking for more completions (prompts x `n`) is refused with 400 (default 128).
+        allowed_hosts: names the server answers to besides the address it listens on (and `localhost` on loopback);
+            a request naming another `Host` is refused (421), which keeps DNS-rebinding pages out. `"*"`: any.
+        allowed_origins: web origins (`https://app.example`) whose pages may call the server; a request with
+            another `Origin` header is refused (403). Programs send none. `"*"`: any.
         log_level: uvicorn's log level.
         load_options: `load_team`'s keywords (`load_in_4bit`, `dtype`, `captured_decode`, `base_model`, `use_vllm`,
             ...) when `team_or_path` is not a loaded team. A team loaded with `use_vllm=True` generates with vLLM
@@ -66,6 +72,8 @@ def serve_team(
         max_tokens=max_tokens,
         max_body_bytes=max_body_bytes,
         max_request_rows=max_request_rows,
+        allowed_hosts=allowed_hosts,
+        allowed_origins=allowed_origins,
         log_level=log_level,
         **load_options,
     )

@@ -5,30 +5,47 @@ chat template (the agent's system prompt from team.json first, merged into the m
 `trl_marl.agents.agent_prompt` does for training and `Team.run`) and
 `POST /v1/completions` takes raw prompts; `stream: true` answers with server-sent events ending in `data: [DONE]`.
 Every error is in OpenAI's format (`requests.APIError`), and none stops the server. `GET /health` needs no key.
+
+The event loop only moves bytes: rendering and tokenising a prompt run on a thread of their own (one, as tokenizers are
+not shared safely between threads), and a large response body is built and serialised on another, so that one big
+request never holds up the others (or `/health`). A prompt that cannot fit the context is refused by its size before
+it is tokenised (`fewest_tokens`).
 """
 
 import asyncio
-import hmac
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..agents import agent_prompt
 from ..team_bases import tokenize_text_prompts
+from .access import AccessGuard, check_api_key
 from .engine import BatchingEngine, EngineStopped
 from .episodes import EpisodeBook
-from .requests import APIError, GenerationRequest, read_chat_request, read_completion_request
+from .requests import (
+    MIN_SAMPLING_TEMPERATURE,
+    APIError,
+    GenerationRequest,
+    read_chat_request,
+    read_completion_request,
+)
 from .responses import TextStream, chat_logprobs, completion_body, completion_logprobs, server_sent_event, usage
 from .rows import GeneratedRow, RowRequest
 from .tokens import TokenPieces
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_REQUEST_ROWS = 128  # a request's completions (prompts x `n`), as OpenAI bounds `n`
+# A request's log-probabilities: its completion tokens (rows x `max_tokens`) x (1 + `top_logprobs`). At about 90 bytes
+# of JSON each, 2^17 of them make a body of about 12 MB.
+MAX_LOGPROB_ENTRIES = 2**17
+# A prompt longer than this many characters per token of the context is measured by tokenising that much of it first.
+PREFIX_CHARACTERS_PER_TOKEN = 16
 DISCONNECT_POLL_SECONDS = 0.25  # how often a waiting non-streamed request checks that its client is still there
 
 
@@ -41,6 +58,10 @@ class ServingSettings:
         max_body_bytes: a larger request body is refused (413).
         max_tokens: a request's completion length when it sets none; None is team.json's `max_completion_length`.
         max_request_rows: a request asking for more completions (its prompts times `n`) is refused (400).
+        max_logprob_entries: a request whose log-probabilities could exceed this many values (its completion tokens
+            times 1 + `top_logprobs`) is refused (400).
+        allowed_hosts: names the server answers to besides its own address (`access.AccessGuard`; "*": any).
+        allowed_origins: web origins allowed to call it (`access.AccessGuard`; "*": any).
         episodes: while a trainer rolls out agent programs: the open episodes. Requests are then answered only
             through an episode's base URL (`/episodes/<key>/v1`), sample as the trainer does, and are recorded.
     """
@@ -49,11 +70,15 @@ class ServingSettings:
     max_body_bytes: int = MAX_BODY_BYTES
     max_tokens: int | None = None
     max_request_rows: int = MAX_REQUEST_ROWS
+    max_logprob_entries: int = MAX_LOGPROB_ENTRIES
+    allowed_hosts: tuple[str, ...] = field(default_factory=tuple)
+    allowed_origins: tuple[str, ...] = field(default_factory=tuple)
     episodes: EpisodeBook | None = None
 
 
-def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -> FastAPI:
-    """The server's app over a started `engine`."""
+def build_app(engine: BatchingEngine, settings: ServingSettings, tokenizing: ThreadPoolExecutor):
+    """The server's ASGI app over a started `engine`: FastAPI's, behind the `access.AccessGuard`. Prompts are rendered
+    and tokenised on `tokenizing` (one thread; the caller shuts it down)."""
     settings = settings or ServingSettings()
     team = engine.team
     agents = {name: index for index, name in enumerate(team.agent_names)}
@@ -64,6 +89,7 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
     default_top_p = float(team.spec.get("top_p") or 1.0)
     started = int(time.time())
     pieces = {id(base.tokenizer): TokenPieces(base.tokenizer) for base in team.bases}
+    token_bytes = {id(base.tokenizer): longest_token_bytes(base.tokenizer) for base in team.bases}
     app = FastAPI(title="trl-marl team", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(APIError)
@@ -81,13 +107,7 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
         return JSONResponse(failure.body(), status_code=500)
 
     def authorize(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, key = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), settings.api_key.encode()):
-            what = "No API key was given" if not given else "The API key is wrong"
-            raise APIError(401, f"{what}: send `Authorization: Bearer <key>`.", code="invalid_api_key")
+        check_api_key(request.headers, settings.api_key)
 
     def model_entry(name: str) -> dict:
         return {"id": name, "object": "model", "created": started, "owned_by": "trl-marl"}
@@ -136,17 +156,31 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
     async def episode_models(episode: str, request: Request) -> dict:
         return await list_models(request)
 
+    @app.get("/episodes/{episode}/v1/models/{model:path}")
+    async def episode_model(episode: str, model: str, request: Request) -> dict:
+        return await get_model(model, request)
+
     @app.post("/episodes/{episode}/v1/chat/completions")
     async def episode_chat_completions(episode: str, request: Request):
         authorize(request)
-        parsed = read_chat_request(await read_json(request, settings.max_body_bytes))
-        return await answer(request, parsed, episode)
+        return await episode_answer(request, episode, read_chat_request)
 
     @app.post("/episodes/{episode}/v1/completions")
     async def episode_completions(episode: str, request: Request):
         authorize(request)
-        parsed = read_completion_request(await read_json(request, settings.max_body_bytes))
-        return await answer(request, parsed, episode)
+        return await episode_answer(request, episode, read_completion_request)
+
+    async def episode_answer(request: Request, episode: str, read_request):
+        """An episode's call; a refused or failed one is noted in its episode (the trainer's error names it)."""
+        book, parsed = settings.episodes, None
+        number = book.received(episode) if book is not None else 0
+        try:
+            parsed = read_request(await read_json(request, settings.max_body_bytes))
+            return await answer(request, parsed, episode)
+        except APIError as error:
+            if book is not None:
+                book.note_failure(episode, number, getattr(parsed, "model", None), error)
+            raise
 
     def admit(parsed: GenerationRequest, episode: str | None) -> None:
         """During training, a request must come from an open episode, and takes the trainer's sampling."""
@@ -166,7 +200,8 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
         book.admit(episode, parsed)
 
     def row_requests(parsed: GenerationRequest) -> tuple[list[RowRequest], int]:
-        """The engine's rows of a request (`n` per prompt) and its prompt tokens."""
+        """The engine's rows of a request (`n` per prompt) and its prompt tokens. Renders and tokenises: called off
+        the event loop (`tokenizing`)."""
         agent = agent_index(parsed.model)
         prompt_count = len(parsed.prompts) if parsed.kind == "completion" else 1
         if prompt_count * parsed.n > settings.max_request_rows:
@@ -178,6 +213,7 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
                 param="n" if prompt_count == 1 else "prompt",
             )
         tokenizer = engine.tokenizer_of(agent)
+        check_fits_before_tokenising(parsed, tokenizer, token_bytes[id(tokenizer)], engine.context_length(agent))
         prompts = parsed.prompts
         if parsed.kind == "chat":  # the agent's role as training and `Team.run` put it (merged into a system message)
             use_chat_template = getattr(tokenizer, "chat_template", None) is not None
@@ -188,8 +224,15 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
         except Exception as error:  # a chat template that refuses the conversation (roles, order)
             param = "messages" if parsed.kind == "chat" else "prompt"
             raise APIError(400, f"The prompt cannot be rendered for `{parsed.model}`: {error}", param=param) from error
+        if any(not ids for ids in prompt_ids):  # nothing to condition on: `generate` cannot start from no token
+            raise APIError(
+                400, "The prompt is empty: it renders to no tokens. Send at least one character.", param="prompt"
+            )
         max_tokens = completion_budget(parsed, prompt_ids, engine.context_length(agent), default_max_tokens)
+        check_logprob_entries(parsed, len(prompt_ids) * parsed.n * max_tokens, settings.max_logprob_entries)
         temperature = default_temperature if parsed.temperature is None else parsed.temperature
+        if temperature < MIN_SAMPLING_TEMPERATURE:  # as vLLM: below it, sampling is the argmax (and would overflow)
+            temperature = 0.0
         top_p = default_top_p if parsed.top_p is None else parsed.top_p
         requests = [
             RowRequest(
@@ -209,7 +252,7 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
 
     async def answer(request: Request, parsed: GenerationRequest, episode: str | None = None):
         admit(parsed, episode)
-        requests, prompt_tokens = row_requests(parsed)
+        requests, prompt_tokens = await asyncio.get_running_loop().run_in_executor(tokenizing, row_requests, parsed)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -250,9 +293,14 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
         if episode is not None:
             settings.episodes.record(episode, parsed, rows)
         logprobs = parsed.top_logprobs is not None
-        return completion_body(
-            parsed.kind, completion_id, created, parsed.model, rows, prompt_tokens, tokens, logprobs, prompt_chars
-        )
+
+        def body() -> bytes:  # off the event loop: a body with log-probabilities may be megabytes
+            built = completion_body(
+                parsed.kind, completion_id, created, parsed.model, rows, prompt_tokens, tokens, logprobs, prompt_chars
+            )
+            return json.dumps(built, ensure_ascii=False).encode()
+
+        return Response(await asyncio.to_thread(body), media_type="application/json")
 
     async def stream_events(
         parsed, rows, events, completion_id, created, prompt_tokens, tokens, prompt_chars, episode=None
@@ -311,7 +359,60 @@ def build_app(engine: BatchingEngine, settings: ServingSettings | None = None) -
         finally:  # the client went away (or the stream failed): stop generating for it
             engine.cancel([row for row in rows if not row.done])
 
-    return app
+    return AccessGuard(app, settings.allowed_hosts, settings.allowed_origins)
+
+
+def longest_token_bytes(tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes of text one token stands for: its longest vocabulary entry's (an entry's
+    characters take at least as many bytes as the text it decodes to: byte-level BPE's byte characters, SentencePiece's
+    `▁` and `<0xNN>`), special and added tokens included."""
+    return max(len(piece.encode()) for piece in tokenizer.get_vocab())
+
+
+def fewest_tokens(text: str, tokenizer, token_bytes: int, context: int) -> int:
+    """A lower bound on the tokens of `text`, at a bounded cost whatever its length: its UTF-8 bytes over the most one
+    token stands for (`token_bytes`; halved, for normalisers that shorten text, NFKC's ligatures), else, for a text
+    longer than `PREFIX_CHARACTERS_PER_TOKEN` characters per token of `context`, the tokens of that much of it (less
+    one: the cut may split a word in two). A shorter text gets the first bound alone: tokenising it is cheap."""
+    bound = len(text.encode()) // (2 * token_bytes)
+    prefix = text[: PREFIX_CHARACTERS_PER_TOKEN * context]
+    if bound >= context or len(prefix) == len(text):
+        return bound
+    return max(bound, len(tokenizer(prefix, add_special_tokens=False)["input_ids"]) - 1)
+
+
+def check_fits_before_tokenising(parsed: GenerationRequest, tokenizer, token_bytes: int, context: int) -> None:
+    """Refuse (400, `context_length_exceeded`) a prompt whose text alone cannot fit the context (`fewest_tokens`),
+    before its chat template and tokenisation: a body of megabytes costs a few milliseconds."""
+    texts = ["".join(m["content"] for m in parsed.prompts)] if parsed.kind == "chat" else parsed.prompts
+    fewest = max(fewest_tokens(text, tokenizer, token_bytes, context) for text in texts)
+    if fewest >= context:
+        param = "messages" if parsed.kind == "chat" else "prompt"
+        raise APIError(
+            400,
+            f"This model's maximum context length is {context} tokens. However, the {param} alone is at least "
+            f"{fewest} tokens. Please reduce the length of the {param}.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def check_logprob_entries(parsed: GenerationRequest, completion_tokens: int, limit: int) -> None:
+    """Refuse (400, naming `top_logprobs` and `max_tokens`) a request whose log-probabilities could pass `limit`
+    values: its completion tokens (rows x `max_tokens`) times 1 + `top_logprobs`."""
+    if parsed.top_logprobs is None:
+        return
+    entries = completion_tokens * (1 + parsed.top_logprobs)
+    if entries > limit:
+        name = "top_logprobs" if parsed.kind == "chat" else "logprobs"
+        raise APIError(
+            400,
+            f"The request may return {entries} log-probabilities ({completion_tokens} completion tokens: the rows "
+            f"times `max_tokens`, each with 1 + `{name}` = {1 + parsed.top_logprobs} values), more than this "
+            f"server's limit of {limit}: lower `{name}`, `max_tokens` or `n`.",
+            param=name,
+            code="logprobs_too_large",
+        )
 
 
 def completion_budget(parsed: GenerationRequest, prompt_ids: list[list[int]], context: int, default: int) -> int:
@@ -375,3 +476,5 @@ async def read_json(request: Request, max_bytes: int):
         return json.loads(b"".join(body))
     except (ValueError, UnicodeDecodeError) as error:
         raise APIError(400, f"The request body is not valid JSON: {error}", code="invalid_json") from error
+    except RecursionError:
+        raise APIError(400, "The request body is not valid JSON: it nests too deeply.", code="invalid_json") from None

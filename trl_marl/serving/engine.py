@@ -225,7 +225,12 @@ class BatchingEngine:
 
     def _take_rows(self, limit: int | None = None) -> list[GeneratedRow]:
         """Up to `limit` (`max_batch_rows`) waiting rows on the base of the longest-waiting one, taken in turn from
-        each submission (in the order they wait), so that a request of many rows does not hold back the others."""
+        each submission (in the order they wait), so that a request of many rows does not hold back the others. A row
+        to run alone (`GeneratedRow.alone`) is taken by itself, before the others."""
+        alone = next((row for row in self._queue if row.alone), None)
+        if alone is not None:
+            self._queue.remove(alone)
+            return [alone]
         base = self.team.agent_base[self._queue[0].request.agent]
         by_submission: dict[int, list[GeneratedRow]] = {}
         for row in self._queue:
@@ -272,13 +277,28 @@ class BatchingEngine:
             finally:
                 if base.router is not None:
                     base.router.route(None)
-        except Exception as error:  # the call's rows fail; the engine serves the next call
-            self._fail(rows, error)
+        except Exception as error:
+            if len(rows) > 1:  # one row's failure must not be the others': each row runs again in a call of its own
+                self._retry_alone(rows, decode)
+            else:  # a row that fails alone fails; the engine serves the next call
+                self._fail(rows, error)
             return
+        self._requeue(rows, decode)
+
+    def _retry_alone(self, rows: list[GeneratedRow], decode: Callable[[list[int]], str]) -> None:
+        """After a failed call of several rows: each row that is not done goes back to the front of the queue, to
+        run alone (`GeneratedRow.alone`), continuing from the tokens it had; only a row that fails alone fails."""
+        for row in rows:
+            row.alone = True
+        self._requeue(rows, decode, front=True)
+
+    def _requeue(self, rows: list[GeneratedRow], decode: Callable[[list[int]], str], front: bool = False) -> None:
+        """The call's unfinished rows back in the queue (at its end, or its front), a cancelled one finished."""
         with self._condition:  # under the lock: a row cancelled now is either re-queued (and found) or finished here
             unfinished = [row for row in rows if not row.done]
             cancelled = [row for row in unfinished if row.cancelled]
-            self._queue.extend(row for row in unfinished if not row.cancelled)
+            waiting = [row for row in unfinished if not row.cancelled]
+            self._queue = [*waiting, *self._queue] if front else [*self._queue, *waiting]
             self._condition.notify_all()
         for row in cancelled:
             finish(row, "cancelled", decode)

@@ -58,8 +58,10 @@ class EpisodeSampling:
 @dataclass
 class _Episode:
     seed: int
-    calls: int = 0
+    calls: int = 0  # calls admitted (each samples with its own seed)
+    requests: int = 0  # requests received, refused ones included
     recorded: list[RecordedCall] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # the requests the server refused or failed, described
 
 
 class EpisodeBook:
@@ -89,15 +91,41 @@ class EpisodeBook:
             episode = self._open.pop(key, None)
         return [] if episode is None else episode.recorded
 
+    def failures(self, key: str) -> list[str]:
+        """The episode's requests that the server refused or failed so far, each described (which request, to which
+        agent, the status and the server's message)."""
+        with self._lock:
+            episode = self._open.get(key)
+            return [] if episode is None else list(episode.failures)
+
+    def received(self, key: str) -> int:
+        """Count a request of the episode as it arrives; its number (1 for the first; 0 for a closed episode)."""
+        with self._lock:
+            episode = self._open.get(key)
+            if episode is None:
+                return 0
+            episode.requests += 1
+            return episode.requests
+
+    def note_failure(self, key: str, number: int, model: str | None, error: APIError) -> None:
+        """Note that the server answered the episode's request `number` with `error` (a closed episode notes none)."""
+        to = f" to `{model}`" if model is not None else ""
+        described = f"its request {number}{to} was answered {error.status} ({error.code or 'error'}): {error.message}"
+        with self._lock:
+            episode = self._open.get(key)
+            if episode is not None:
+                episode.failures.append(described)
+
     def admit(self, key: str, request: GenerationRequest) -> None:
         """Check a request of episode `key` and give it the trainer's sampling and its seed. Raises `APIError`: the
         episode is not open (404), it made `max_calls` calls already (429), or the request sets its own sampling
         (400, naming the field)."""
         sampling = self.sampling
-        for name, value, trained in (
+        checks = (
             ("temperature", request.temperature, sampling.temperature),
             ("top_p", request.top_p, sampling.top_p),
-        ):
+        )
+        for name, value, trained in checks:
             if value is not None and value != trained:
                 raise invalid(
                     name,

@@ -9,6 +9,7 @@ is accepted. A field sent as `null` is taken as absent, as OpenAI takes it.
 
 import json
 import math
+import reprlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,8 @@ MAX_CHOICES = 128  # OpenAI's own bound on `n`
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5  # `/v1/completions`' `logprobs` is a count, at most 5 in OpenAI's API
+# A temperature below this samples the argmax, as vLLM rules (its `_SAMPLING_EPS`): dividing logits by less overflows.
+MIN_SAMPLING_TEMPERATURE = 1e-5
 MESSAGE_ROLES = ("system", "developer", "user", "assistant")
 
 # The fields each endpoint serves; `user` (an end user's id, for the caller's own monitoring) changes nothing here.
@@ -285,7 +288,11 @@ def positive_int(value: Any, param: str) -> int:
     return value
 
 
+SHORT_REPR = reprlib.Repr()  # bounded however deep the value nests
+SHORT_REPR.maxlevel, SHORT_REPR.maxstring, SHORT_REPR.maxother = 3, 50, 50
+
+
 def short(value: Any) -> str:
-    """A value as an error message shows it: its JSON-ish repr, cut at 60 characters."""
-    text = repr(value)
+    """A value as an error message shows it: its repr, nested values and long strings elided, cut at 60 characters."""
+    text = SHORT_REPR.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

@@ -64,6 +64,7 @@ class GeneratedRow:
     text: str | None = None
     error: BaseException | None = None
     cancelled: bool = False
+    alone: bool = False  # a call of several rows failed with this one in it: it runs in calls of its own from now on
     generator: torch.Generator | None = None
     done_event: threading.Event = field(default_factory=threading.Event)
 

@@ -3,6 +3,7 @@ loopback port, either in a thread (`serve_team`, a `TeamServer` handle) or in th
 
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .engine import BatchingEngine
@@ -45,8 +46,17 @@ class TeamServer:
     """A team served over HTTP: `base_url` (`http://host:port/v1`, what OpenAI clients take), `close()` (also as a
     context manager). Built by `serve_team`."""
 
-    def __init__(self, team: Any, engine: BatchingEngine, server: Any, sock: socket.socket, owns_team: bool):
+    def __init__(
+        self,
+        team: Any,
+        engine: BatchingEngine,
+        server: Any,
+        sock: socket.socket,
+        owns_team: bool,
+        tokenizing: ThreadPoolExecutor | None = None,
+    ):
         self.team, self.engine, self._server, self._socket, self._owns_team = team, engine, server, sock, owns_team
+        self._tokenizing = tokenizing
         host, port = sock.getsockname()[:2]
         self.host, self.port = host, port
         self.base_url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
@@ -81,6 +91,8 @@ class TeamServer:
             self._thread.join()
             self._thread = None
         self.engine.close()
+        if self._tokenizing is not None:
+            self._tokenizing.shutdown(wait=False)
         self._socket.close()
         if self._owns_team:
             self.team.close()
@@ -114,6 +126,8 @@ def prepare_server(
     max_tokens: int | None = None,
     max_body_bytes: int | None = None,
     max_request_rows: int | None = None,
+    allowed_hosts: tuple[str, ...] = (),
+    allowed_origins: tuple[str, ...] = (),
     log_level: str = "warning",
     **load_options: Any,
 ) -> TeamServer:
@@ -142,6 +156,8 @@ def prepare_server(
         max_body_bytes=MAX_BODY_BYTES if max_body_bytes is None else max_body_bytes,
         max_tokens=max_tokens,
         max_request_rows=MAX_REQUEST_ROWS if max_request_rows is None else max_request_rows,
+        allowed_hosts=tuple(allowed_hosts),
+        allowed_origins=tuple(allowed_origins),
     )
     return bind_server(engine, settings, host=host, port=port, log_level=log_level, owns_team=owns_team)
 
@@ -162,12 +178,13 @@ def bind_server(
 
     from .app import build_app
 
-    app = build_app(engine, settings)
+    tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trl-marl-serving-tokenize")
+    app = build_app(engine, settings, tokenizing)
     sock = bound_socket(host, port)
     config = uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     engine.start()
-    return TeamServer(engine.team, engine, server, sock, owns_team)
+    return TeamServer(engine.team, engine, server, sock, owns_team, tokenizing)
 
 
 def serve_team(team_or_path: Any, **options: Any) -> TeamServer:
@@ -181,7 +198,9 @@ def serve_forever(team_or_path: Any, **options: Any) -> None:
     """`trl-marl serve`: serve in the foreground, printing the base URL once listening, until SIGINT or SIGTERM."""
     handle = prepare_server(team_or_path, **options)
     agents = ", ".join(handle.team.agent_names)
-    print(f"trl-marl serve: agents {agents} at {handle.base_url}", flush=True)
+    # the base URL stays last on the line: scripts read it from there
+    access = "an API key is required" if options.get("api_key") else "no API key: any local program may call it"
+    print(f"trl-marl serve ({access}): agents {agents} at {handle.base_url}", flush=True)
     try:
         handle._server.run(sockets=[handle._socket])
     finally:
