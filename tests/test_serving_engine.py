@@ -10,6 +10,7 @@ import torch
 from datasets import Dataset
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, load_team
+from trl_marl.serving.completion_text import CompletionDecoder, StreamedText
 from trl_marl.serving.engine import BatchingEngine, EngineStopped
 from trl_marl.serving.rows import GeneratedRow, RowRequest
 from trl_marl.serving.step_hooks import nucleus_sample
@@ -127,6 +128,24 @@ def test_a_stop_string_ends_the_row_and_is_cut_from_its_text(team, engine):
     assert len(decode(row.completion_ids[:-1])) < len(row.text) <= len(decode(row.completion_ids))
     assert row.completion_ids == full.completion_ids[: len(row.completion_ids)]
     assert len(row.logprobs) == len(row.top_logprobs) == len(row.completion_ids)
+
+
+def test_rows_decoded_token_by_token_stop_and_finish_as_rows_decoded_whole(team, engine, monkeypatch):
+    tokenizer, prompt = team.tokenizer, agent_prompt_ids(team, 0)
+    full = engine.generate([RowRequest(0, prompt, 24)])[0].text
+    stops = [(full[5:8],), (full[-2:],), (full[10:11], "never seen"), ("never seen",)]
+    decoders = {
+        "whole": lambda tokens: tokenizer.decode(tokens, skip_special_tokens=True),
+        "token by token": CompletionDecoder(tokenizer),
+    }
+    answers = {}
+    for name, decoder in decoders.items():
+        monkeypatch.setattr(engine, "decoder_of", lambda agent, decoder=decoder: decoder)
+        rows = engine.generate([RowRequest(0, prompt, 24, stop=stop, top_logprobs=1) for stop in stops])
+        answers[name] = [(row.text, row.finish_reason, row.completion_ids, row.logprobs) for row in rows]
+        assert isinstance(rows[0].decoded, StreamedText) == (name == "token by token")
+    assert answers["token by token"] == answers["whole"]
+    assert [reason for _, reason, _, _ in answers["whole"]] == ["stop", "stop", "stop", "length"]
 
 
 def test_a_stop_string_after_a_character_split_across_tokens_keeps_that_characters_tokens(team):

@@ -32,9 +32,29 @@ def error_of(response: httpx.Response) -> dict:
 @pytest.mark.parametrize(
     "path, fields, param",
     [
-        ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ("/chat/completions", {"tool_choice": "auto"}, "tool_choice"),
-        ("/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/chat/completions", {"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+        ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
+         "tools[0].function.parameters"),  # fmt: skip
+        ("/chat/completions", {"tool_choice": "sometimes"}, "tool_choice"),
+        (
+            "/chat/completions",
+            {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+             "function": {"name": "g"}}},
+            "tool_choice",
+        ),  # fmt: skip
+        ("/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
+        ("/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
+         "schema": {"type": "object", "properties": {"n": {"type": "bogus"}}}}}},
+         "response_format.json_schema.schema"),  # fmt: skip
+        ("/chat/completions", {"reasoning_effort": 3}, "reasoning_effort"),
+        (
+            "/chat/completions",
+            {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+             "function": {"name": "f", "arguments": "{not json"}}]}]},
+            "messages[0].tool_calls[0].function.arguments",
+        ),  # fmt: skip
+        ("/chat/completions", {"messages": [{"role": "tool", "content": "3"}]}, "messages[0].tool_call_id"),
         ("/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
         ("/chat/completions", {"frequency_penalty": -1}, "frequency_penalty"),
         ("/chat/completions", {"logit_bias": {"50": 10}}, "logit_bias"),
@@ -87,7 +107,7 @@ def test_an_unsupported_or_bad_parameter_is_a_400_naming_it(server, path, fields
 def test_the_openai_client_sees_a_refused_parameter_as_a_bad_request_naming_it(client):
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(
-            model="planner", messages=CHAT["messages"], response_format={"type": "json_object"}
+            model="planner", messages=CHAT["messages"], response_format={"type": "xml"}
         )
     assert refused.value.status_code == 400 and "response_format" in refused.value.message
 
@@ -107,6 +127,7 @@ def test_the_openai_client_sees_a_refused_parameter_as_a_bad_request_naming_it(c
         {"modalities": ["text"]},
         {"user": "user-1"},
         {"tools": [], "tool_choice": "none", "parallel_tool_calls": True, "store": False, "metadata": {}},
+        {"prompt_cache_key": "agent-1", "safety_identifier": "user-1", "reasoning_effort": "low"},  # SDK defaults
     ],
 )
 def test_a_field_at_its_no_op_value_is_accepted(client, fields):
@@ -235,28 +256,31 @@ def test_prompts_are_tokenised_and_bodies_built_off_the_event_loop(server, monke
     import threading
 
     import trl_marl.serving.app as app_module
+    import trl_marl.serving.prompts as prompts_module
 
     threads = {}
 
-    def noting(name, function):
+    def noting(module, name):
+        function = getattr(module, name)
+
         def wrapper(*args, **kwargs):
             threads[name] = threading.current_thread().name
             return function(*args, **kwargs)
 
-        monkeypatch.setattr(app_module, name, wrapper)
+        monkeypatch.setattr(module, name, wrapper)
 
-    noting("tokenize_text_prompts", app_module.tokenize_text_prompts)
-    noting("completion_body", app_module.completion_body)
+    noting(prompts_module, "tokenize_text_prompts")
+    noting(app_module, "completion_body")
     assert post(server, "/chat/completions", CHAT).status_code == 200
     assert threads["tokenize_text_prompts"].startswith("trl-marl-serving-tokenize")
     assert threads["completion_body"] not in ("trl-marl-serving-http", "trl-marl-serving-tokenize_0")
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_its_chat_template_and_tokenisation(server, monkeypatch):
-    import trl_marl.serving.app as app_module
+    import trl_marl.serving.prompts as prompts_module
 
     rendered = []
-    monkeypatch.setattr(app_module, "tokenize_text_prompts", lambda *args: rendered.append(args))
+    monkeypatch.setattr(prompts_module, "tokenize_text_prompts", lambda *args: rendered.append(args))
     long = {**CHAT, "messages": [{"role": "user", "content": "hello " * 15_000}]}  # 90 kB: ~15,000 tokens
     response = post(server, "/chat/completions", long)
     assert response.status_code == 400 and error_of(response)["code"] == "context_length_exceeded"

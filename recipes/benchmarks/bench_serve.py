@@ -11,6 +11,15 @@ completion tokens/s, and that time over one request's. The targets (docs/serving
 at most 2x the time of one request, and one client's request costs at most 1.2x a direct `Team` call.
 
     python recipes/benchmarks/bench_serve.py                 # ~3 min on 2 idle CPU cores; --tokens, --rounds, --out
+
+With `--long N`, one long answer instead: N tokens (the base's end-of-sequence tokens suppressed in its generation
+config, so that a greedy answer runs to `max_tokens`), asked for unstreamed and streamed, each without and with a stop
+string that never appears; printed: the seconds of each (median over `--rounds`) and that over the unstreamed answer's.
+Streaming and stop strings cost the server the text of every token: this shows whether that cost grows with the answer.
+`--tiny` serves a tiny randomly initialised Llama with the default model's tokenizer (as the tests build one) instead
+of the default model, whose generation costs little beside that text.
+
+    python recipes/benchmarks/bench_serve.py --long 5000 --tiny --rounds 1   # ~2 min on 2 idle CPU cores
 """
 
 import argparse
@@ -53,11 +62,57 @@ def no_reward(prompts, completions, **kwargs):
     return [0.0] * len(prompts)
 
 
-def save_team(folder: str) -> str:
+STOP_NEVER_SEEN = "@@no such text@@"
+
+
+def save_team(folder: str, model: str | None = None) -> str:
     args = MAGRPOConfig(output_dir=folder, agents=AGENTS, num_turns=1, report_to="none", use_cpu=True, bf16=False)
     MAGRPOTrainer(
-        default_model_path(), no_reward, args=args, train_dataset=Dataset.from_dict({"prompt": ["Hi."]})
+        model or default_model_path(), no_reward, args=args, train_dataset=Dataset.from_dict({"prompt": ["Hi."]})
     ).save_model()
+    return folder
+
+
+def tiny_base(folder: str, positions: int) -> str:
+    """A tiny randomly initialised Llama with the default model's tokenizer and chat template (as `tests/conftest.py`
+    builds one), `positions` tokens long, written to `folder`."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=positions,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def endless_base(source: str, folder: str) -> str:
+    """The model at `source` again in `folder` (its files linked), its generation config suppressing its
+    end-of-sequence tokens: a greedy answer runs to its `max_tokens`."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    os.makedirs(folder)
+    for name in os.listdir(source):
+        if name != "generation_config.json":
+            os.symlink(os.path.join(source, name), os.path.join(folder, name))
+    config = GenerationConfig.from_pretrained(source)
+    eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    config.suppress_tokens = sorted(
+        {*[token for token in eos if token is not None], AutoTokenizer.from_pretrained(source).eos_token_id}
+    )
+    config.save_pretrained(folder)
     return folder
 
 
@@ -101,8 +156,75 @@ async def served_round(base_url: str, requests, tokens: int) -> tuple[float, int
     return seconds, sum(answer.usage.completion_tokens for answer in answers)
 
 
-def start_server(team_dir: str, max_batch_rows: int, chunk_tokens: int) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "trl_marl.cli", "serve", team_dir, "--port", "0"]
+async def long_answer(base_url: str, tokens: int, stream: bool, stop: str | None) -> tuple[float, int, str]:
+    """One greedy answer of at most `tokens` tokens, streamed or not: wall seconds, completion tokens, its text."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=3600)
+    options = {"stop": [stop]} if stop else {}
+    if stream:
+        options["stream_options"] = {"include_usage": True}
+    begin = time.perf_counter()
+    messages = requests_for(1)[0][1]
+    answer = await client.chat.completions.create(
+        model=AGENTS[0]["name"], messages=messages, temperature=0, max_tokens=tokens, stream=stream, **options
+    )
+    if stream:
+        pieces, completion_tokens = [], 0
+        async for chunk in answer:
+            pieces += [choice.delta.content or "" for choice in chunk.choices]
+            completion_tokens = chunk.usage.completion_tokens if chunk.usage else completion_tokens
+        text = "".join(pieces)
+    else:
+        text, completion_tokens = answer.choices[0].message.content, answer.usage.completion_tokens
+    seconds = time.perf_counter() - begin
+    await client.close()
+    return seconds, completion_tokens, text
+
+
+def long_answers(args) -> dict:
+    """`--long`: the seconds of one long answer, unstreamed and streamed, without and with a stop string."""
+    variants = {}
+    with tempfile.TemporaryDirectory() as folder:
+        source = tiny_base(os.path.join(folder, "tiny"), args.long + 512) if args.tiny else default_model_path()
+        team_dir = save_team(os.path.join(folder, "team"), source)
+        base = endless_base(source, os.path.join(folder, "endless"))
+        process, base_url = start_server(team_dir, args.max_batch_rows, args.chunk_tokens, ("--base_model", base))
+        try:
+            asyncio.run(long_answer(base_url, 16, True, STOP_NEVER_SEEN))  # warm-up
+            texts = set()
+            for stream in (False, True):
+                for stop in (None, STOP_NEVER_SEEN):
+                    rounds = [asyncio.run(long_answer(base_url, args.long, stream, stop)) for _ in range(args.rounds)]
+                    name = ("streamed" if stream else "unstreamed") + (" + stop string" if stop else "")
+                    variants[name] = {
+                        "seconds": statistics.median(seconds for seconds, _, _ in rounds),
+                        "completion_tokens": rounds[0][1],
+                    }
+                    texts.update(text for _, _, text in rounds)
+        finally:
+            process.terminate()
+            process.wait(30)
+    if len(texts) != 1:
+        raise RuntimeError("The long answers differ between rounds or variants: greedy answers should not.")
+    unstreamed = variants["unstreamed"]["seconds"]
+    print(
+        f"torch threads: {torch.get_num_threads()}; one greedy answer of at most {args.long} tokens (EOS suppressed)"
+    )
+    print(f"base: {'a tiny random Llama' if args.tiny else 'the default model'}, rounds: {args.rounds}")
+    print(f"{'answer':>26}  {'tokens':>6}  {'seconds':>8}  {'x unstreamed':>12}")
+    for name, figures in variants.items():
+        print(
+            f"{name:>26}  {figures['completion_tokens']:>6}  {figures['seconds']:>8.2f}  "
+            f"{figures['seconds'] / unstreamed:>12.2f}"
+        )
+    return {"long": args.long, "tiny": args.tiny, "rounds": args.rounds, "answers": variants}
+
+
+def start_server(
+    team_dir: str, max_batch_rows: int, chunk_tokens: int, options: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, str]:
+    command = [sys.executable, "-m", "trl_marl.cli", "serve", team_dir, "--port", "0", *options]
     command += ["--max_batch_rows", str(max_batch_rows), "--chunk_tokens", str(chunk_tokens)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = process.stdout.readline()
@@ -120,7 +242,15 @@ def main() -> None:
     parser.add_argument("--max_batch_rows", type=int, default=16)
     parser.add_argument("--chunk_tokens", type=int, default=16)
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    parser.add_argument("--long", type=int, default=None, help="time one answer of this many tokens, streamed or not")
+    parser.add_argument("--tiny", action="store_true", help="with --long: a tiny random model, not the default one")
     args = parser.parse_args()
+    if args.long:
+        summary = long_answers(args)
+        if args.out:
+            with open(args.out, "w") as file:
+                json.dump({**run_header(torch_threads=torch.get_num_threads()), **summary}, file, indent=2)
+        return
 
     with tempfile.TemporaryDirectory() as folder:
         team_dir = args.team or save_team(folder)

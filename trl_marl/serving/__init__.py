@@ -1,12 +1,14 @@
 """A trained team behind an OpenAI-compatible endpoint: each agent a model name, all on one loaded `Team`, and the
 rows of concurrent requests generated together in routed calls (docs/serving.md).
 
-Files: `requests.py` (the OpenAI request bodies, checked; errors in OpenAI's format), `responses.py` (response bodies,
-stream events, log-probabilities), `rows.py` (what the engine is asked and gives back per row), `step_hooks.py` (each
-row's sampling and stopping inside a `generate` call), `engine.py` (the batching engine), `vllm_engine.py` (the
-engine on a team loaded with vLLM), `tokens.py` (each token's bytes and text for log-probabilities), `app.py` (the ASGI
-app), `access.py` (who may call it: the API key, `Host`, `Origin`, `Content-Type`), `server.py` (the server and its handle). FastAPI and uvicorn come with the `serve` extra and are imported only
-when a server starts.
+Files: `requests.py` (the OpenAI request bodies, checked), `errors.py` (errors in OpenAI's format),
+`tool_requests.py` (a chat request's tools, tool choice and response format, checked), `responses.py` (response bodies,
+stream events, log-probabilities), `rows.py` (what the engine is asked and gives back per row), `completion_text.py`
+(a row's text decoded as its tokens come), `step_hooks.py` (each row's sampling and stopping inside a `generate`
+call), `engine.py` (the batching engine), `vllm_engine.py` (the engine on a team loaded with vLLM), `tokens.py` (each
+token's bytes and text for log-probabilities), `app.py` (the ASGI app), `access.py` (who may call it: the API key,
+`Host`, `Origin`, `Content-Type`), `server.py` (the server and its handle). FastAPI and uvicorn come with the `serve`
+extra and are imported only when a server starts.
 """
 
 from typing import Any

@@ -21,7 +21,7 @@ import json
 import os
 from collections.abc import Iterable
 
-from .requests import APIError
+from .errors import APIError
 
 API_KEY_ENVIRONMENT = "TRL_MARL_API_KEY"
 LOOPBACK_NAMES = ("localhost",)

@@ -23,20 +23,26 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..agents import agent_prompt
-from ..team_bases import tokenize_text_prompts
 from .access import AccessGuard, check_api_key
 from .engine import BatchingEngine, EngineStopped
 from .episodes import EpisodeBook
+from .prompts import PromptRenderer
 from .requests import (
-    MIN_SAMPLING_TEMPERATURE,
     APIError,
     GenerationRequest,
     read_chat_request,
     read_completion_request,
 )
 from .responses import TextStream, chat_logprobs, completion_body, completion_logprobs, server_sent_event, usage
-from .rows import GeneratedRow, RowRequest
+from .responses_api import (
+    ResponseEvents,
+    ResponsesRequest,
+    new_id,
+    output_items,
+    read_responses_request,
+    response_object,
+)
+from .rows import GeneratedRow
 from .tokens import TokenPieces
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -44,8 +50,6 @@ MAX_REQUEST_ROWS = 128  # a request's completions (prompts x `n`), as OpenAI bou
 # A request's log-probabilities: its completion tokens (rows x `max_tokens`) x (1 + `top_logprobs`). At about 90 bytes
 # of JSON each, 2^17 of them make a body of about 12 MB.
 MAX_LOGPROB_ENTRIES = 2**17
-# A prompt longer than this many characters per token of the context is measured by tokenising that much of it first.
-PREFIX_CHARACTERS_PER_TOKEN = 16
 DISCONNECT_POLL_SECONDS = 0.25  # how often a waiting non-streamed request checks that its client is still there
 
 
@@ -89,7 +93,14 @@ def build_app(engine: BatchingEngine, settings: ServingSettings, tokenizing: Thr
     default_top_p = float(team.spec.get("top_p") or 1.0)
     started = int(time.time())
     pieces = {id(base.tokenizer): TokenPieces(base.tokenizer) for base in team.bases}
-    token_bytes = {id(base.tokenizer): longest_token_bytes(base.tokenizer) for base in team.bases}
+    renderer = PromptRenderer(
+        engine,
+        settings.max_request_rows,
+        settings.max_logprob_entries,
+        default_max_tokens,
+        default_temperature,
+        default_top_p,
+    )
     app = FastAPI(title="trl-marl team", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(APIError)
@@ -141,17 +152,44 @@ def build_app(engine: BatchingEngine, settings: ServingSettings, tokenizing: Thr
         agent_index(model)
         return model_entry(model)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        authorize(request)
-        return await answer(request, read_chat_request(await read_json(request, settings.max_body_bytes)))
+    def read_any(kind: str, body):
+        """The body of a `kind` request ("chat", "completion", "responses") as `answer` takes it: the chat or
+        completion request, and for the Responses API what its response repeats."""
+        if kind == "responses":
+            responses = read_responses_request(body)
+            return responses.chat, responses
+        return (read_chat_request(body) if kind == "chat" else read_completion_request(body)), None
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def serve(request: Request, kind: str, episode: str | None = None):
+        """A generation request of `kind`, through `/v1` or (`episode`) an episode's base URL; an episode's refused or
+        failed request is noted in its episode (the trainer's error names it)."""
         authorize(request)
-        return await answer(request, read_completion_request(await read_json(request, settings.max_body_bytes)))
+        book, parsed = settings.episodes, None
+        number = book.received(episode) if book is not None and episode is not None else 0
+        try:
+            parsed, responses = read_any(kind, await read_json(request, settings.max_body_bytes))
+            return await answer(request, parsed, episode, responses)
+        except APIError as error:
+            if book is not None and episode is not None:
+                book.note_failure(episode, number, getattr(parsed, "model", None), error)
+            raise
 
-    # An episode's own base URL (training on agent programs, `serving.episodes`): the same endpoints, recorded.
+    def endpoints(kind: str):
+        async def endpoint(request: Request):
+            return await serve(request, kind)
+
+        async def episode_endpoint(episode: str, request: Request):
+            return await serve(request, kind, episode)
+
+        return endpoint, episode_endpoint
+
+    # The generation endpoints, at /v1 and at an episode's own base URL (training on agent programs,
+    # `serving.episodes`: the same endpoints, recorded).
+    for path, kind in (("chat/completions", "chat"), ("completions", "completion"), ("responses", "responses")):
+        endpoint, episode_endpoint = endpoints(kind)
+        app.add_api_route(f"/v1/{path}", endpoint, methods=["POST"])
+        app.add_api_route(f"/episodes/{{episode}}/v1/{path}", episode_endpoint, methods=["POST"])
+
     @app.get("/episodes/{episode}/v1/models")
     async def episode_models(episode: str, request: Request) -> dict:
         return await list_models(request)
@@ -159,28 +197,6 @@ def build_app(engine: BatchingEngine, settings: ServingSettings, tokenizing: Thr
     @app.get("/episodes/{episode}/v1/models/{model:path}")
     async def episode_model(episode: str, model: str, request: Request) -> dict:
         return await get_model(model, request)
-
-    @app.post("/episodes/{episode}/v1/chat/completions")
-    async def episode_chat_completions(episode: str, request: Request):
-        authorize(request)
-        return await episode_answer(request, episode, read_chat_request)
-
-    @app.post("/episodes/{episode}/v1/completions")
-    async def episode_completions(episode: str, request: Request):
-        authorize(request)
-        return await episode_answer(request, episode, read_completion_request)
-
-    async def episode_answer(request: Request, episode: str, read_request):
-        """An episode's call; a refused or failed one is noted in its episode (the trainer's error names it)."""
-        book, parsed = settings.episodes, None
-        number = book.received(episode) if book is not None else 0
-        try:
-            parsed = read_request(await read_json(request, settings.max_body_bytes))
-            return await answer(request, parsed, episode)
-        except APIError as error:
-            if book is not None:
-                book.note_failure(episode, number, getattr(parsed, "model", None), error)
-            raise
 
     def admit(parsed: GenerationRequest, episode: str | None) -> None:
         """During training, a request must come from an open episode, and takes the trainer's sampling."""
@@ -199,60 +215,18 @@ def build_app(engine: BatchingEngine, settings: ServingSettings, tokenizing: Thr
         agent_index(parsed.model)  # an unknown agent is a 404 before the episode counts the call
         book.admit(episode, parsed)
 
-    def row_requests(parsed: GenerationRequest) -> tuple[list[RowRequest], int]:
-        """The engine's rows of a request (`n` per prompt) and its prompt tokens. Renders and tokenises: called off
-        the event loop (`tokenizing`)."""
-        agent = agent_index(parsed.model)
-        prompt_count = len(parsed.prompts) if parsed.kind == "completion" else 1
-        if prompt_count * parsed.n > settings.max_request_rows:
-            raise APIError(
-                400,
-                f"The request asks for {prompt_count * parsed.n} completions ({prompt_count} prompt(s), n = "
-                f"{parsed.n}), more than this server's limit of {settings.max_request_rows} per request: send fewer "
-                "prompts, a smaller `n`, or several requests.",
-                param="n" if prompt_count == 1 else "prompt",
-            )
-        tokenizer = engine.tokenizer_of(agent)
-        check_fits_before_tokenising(parsed, tokenizer, token_bytes[id(tokenizer)], engine.context_length(agent))
-        prompts = parsed.prompts
-        if parsed.kind == "chat":  # the agent's role as training and `Team.run` put it (merged into a system message)
-            use_chat_template = getattr(tokenizer, "chat_template", None) is not None
-            prompts = [agent_prompt(team.agents[agent].get("system_prompt") or "", parsed.prompts, use_chat_template)]
-        try:
-            kwargs = (team.spec.get("chat_template_kwargs") or {}) if parsed.kind == "chat" else {}
-            prompt_ids, _, _ = tokenize_text_prompts(tokenizer, kwargs, None, prompts)
-        except Exception as error:  # a chat template that refuses the conversation (roles, order)
-            param = "messages" if parsed.kind == "chat" else "prompt"
-            raise APIError(400, f"The prompt cannot be rendered for `{parsed.model}`: {error}", param=param) from error
-        if any(not ids for ids in prompt_ids):  # nothing to condition on: `generate` cannot start from no token
-            raise APIError(
-                400, "The prompt is empty: it renders to no tokens. Send at least one character.", param="prompt"
-            )
-        max_tokens = completion_budget(parsed, prompt_ids, engine.context_length(agent), default_max_tokens)
-        check_logprob_entries(parsed, len(prompt_ids) * parsed.n * max_tokens, settings.max_logprob_entries)
-        temperature = default_temperature if parsed.temperature is None else parsed.temperature
-        if temperature < MIN_SAMPLING_TEMPERATURE:  # as vLLM: below it, sampling is the argmax (and would overflow)
-            temperature = 0.0
-        top_p = default_top_p if parsed.top_p is None else parsed.top_p
-        requests = [
-            RowRequest(
-                agent,
-                list(ids),
-                max_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                seed=None if parsed.seed is None else parsed.seed + choice,
-                stop=parsed.stop,
-                top_logprobs=parsed.top_logprobs or 0,
-            )
-            for ids in prompt_ids
-            for choice in range(parsed.n)
-        ]
-        return requests, sum(len(ids) for ids in prompt_ids)
-
-    async def answer(request: Request, parsed: GenerationRequest, episode: str | None = None):
+    async def answer(
+        request: Request,
+        parsed: GenerationRequest,
+        episode: str | None = None,
+        responses: ResponsesRequest | None = None,
+    ):
+        """Generate a request's rows and answer: a chat or text completion, or (`responses`) a Responses API
+        response; streamed as server-sent events when the request asks."""
         admit(parsed, episode)
-        requests, prompt_tokens = await asyncio.get_running_loop().run_in_executor(tokenizing, row_requests, parsed)
+        agent = agent_index(parsed.model)
+        rendered = await asyncio.get_running_loop().run_in_executor(tokenizing, renderer.rows_of, parsed, agent)
+        requests, prompt_tokens, reader = rendered.rows, rendered.prompt_tokens, rendered.reader
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -269,16 +243,16 @@ def build_app(engine: BatchingEngine, settings: ServingSettings, tokenizing: Thr
             rows = engine.submit(requests, listener)
         except EngineStopped as error:
             raise unavailable(engine, str(error)) from error
-        prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
-        completion_id, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
-        tokens = pieces[id(engine.tokenizer_of(requests[0].agent))]
+        tokens = pieces[id(engine.tokenizer_of(agent))]
         # where each row's text offsets start (text completions): its prompt's length
         chat = parsed.kind == "chat"
         prompt_chars = [0] * len(rows) if chat else [len(prompt) for prompt in parsed.prompts for _ in range(parsed.n)]
         if parsed.stream:
-            stream = stream_events(
-                parsed, rows, events, completion_id, created, prompt_tokens, tokens, prompt_chars, episode
-            )
+            deltas = choice_deltas(parsed, rows, events, reader, tokens, prompt_chars)
+            if responses is not None:
+                stream = responses_stream(parsed, responses, rows, deltas, prompt_tokens, episode)
+            else:
+                stream = completion_stream(parsed, rows, deltas, prompt_tokens, episode)
             return StreamingResponse(stream, media_type="text/event-stream")
         try:
             while not all(row.done for row in rows):
@@ -295,62 +269,108 @@ def build_app(engine: BatchingEngine, settings: ServingSettings, tokenizing: Thr
         logprobs = parsed.top_logprobs is not None
 
         def body() -> bytes:  # off the event loop: a body with log-probabilities may be megabytes
-            built = completion_body(
-                parsed.kind, completion_id, created, parsed.model, rows, prompt_tokens, tokens, logprobs, prompt_chars
-            )
+            messages = [reader.message(row.completion_ids, row.request.prompt_ids, row.text) for row in rows]
+            if responses is not None:
+                content, calls = messages[0]
+                status, incomplete = (
+                    ("incomplete", "max_output_tokens") if rows[0].finish_reason == "length" else ("completed", None)
+                )
+                built = response_object(
+                    new_id("resp"), int(time.time()), parsed.model, responses.echo, status,
+                    output_items(content, calls), usage(prompt_tokens, rows), incomplete,
+                )  # fmt: skip
+            else:
+                prefix = "chatcmpl" if chat else "cmpl"
+                built = completion_body(
+                    parsed.kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), parsed.model, rows, prompt_tokens,
+                    tokens, logprobs, prompt_chars, messages,
+                )  # fmt: skip
             return json.dumps(built, ensure_ascii=False).encode()
 
         return Response(await asyncio.to_thread(body), media_type="application/json")
 
-    async def stream_events(
-        parsed, rows, events, completion_id, created, prompt_tokens, tokens, prompt_chars, episode=None
-    ):
+    async def choice_deltas(parsed, rows, events, reader, tokens, prompt_chars):
+        """The stream of a request's choices as they are generated, in the chat path's terms: `("text", index, text,
+        logprobs)` (the content, or a completion's text), `("tool_call", index, delta)` (OpenAI's tool-call delta),
+        `("finish", index, reason)`, and `("error", APIError)` as the last when a row failed or was cancelled."""
+        chat = parsed.kind == "chat"
+        position = {id(row): index for index, row in enumerate(rows)}
+        streams = [TextStream(engine.decoder_of(row.request.agent), parsed.stop) for row in rows]
+        calls = [reader.stream(row.request.prompt_ids) for row in rows] if chat and reader.reads_tool_calls else None
+        written = [""] * len(rows)  # each row's text so far, tool-call markup included
+        finished = set()
+        while len(finished) < len(rows):
+            row = await events.get()
+            index = position[id(row)]
+            if index in finished:
+                continue
+            if row.finish_reason in ("error", "cancelled"):  # a failure, or the server shutting down
+                yield ("error", unanswered(row))
+                return
+            stream, done = streams[index], row.done
+            text = stream.delta(row)
+            end = stream.tokens_sent_whole(row)
+            logprobs = None
+            if parsed.top_logprobs is not None and end > stream.tokens_sent:
+                if chat:
+                    logprobs = chat_logprobs(tokens, row, stream.tokens_sent, end)
+                else:
+                    logprobs = completion_logprobs(tokens, row, stream.tokens_sent, end, prompt_chars[index])
+                stream.tokens_sent = end
+            finish_reason = row.finish_reason
+            call_deltas = []
+            if calls is not None:  # the content up to the calls, and each call once it is whole
+                written[index] += text
+                text = calls[index].content_delta(written[index])
+                call_deltas = calls[index].call_deltas(row.completion_ids, written[index], final=done)
+                if done:
+                    content, _ = reader.message(row.completion_ids, row.request.prompt_ids, row.text)
+                    text += calls[index].final_content(content)
+                    if calls[index].calls_sent and finish_reason == "stop":
+                        finish_reason = "tool_calls"
+            if text or logprobs is not None:
+                yield ("text", index, text, logprobs)
+            for delta in call_deltas:
+                yield ("tool_call", index, delta)
+            if done:
+                finished.add(index)
+                yield ("finish", index, finish_reason)
+
+    async def completion_stream(parsed, rows, deltas, prompt_tokens, episode):
+        """Chat completion chunks (`chat.completion.chunk`) or text completion ones, ending with `data: [DONE]`."""
         chat = parsed.kind == "chat"
         head = {
-            "id": completion_id,
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created,
+            "created": int(time.time()),
             "model": parsed.model,
         }
 
-        def chunk(index: int, text: str, logprobs=None, finish_reason=None, role: bool = False) -> str:
+        def chunk(index: int, delta: dict, logprobs=None, finish_reason=None) -> str:
             if chat:
-                delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
                 choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             else:
+                text = delta.get("content", "")
                 choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
             return server_sent_event({**head, "choices": [choice]})
 
-        position = {id(row): index for index, row in enumerate(rows)}
-        streams = [TextStream(engine.decoder_of(row.request.agent), parsed.stop) for row in rows]
         try:
             if chat:
                 for index in range(len(rows)):
-                    yield chunk(index, "", role=True)
-            finished = set()
-            while len(finished) < len(rows):
-                row = await events.get()
-                index = position[id(row)]
-                if index in finished:
-                    continue
-                if row.finish_reason in ("error", "cancelled"):  # a failure, or the server shutting down
-                    yield server_sent_event(unanswered(row).body())
+                    yield chunk(index, {"role": "assistant", "content": ""})
+            async for kind, *event in deltas:
+                if kind == "error":
+                    yield server_sent_event(event[0].body())
                     return
-                stream, done = streams[index], row.done
-                text = stream.delta(row)
-                end = stream.tokens_sent_whole(row)
-                logprobs = None
-                if parsed.top_logprobs is not None and end > stream.tokens_sent:
-                    if chat:
-                        logprobs = chat_logprobs(tokens, row, stream.tokens_sent, end)
-                    else:
-                        logprobs = completion_logprobs(tokens, row, stream.tokens_sent, end, prompt_chars[index])
-                    stream.tokens_sent = end
-                if text or logprobs is not None:
-                    yield chunk(index, text, logprobs)
-                if done:
-                    finished.add(index)
-                    yield chunk(index, "", finish_reason=row.finish_reason)
+                if kind == "text":
+                    index, text, logprobs = event
+                    yield chunk(index, {"content": text} if text else {}, logprobs)
+                elif kind == "tool_call":
+                    index, delta = event
+                    yield chunk(index, {"tool_calls": [delta]})
+                else:
+                    index, finish_reason = event
+                    yield chunk(index, {}, finish_reason=finish_reason)
             if episode is not None:
                 settings.episodes.record(episode, parsed, rows)
             if parsed.include_usage:  # as OpenAI: the usage chunk (with no choices) only when asked for
@@ -359,78 +379,36 @@ def build_app(engine: BatchingEngine, settings: ServingSettings, tokenizing: Thr
         finally:  # the client went away (or the stream failed): stop generating for it
             engine.cancel([row for row in rows if not row.done])
 
+    async def responses_stream(parsed, responses, rows, deltas, prompt_tokens, episode):
+        """The Responses API's events of one answer (`responses_api.ResponseEvents`)."""
+        stream = ResponseEvents(parsed.model, responses.echo)
+        finish_reason = "stop"
+        try:
+            for event in stream.start():
+                yield event
+            async for kind, *event in deltas:
+                if kind == "error":
+                    for failed in stream.failure(event[0]):
+                        yield failed
+                    return
+                if kind == "text" and event[1]:
+                    pieces_out = stream.content(event[1])
+                elif kind == "tool_call":
+                    pieces_out = stream.tool_call(event[1])
+                else:
+                    pieces_out = []
+                    if kind == "finish":
+                        finish_reason = event[1]
+                for piece in pieces_out:
+                    yield piece
+            if episode is not None:
+                settings.episodes.record(episode, parsed, rows)
+            for piece in stream.finish(usage(prompt_tokens, rows), finish_reason):
+                yield piece
+        finally:
+            engine.cancel([row for row in rows if not row.done])
+
     return AccessGuard(app, settings.allowed_hosts, settings.allowed_origins)
-
-
-def longest_token_bytes(tokenizer) -> int:
-    """An upper bound on the UTF-8 bytes of text one token stands for: its longest vocabulary entry's (an entry's
-    characters take at least as many bytes as the text it decodes to: byte-level BPE's byte characters, SentencePiece's
-    `▁` and `<0xNN>`), special and added tokens included."""
-    return max(len(piece.encode()) for piece in tokenizer.get_vocab())
-
-
-def fewest_tokens(text: str, tokenizer, token_bytes: int, context: int) -> int:
-    """A lower bound on the tokens of `text`, at a bounded cost whatever its length: its UTF-8 bytes over the most one
-    token stands for (`token_bytes`; halved, for normalisers that shorten text, NFKC's ligatures), else, for a text
-    longer than `PREFIX_CHARACTERS_PER_TOKEN` characters per token of `context`, the tokens of that much of it (less
-    one: the cut may split a word in two). A shorter text gets the first bound alone: tokenising it is cheap."""
-    bound = len(text.encode()) // (2 * token_bytes)
-    prefix = text[: PREFIX_CHARACTERS_PER_TOKEN * context]
-    if bound >= context or len(prefix) == len(text):
-        return bound
-    return max(bound, len(tokenizer(prefix, add_special_tokens=False)["input_ids"]) - 1)
-
-
-def check_fits_before_tokenising(parsed: GenerationRequest, tokenizer, token_bytes: int, context: int) -> None:
-    """Refuse (400, `context_length_exceeded`) a prompt whose text alone cannot fit the context (`fewest_tokens`),
-    before its chat template and tokenisation: a body of megabytes costs a few milliseconds."""
-    texts = ["".join(m["content"] for m in parsed.prompts)] if parsed.kind == "chat" else parsed.prompts
-    fewest = max(fewest_tokens(text, tokenizer, token_bytes, context) for text in texts)
-    if fewest >= context:
-        param = "messages" if parsed.kind == "chat" else "prompt"
-        raise APIError(
-            400,
-            f"This model's maximum context length is {context} tokens. However, the {param} alone is at least "
-            f"{fewest} tokens. Please reduce the length of the {param}.",
-            param=param,
-            code="context_length_exceeded",
-        )
-
-
-def check_logprob_entries(parsed: GenerationRequest, completion_tokens: int, limit: int) -> None:
-    """Refuse (400, naming `top_logprobs` and `max_tokens`) a request whose log-probabilities could pass `limit`
-    values: its completion tokens (rows x `max_tokens`) times 1 + `top_logprobs`."""
-    if parsed.top_logprobs is None:
-        return
-    entries = completion_tokens * (1 + parsed.top_logprobs)
-    if entries > limit:
-        name = "top_logprobs" if parsed.kind == "chat" else "logprobs"
-        raise APIError(
-            400,
-            f"The request may return {entries} log-probabilities ({completion_tokens} completion tokens: the rows "
-            f"times `max_tokens`, each with 1 + `{name}` = {1 + parsed.top_logprobs} values), more than this "
-            f"server's limit of {limit}: lower `{name}`, `max_tokens` or `n`.",
-            param=name,
-            code="logprobs_too_large",
-        )
-
-
-def completion_budget(parsed: GenerationRequest, prompt_ids: list[list[int]], context: int, default: int) -> int:
-    """The completion length of a request's rows: its `max_tokens`, which must fit the context with the longest
-    prompt, else the default cut to what fits. Raises `APIError` (400, `context_length_exceeded`)."""
-    longest = max(len(ids) for ids in prompt_ids)
-    param = "messages" if parsed.kind == "chat" else "prompt"
-    requested = parsed.max_tokens if parsed.max_tokens is not None else 1
-    if longest + requested > context:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {context} tokens. However, you requested {longest + requested} "
-            f"tokens ({longest} in the {param}, {requested} for the completion). Please reduce the length of the "
-            f"{param} or the completion.",
-            param=param,
-            code="context_length_exceeded",
-        )
-    return parsed.max_tokens if parsed.max_tokens is not None else min(default, context - longest)
 
 
 def failure(row: GeneratedRow) -> APIError:

@@ -18,12 +18,17 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..team import Team
 from ..team_generation import left_padded
+from .completion_text import CompletionDecoder
 from .rows import GeneratedRow, RowRequest
+
+if TYPE_CHECKING:
+    from .grammars import BaseGrammars
 from .step_hooks import CallHooks, finish
 
 # When a row arrives at an idle engine, the engine waits this long for the rows sent with it (concurrent clients'
@@ -36,7 +41,8 @@ class EngineStopped(RuntimeError):
 
 
 class BatchingEngine:
-    """Generates `RowRequest`s on `team` in shared routed calls, from a thread of its own (`start`, `close`).
+    """Generates `RowRequest`s on `team` in shared routed calls, from a thread of its own (`start`, `close`). A row
+    with a grammar (`RowRequest.grammar`) samples only what it allows (`grammars.py`), beside rows without one.
 
     Args:
         team: a loaded team (`load_team`) generating with transformers (its vLLM engine, if any, is not used).
@@ -65,6 +71,24 @@ class BatchingEngine:
         self._running: list[GeneratedRow] = []
         self._finished: Counter = Counter()  # rows done so far, by finish reason
         self.failure: BaseException | None = None  # what stopped the engine's thread, if anything did
+        self._grammars: dict[int, BaseGrammars] = {}  # per base, built at its first constrained request
+        self._grammars_lock = threading.Lock()
+        self._decoders: dict[int, CompletionDecoder] = {}  # `decoder_of`'s, by base
+
+    serves_grammars = True  # rows with a grammar are constrained (`step_hooks`)
+
+    def grammars_of(self, agent: int) -> "BaseGrammars":
+        """The grammars of the agent's base (`grammars.BaseGrammars`: its llguidance tokenizer, over the model's
+        vocabulary, the base's end-of-sequence tokens ending an answer), built once."""
+        base_index = self.team.agent_base[agent]
+        with self._grammars_lock:
+            if base_index not in self._grammars:
+                from .grammars import BaseGrammars
+
+                base = self.team.bases[base_index]
+                vocab_size = base.model.get_output_embeddings().weight.shape[0]
+                self._grammars[base_index] = BaseGrammars(base.tokenizer, vocab_size, self.team.stop_token_ids(agent))
+            return self._grammars[base_index]
 
     def stats(self) -> dict:
         """The calls made, the rows waiting and running now, and the rows done so far by finish reason."""
@@ -123,9 +147,13 @@ class BatchingEngine:
         """The tokenizer of the base the agent (its index) sits on."""
         return self.team.bases[self.team.agent_base[agent]].tokenizer
 
-    def decoder_of(self, agent: int) -> Callable[[list[int]], str]:
-        tokenizer = self.tokenizer_of(agent)
-        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    def decoder_of(self, agent: int) -> CompletionDecoder:
+        """The decoding of the agent's completion ids as a row's text (special tokens skipped), whole when called or
+        token by token (`CompletionDecoder.follow`), built at its first use."""
+        base = self.team.agent_base[agent]
+        if base not in self._decoders:
+            self._decoders[base] = CompletionDecoder(self.tokenizer_of(agent))
+        return self._decoders[base]
 
     def context_length(self, agent: int) -> int:
         """The most tokens (prompt and completion) the agent's base model takes."""

@@ -9,9 +9,14 @@ is accepted. A field sent as `null` is taken as absent, as OpenAI takes it.
 
 import json
 import math
-import reprlib
 from dataclasses import dataclass
 from typing import Any
+
+from .errors import APIError, invalid, short, unsupported
+from .tool_requests import OutputRules, assistant_tool_calls, name_tool_results, read_output_rules
+
+# The keys a message of each role may carry besides `role`, `content` and `name`.
+MESSAGE_TOOL_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}
 
 MAX_CHOICES = 128  # OpenAI's own bound on `n`
 MAX_STOP_STRINGS = 4
@@ -19,7 +24,7 @@ MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5  # `/v1/completions`' `logprobs` is a count, at most 5 in OpenAI's API
 # A temperature below this samples the argmax, as vLLM rules (its `_SAMPLING_EPS`): dividing logits by less overflows.
 MIN_SAMPLING_TEMPERATURE = 1e-5
-MESSAGE_ROLES = ("system", "developer", "user", "assistant")
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # The fields each endpoint serves; `user` (an end user's id, for the caller's own monitoring) changes nothing here.
 COMMON_FIELDS = (
@@ -32,34 +37,17 @@ NO_OP_VALUES = {
     "logit_bias": ({},),
     "store": (False,),
     "service_tier": ("auto", "default"),
-    "response_format": ({"type": "text"},),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "modalities": (["text"],),
 }
+# Fields that change nothing for these models, at any value of their type (SDK releases start sending such fields by
+# default): a cache key and an end user's id for the caller's monitoring, the reasoning effort of a model that does
+# not reason.
+IGNORED_FIELDS = {"prompt_cache_key": str, "safety_identifier": str, "reasoning_effort": str}
 CHAT_FIELDS = (
     *COMMON_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "metadata", "store", "service_tier",
-    "response_format", "tools", "tool_choice", "parallel_tool_calls", "modalities",
+    "response_format", "tools", "tool_choice", "parallel_tool_calls", "modalities", *IGNORED_FIELDS,
 )  # fmt: skip
 COMPLETION_FIELDS = (*COMMON_FIELDS, "prompt", "echo", "best_of", "suffix")
-
-
-class APIError(Exception):
-    """An error the server answers in OpenAI's format: `{"error": {"message", "type", "param", "code"}}`."""
-
-    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error"}
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict:
-        error_type = self.TYPES.get(self.status, "invalid_request_error" if self.status < 500 else "server_error")
-        return {"error": {"message": self.message, "type": error_type, "param": self.param, "code": self.code}}
-
-
-def invalid(param: str, message: str, code: str = "invalid_value") -> APIError:
-    return APIError(400, message, param=param, code=code)
 
 
 @dataclass
@@ -83,6 +71,7 @@ class GenerationRequest:
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     top_logprobs: int | None = None
+    rules: OutputRules | None = None  # a chat request's tools and output format (`tool_requests.py`)
 
 
 def read_chat_request(body: Any) -> GenerationRequest:
@@ -104,6 +93,7 @@ def read_chat_request(body: Any) -> GenerationRequest:
         if not logprobs:
             raise invalid("top_logprobs", "`top_logprobs` needs `logprobs: true`.")
     request.top_logprobs = (top_logprobs or 0) if logprobs else None
+    request.rules = read_output_rules(body)
     return request
 
 
@@ -141,10 +131,6 @@ def present_fields(body: Any, served: tuple[str, ...]) -> dict:
     if not isinstance(body["model"], str):
         raise invalid("model", f"`model` must be a string, got {short(body['model'])}.")
     return body
-
-
-def unsupported(param: str, message: str) -> APIError:
-    return APIError(400, message, param=param, code="unsupported_parameter")
 
 
 def read_common(body: dict, kind: str, prompts: list) -> GenerationRequest:
@@ -190,8 +176,9 @@ def check_no_op_fields(body: dict) -> None:
             raise unsupported(name, f"`{name}` is only accepted as {allowed} here, got {short(body[name])}.")
     if "metadata" in body and not isinstance(body["metadata"], dict):
         raise invalid("metadata", f"`metadata` must be an object, got {short(body['metadata'])}.")
-    if "parallel_tool_calls" in body:
-        boolean(body["parallel_tool_calls"], "parallel_tool_calls")  # no tools are served, so it changes nothing
+    for name, kind in IGNORED_FIELDS.items():
+        if name in body and not isinstance(body[name], kind):
+            raise invalid(name, f"`{name}` must be a {kind.__name__}, got {short(body[name])}.")
 
 
 def json_text(value: Any) -> str:
@@ -199,7 +186,9 @@ def json_text(value: Any) -> str:
 
 
 def messages(value: Any) -> list[dict]:
-    """Chat messages as `{"role", "content"}` dicts with text content (a string, or a list of text parts joined)."""
+    """Chat messages as `{"role", "content"}` dicts with text content (a string, or a list of text parts joined), an
+    assistant's `tool_calls` and a `tool` message's `tool_call_id` kept as chat templates take them
+    (`tool_requests.assistant_tool_calls`, `name_tool_results`)."""
     if not isinstance(value, list) or not value:
         raise invalid("messages", f"`messages` must be a non-empty list of messages, got {short(value)}.")
     conversation = []
@@ -213,16 +202,26 @@ def messages(value: Any) -> list[dict]:
             raise invalid(
                 f"{where}.role", f"`{where}.role` must be one of {', '.join(MESSAGE_ROLES)}, got {short(role)}."
             )
+        allowed = {"role", "content", "name", *MESSAGE_TOOL_KEYS.get(role, ())}
         for key in message:
-            if key not in ("role", "content", "name"):
+            if key not in allowed:
                 raise unsupported(f"{where}.{key}", f"`{where}.{key}` is not supported by this server.")
-        turn = {"role": "system" if role == "developer" else role, "content": text_content(message, where)}
+        calls = assistant_tool_calls(message["tool_calls"], where) if "tool_calls" in message else None
+        content = "" if calls and "content" not in message else text_content(message, where)
+        turn = {"role": "system" if role == "developer" else role, "content": content}
+        if calls:
+            turn["tool_calls"] = calls
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise invalid(f"{where}.tool_call_id", f"`{where}.tool_call_id` must name the call it answers.")
+            turn["tool_call_id"] = call_id
         if "name" in message:  # the speaker (LangGraph names its agents' messages); the chat template may use it
             if not isinstance(message["name"], str):
                 raise invalid(f"{where}.name", f"`{where}.name` must be a string, got {short(message['name'])}.")
             turn["name"] = message["name"]
         conversation.append(turn)
-    return conversation
+    return name_tool_results(conversation)
 
 
 def text_content(message: dict, where: str) -> str:
@@ -286,13 +285,3 @@ def positive_int(value: Any, param: str) -> int:
     if value < 1:
         raise invalid(param, f"`{param}` must be at least 1, got {value}.")
     return value
-
-
-SHORT_REPR = reprlib.Repr()  # bounded however deep the value nests
-SHORT_REPR.maxlevel, SHORT_REPR.maxstring, SHORT_REPR.maxother = 3, 50, 50
-
-
-def short(value: Any) -> str:
-    """A value as an error message shows it: its repr, nested values and long strings elided, cut at 60 characters."""
-    text = SHORT_REPR.repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."

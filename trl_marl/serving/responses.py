@@ -5,6 +5,7 @@ endpoint's format."""
 import json
 from collections.abc import Callable
 
+from .completion_text import CompletionText
 from .rows import GeneratedRow
 from .tokens import TokenPieces
 
@@ -62,7 +63,7 @@ def completion_logprobs(
         "top_logprobs": [
             {pieces.text_of(other): _finite(value) for other, value in top} for top in row.top_logprobs[start:end]
         ],
-        "text_offset": pieces.text_offsets(row.completion_ids[:end], prompt_chars, first=start),
+        "text_offset": pieces.text_offsets(row.completion_ids[:end], prompt_chars, first=start, decoded=row.decoded),
     }
 
 
@@ -76,19 +77,26 @@ def completion_body(
     pieces: TokenPieces,
     logprobs: bool,
     prompt_chars: list[int],
+    messages: list[tuple[str | None, list[dict]]] | None = None,
 ) -> dict:
     """A `chat.completion` (`kind` "chat") or `text_completion` body of finished `rows`; `prompt_chars[i]` is the
-    length of row `i`'s prompt (where a text completion's `text_offset`s start)."""
+    length of row `i`'s prompt (where a text completion's `text_offset`s start); `messages[i]`, row `i`'s content and
+    tool calls as read back (`tool_calls.AnswerReader`; default: its text, no calls)."""
 
     def choice(index: int, row: GeneratedRow) -> dict:
+        finish_reason = FINISH_REASON[row.finish_reason]
         if kind == "chat":
-            content = {"message": {"role": "assistant", "content": row.text}}
-            content["logprobs"] = chat_logprobs(pieces, row) if logprobs else None
+            text, calls = messages[index] if messages is not None else (row.text, [])
+            message = {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = calls
+                finish_reason = "tool_calls" if row.finish_reason == "stop" else finish_reason
+            content = {"message": message, "logprobs": chat_logprobs(pieces, row) if logprobs else None}
         else:
             content = {"text": row.text, "logprobs": None}
             if logprobs:
                 content["logprobs"] = completion_logprobs(pieces, row, prompt_chars=prompt_chars[index])
-        return {"index": index, **content, "finish_reason": FINISH_REASON[row.finish_reason]}
+        return {"index": index, **content, "finish_reason": finish_reason}
 
     return {
         "id": completion_id,
@@ -108,36 +116,57 @@ def server_sent_event(payload: dict | str) -> str:
 class TextStream:
     """A row's text as stream deltas: what was decoded since the last delta, holding back an incomplete character
     (a trailing U+FFFD) and, with stop strings, the last characters that could begin one (never streamed if the stop
-    string completes)."""
+    string completes). The text is read from the row's `decoded`, which the engine's thread feeds token by token (a
+    row whose tokens were set otherwise is decoded whole with `decode`)."""
 
     def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...]):
-        self.decode, self.sent = decode, ""
+        self.decode = decode
+        self.sent_pieces: list[str] = []  # the deltas so far
+        self.sent_length = 0
         self.holdback = max((len(text) for text in stop), default=1) - 1
         self.tokens_sent = 0  # the tokens whose log-probabilities were sent
+        self.tokens_whole = 0  # `tokens_sent_whole`'s last answer, where its next count starts
+
+    @property
+    def sent(self) -> str:
+        """The text sent so far."""
+        return "".join(self.sent_pieces)
+
+    def decoded(self, row: GeneratedRow) -> CompletionText:
+        return row.decoded if row.decoded is not None else CompletionText(self.decode, row.completion_ids)
 
     def tokens_sent_whole(self, row: GeneratedRow) -> int:
         """How many of the row's tokens the text sent so far holds whole (every token once the row is done, its
         tokens past a stop string already dropped): a token's log-probability goes out with its text, never ahead."""
         if row.done:
             return len(row.completion_ids)
-        # the engine's thread appends a token, then its log-probability, then the alternatives: count only tokens
-        # whose three entries are all there
-        recorded = min(len(row.completion_ids), len(row.logprobs), len(row.top_logprobs))
-        count = self.tokens_sent
-        while count < recorded and len(self.decode(row.completion_ids[: count + 1])) <= len(self.sent):
+        # the engine's thread appends a token, then its log-probability, then the alternatives, then its text: count
+        # only tokens whose four entries are all there
+        decoded = self.decoded(row)
+        recorded = min(len(row.completion_ids), len(row.logprobs), len(row.top_logprobs), decoded.token_count)
+        # the sent text only grows: the tokens it held whole at the last count it still holds (and the count goes on
+        # from there whether or not log-probabilities were sent)
+        count = max(self.tokens_sent, self.tokens_whole)
+        while count < recorded and decoded.decoded_length(count + 1) <= self.sent_length:
             count += 1
+        self.tokens_whole = count
         return count
 
     def delta(self, row: GeneratedRow) -> str:
         """The new text of `row`: decoded so far, or, once it is done, its final text (cut before a stop string)."""
         if row.done:
-            text = row.text
+            return self._send(row.text[self.sent_length :])
+        decoded = self.decoded(row)
+        if decoded.rewrites:
+            text = decoded.text_from(0)
+            # decoding merged across the last delta: only the final text can tell
+            new = text[self.sent_length :] if text is not None and text.startswith(self.sent) else None
         else:
-            text = self.decode(row.completion_ids)
-            if text.endswith("\ufffd"):
-                return ""
-            text = text[: len(text) - self.holdback] if self.holdback else text
-        if not text.startswith(self.sent):  # decoding merged across the last delta: only the final text can tell
-            return text[len(self.sent) :] if row.done else ""
-        delta, self.sent = text[len(self.sent) :], text
+            new = decoded.text_from(self.sent_length)
+        return "" if new is None else self._send(new[: max(0, len(new) - self.holdback)])
+
+    def _send(self, delta: str) -> str:
+        if delta:
+            self.sent_pieces.append(delta)
+            self.sent_length += len(delta)
         return delta

@@ -12,6 +12,8 @@ from collections.abc import Callable
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
+from .completion_text import follow_text, stop_string_index
+from .grammars import apply_masks
 from .rows import GeneratedRow
 
 
@@ -34,7 +36,8 @@ class CallHooks:
     Args:
         rows: the rows of the call.
         eos_token_ids: the base's end-of-sequence tokens (kept in the completion, as `Team` keeps them).
-        decode: the base tokenizer's decoding of completion ids (special tokens skipped), for stop strings.
+        decode: the base tokenizer's decoding of completion ids (special tokens skipped), for stop strings: a
+            `CompletionDecoder` decodes each row's text token by token (`GeneratedRow.record`).
         should_yield: called after each step with the number of tokens this call has generated; True ends the call
             for every row (unfinished rows continue in a later call).
     """
@@ -69,7 +72,9 @@ class CallHooks:
         live = [index for index, row in enumerate(self.rows) if not row.done]
         if not live:
             return scores
-        log_probs = torch.log_softmax(scores[:count].float(), dim=-1)
+        log_probs = torch.log_softmax(scores[:count].float(), dim=-1)  # the model's, before any grammar
+        # a row with a grammar: the tokens it does not allow next get -inf, for the argmax and the draws below
+        apply_masks(scores, [(index, self.rows[index].matcher) for index in live if self.rows[index].matcher])
         tokens = scores[:count].argmax(dim=-1)
         sampled = [index for index in live if self.rows[index].request.temperature > 0]
         if sampled:
@@ -111,15 +116,17 @@ class CallHooks:
                 continue
             _, log_prob, top = chosen
             token = new_tokens[index]  # what `generate` appended: the chosen token
-            row.completion_ids.append(token)
-            row.logprobs.append(log_prob)
-            row.top_logprobs.append(top)
+            row.record(token, log_prob, top, self.decode)
             reason = None
+            if row.matcher is not None and token not in self.eos_token_ids:
+                row.matcher.take(token)
             if row.cancelled:
                 reason = "cancelled"
             elif token in self.eos_token_ids:
                 reason = "stop"
-            elif row.request.stop and self._stop_string_index(row) is not None:
+            elif row.matcher is not None and row.matcher.error is not None:  # never, as the mask allows only its own
+                reason = "stop"
+            elif row.request.stop and row.decoded.reaches(row.request.stop):
                 reason = "stop"
             elif row.remaining_tokens <= 0:
                 reason = "length"
@@ -132,9 +139,6 @@ class CallHooks:
             self.yielded = True
             finished = [True] * len(finished)
         return torch.tensor(finished, dtype=torch.bool, device=input_ids.device)
-
-    def _stop_string_index(self, row: GeneratedRow) -> int | None:
-        return stop_string_index(self.decode(row.completion_ids), row.request.stop)
 
 
 class ChooseTokens(LogitsProcessor):
@@ -153,33 +157,15 @@ class RecordAndStop(StoppingCriteria):
         return self.hooks.stop(input_ids)
 
 
-def stop_string_index(text: str, stop: tuple[str, ...]) -> int | None:
-    """Where the first of the stop strings begins in `text`, or None."""
-    found = [text.find(string) for string in stop if string and string in text]
-    return min(found) if found else None
-
-
 def finish(row: GeneratedRow, reason: str, decode: Callable[[list[int]], str]) -> None:
-    """Mark `row` done: its text decoded and cut before its first stop string (and the tokens past the cut dropped,
-    so that its tokens, log-probabilities and usage are those of its text), its listener told."""
+    """Mark `row` done: its text decoded whole and cut before its first stop string (and the tokens past the cut
+    dropped, so that its tokens, log-probabilities and usage are those of its text), its listener told."""
     text = decode(row.completion_ids)
     cut = stop_string_index(text, row.request.stop) if row.request.stop else None
     if cut is not None:
-        keep = tokens_through(decode, row.completion_ids, cut)
+        decoded = row.decoded if row.decoded is not None else follow_text(decode, row.completion_ids)
+        keep = decoded.tokens_through(cut)
         del row.completion_ids[keep:], row.logprobs[keep:], row.top_logprobs[keep:]
     row.text = text if cut is None else text[:cut]
     row.finish_reason = "stop" if cut is not None and reason == "length" else reason
     row.notify(True)
-
-
-def whole_text(decode: Callable[[list[int]], str], token_ids: list[int]) -> str:
-    """The text of `token_ids` without a character they end inside of (decoded as U+FFFD)."""
-    return decode(token_ids).removesuffix("\ufffd")
-
-
-def tokens_through(decode: Callable[[list[int]], str], token_ids: list[int], characters: int) -> int:
-    """The fewest of `token_ids` whose text holds its first `characters` characters whole."""
-    return next(
-        (count for count in range(len(token_ids) + 1) if len(whole_text(decode, token_ids[:count])) >= characters),
-        len(token_ids),
-    )

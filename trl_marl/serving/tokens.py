@@ -8,10 +8,9 @@ SmolLM: each character of the entry stands for one byte), SentencePiece (`▁` f
 vocabulary lacks). Special tokens, and tokenizers of other kinds, fall back to decoding the token alone.
 """
 
-import json
 import re
 
-from .step_hooks import whole_text
+from .completion_text import CompletionDecoder, CompletionText, decoder_kinds
 
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 METASPACE = "\u2581"
@@ -30,23 +29,12 @@ def byte_level_alphabet() -> dict[str, int]:
 BYTE_OF_CHARACTER = byte_level_alphabet()
 
 
-def decoder_kinds(tokenizer) -> set[str]:
-    """The types of the tokenizer's decoders (a `Sequence`'s members), from its `tokenizers` backend; empty for a
-    tokenizer without one."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    decoder = getattr(backend, "decoder", None)
-    if decoder is None:
-        return set()
-    state = json.loads(decoder.__getstate__())
-    return {member["type"] for member in state.get("decoders", [state])}
-
-
 class TokenPieces:
     """The bytes and text of `tokenizer`'s tokens, one by one."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.decode = lambda token_ids: tokenizer.decode(token_ids, skip_special_tokens=True)  # as a row's text
+        self.decode = CompletionDecoder(tokenizer)  # as a row's text
         kinds = decoder_kinds(tokenizer)
         self.byte_level = "ByteLevel" in kinds
         self.sentencepiece = bool(kinds & {"Metaspace", "Replace", "ByteFallback"})
@@ -71,8 +59,12 @@ class TokenPieces:
         except UnicodeDecodeError:
             return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw)
 
-    def text_offsets(self, token_ids: list[int], start: int = 0, first: int = 0) -> list[int]:
+    def text_offsets(
+        self, token_ids: list[int], start: int = 0, first: int = 0, decoded: CompletionText | None = None
+    ) -> list[int]:
         """The character offsets of tokens `first:` in the text of `token_ids` as a row's text decodes it (special
         tokens skipped, a SentencePiece text's first space dropped), counted from `start`: the whole characters of the
-        tokens before each (a token that continues a character shares that character's offset)."""
-        return [start + len(whole_text(self.decode, token_ids[:index])) for index in range(first, len(token_ids))]
+        tokens before each (a token that continues a character shares that character's offset). `decoded`: the text
+        that follows these tokens already (a row's `decoded`; at least `token_ids`), else they are decoded here."""
+        decoded = decoded if decoded is not None else self.decode.follow(token_ids)
+        return [start + decoded.whole_length(index) for index in range(first, len(token_ids))]

@@ -22,7 +22,7 @@ from typing import Any
 from ..team import Team
 from .engine import BatchingEngine
 from .rows import GeneratedRow
-from .step_hooks import finish, stop_string_index
+from .step_hooks import finish
 
 
 class VLLMBatchingEngine(BatchingEngine):
@@ -34,6 +34,8 @@ class VLLMBatchingEngine(BatchingEngine):
         chunk_tokens: unused (rows join the running batch at every step); kept for `BatchingEngine`'s signature.
         **settings: `BatchingEngine`'s (`gather_seconds`).
     """
+
+    serves_grammars = False  # constrained requests are refused by name (`prompts.PromptRenderer.grammar`)
 
     def __init__(self, team: Team, max_batch_rows: int = 16, chunk_tokens: int = 16, **settings: Any):
         if team.engine is None:
@@ -114,16 +116,15 @@ class VLLMBatchingEngine(BatchingEngine):
             if row is None:
                 continue
             completion = output.outputs[0]
-            for position, token in enumerate(completion.token_ids):
-                row.completion_ids.append(token)
-                logprobs = completion.logprobs[position]
-                row.logprobs.append(logprobs[token].logprob)
-                ranked = sorted((entry.rank, token_id, entry.logprob) for token_id, entry in logprobs.items())
-                row.top_logprobs.append([(other, value) for rank, other, value in ranked[: row.request.top_logprobs]])
             decode = self.decoder_of(row.request.agent)
+            for position, token in enumerate(completion.token_ids):
+                logprobs = completion.logprobs[position]
+                ranked = sorted((entry.rank, token_id, entry.logprob) for token_id, entry in logprobs.items())
+                top = [(other, value) for rank, other, value in ranked[: row.request.top_logprobs]]
+                row.record(token, logprobs[token].logprob, top, decode)
             if row.cancelled:
                 self._end(engine, output.request_id, "cancelled")
-            elif row.request.stop and stop_string_index(decode(row.completion_ids), row.request.stop) is not None:
+            elif row.request.stop and row.decoded is not None and row.decoded.reaches(row.request.stop):
                 self._end(engine, output.request_id, "stop")
             elif output.finished:
                 reason = "stop" if completion.finish_reason == "stop" else "length"
