@@ -500,3 +500,17 @@ def test_without_the_openai_client_an_episode_trainer_says_what_to_install_befor
     monkeypatch.setitem(sys.modules, "openai", None)  # `import openai` fails
     with pytest.raises(ImportError, match=r'needs openai, which is not installed: pip install "trl-marl\[serve\]"'):
         MAGRPOTrainer("no/such-model", args=config(tmp_path), episode=lambda client, row: 1.0)
+
+
+def test_an_episodes_error_describes_its_first_failed_requests_and_counts_the_rest():
+    from trl_marl.serving.episodes import EpisodeBook, EpisodeSampling
+    from trl_marl.serving.errors import APIError
+
+    book = EpisodeBook(EpisodeSampling(temperature=1.0, top_p=1.0, max_tokens=8))
+    key = book.open(seed=0)
+    for _ in range(1000):  # a program that retries a refused call until it times out
+        number = book.received(key)
+        book.note_failure(key, number, "writer", APIError(429, "This episode has made its 64 calls.", code="limit"))
+    failures = book.failures(key)
+    assert failures[0] == "its request 1 to `writer` was answered 429 (limit): This episode has made its 64 calls."
+    assert len(failures) == 4 and failures[-1] == "997 more of its requests failed"

@@ -207,12 +207,50 @@ def test_a_row_that_fails_inside_a_shared_call_fails_alone_and_the_rows_beside_i
     seeded = RowRequest(1, agent_prompt_ids(team, 1), 8, temperature=0.8, seed=3)
     broken = RowRequest(0, agent_prompt_ids(team, 0), 8, temperature=1e-39)  # inf logits: NaN probabilities
     alone = [engine.generate([request])[0] for request in (greedy, seeded)]
-    rows = engine.generate([greedy, broken, seeded])
-    assert rows[1].finish_reason == "error" and "probability tensor" in str(rows[1].error)
-    assert [row.finish_reason for row in (rows[0], rows[2])] == ["length", "length"]
-    assert rows[0].completion_ids == alone[0].completion_ids  # greedy: exactly as alone
-    assert len(rows[2].completion_ids) == 8
-    assert engine.generate([greedy])[0].completion_ids == alone[0].completion_ids  # rows share calls again
+    rows = engine.generate([greedy, seeded, broken])  # the seeded row draws before the broken one raises
+    assert rows[2].finish_reason == "error" and "probability tensor" in str(rows[2].error)
+    assert [row.finish_reason for row in rows[:2]] == ["length", "length"]
+    # as alone: the greedy row, and the seeded one, its generator given back its state before the failed step's draw
+    assert [row.completion_ids for row in rows[:2]] == [row.completion_ids for row in alone]
+    assert not any(row.alone for row in rows[:2])
+
+
+def test_rows_retried_alone_run_once_alone_then_share_calls_again(team):
+    engine = BatchingEngine(team, chunk_tokens=4).start()
+    try:
+        healthy = [RowRequest(agent, agent_prompt_ids(team, agent), 40) for agent in (0, 1)]
+        broken = RowRequest(0, agent_prompt_ids(team, 0), 40, temperature=1e-39)
+        rows = engine.generate([healthy[0], broken, healthy[1]])
+    finally:
+        engine.close()
+    assert [row.finish_reason for row in rows] == ["length", "error", "length"]
+    # the failed call; each row alone once (a healthy one yields after 4 tokens to the rows waiting); then the two
+    # healthy rows share one call to their end (reviewed: never clearing `alone` took 31 calls, one row at a time)
+    assert engine.calls == 5
+
+
+def test_when_the_captured_step_fails_the_rows_continue_on_eager_generate_without_repeating_a_token(team, monkeypatch):
+    from trl_marl.captured_decode import CapturedDecoder
+
+    requests = [RowRequest(agent, agent_prompt_ids(team, agent), 12) for agent in (0, 1)]
+    eager_engine = BatchingEngine(team).start()
+    eager = [row.completion_ids for row in eager_engine.generate(requests)]
+    eager_engine.close()
+    base = team.bases[0]
+    decoder = CapturedDecoder(base.model, base.router, path="static", fall_back=True)
+
+    def failing_step(*args):
+        raise RuntimeError("CUDA graph capture failed")  # after the prefill: the hooks have recorded a token
+
+    decoder._step = failing_step
+    monkeypatch.setattr(base, "decoder", decoder)
+    engine = BatchingEngine(team).start()
+    try:
+        rows = engine.generate(requests)
+    finally:
+        engine.close()
+    assert decoder.failure == "RuntimeError: CUDA graph capture failed"
+    assert [row.completion_ids for row in rows] == eager and [row.finish_reason for row in rows] == ["length"] * 2
 
 
 def test_a_failure_before_the_generate_call_fails_its_rows_and_the_next_call_is_served(team, engine, monkeypatch):
@@ -393,7 +431,7 @@ def test_the_serve_command_takes_its_key_from_a_file_or_the_environment_not_both
     monkeypatch.setattr(server_module, "serve_forever", lambda folder, **options: seen.update(options))
     monkeypatch.delenv("TRL_MARL_API_KEY", raising=False)
     assert main(["serve", str(tmp_path)]) == 0 and seen["api_key"] is None
-    monkeypatch.setenv("TRL_MARL_API_KEY", "from-env")
+    monkeypatch.setenv("TRL_MARL_API_KEY", "from-env\n")  # as `export KEY=$(cat file)` may leave it
     assert main(["serve", str(tmp_path)]) == 0 and seen["api_key"] == "from-env"
     key_file = tmp_path / "key"
     key_file.write_text("from-file\n")
@@ -402,8 +440,10 @@ def test_the_serve_command_takes_its_key_from_a_file_or_the_environment_not_both
     assert main(["serve", str(tmp_path), "--api_key_file", str(key_file)]) == 2
     assert main(["serve", str(tmp_path), "--api_key_file", str(tmp_path / "missing")]) == 2
     assert main(["serve", str(tmp_path), "--api_key_file", str(key_file), "--api_key", "k"]) == 2
+    assert main(["serve", str(tmp_path), "--api_key", " "]) == 2
     errors = capsys.readouterr().err
     assert "its first line is empty" in errors and "cannot read it" in errors and "give one" in errors
+    assert "--api_key is empty" in errors
 
 
 def test_a_team_on_two_bases_answers_each_agent_on_its_own_base_as_team_run(tiny_model_dir, other_base_dir, tmp_path):

@@ -33,25 +33,49 @@ def error_of(response: httpx.Response) -> dict:
     "path, fields, param",
     [
         ("/chat/completions", {"tools": [{"type": "web_search"}]}, "tools[0].type"),
-        ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
-        ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
-         "tools[0].function.parameters"),  # fmt: skip
+        (
+            "/chat/completions",
+            {"tools": [{"type": "function", "function": {"name": "a b"}}]},
+            "tools[0].function.name",
+        ),  # fmt: skip
+        (
+            "/chat/completions",
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
+            "tools[0].function.parameters",
+        ),  # fmt: skip
         ("/chat/completions", {"tool_choice": "sometimes"}, "tool_choice"),
         (
             "/chat/completions",
-            {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
-             "function": {"name": "g"}}},
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
             "tool_choice",
         ),  # fmt: skip
         ("/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
-        ("/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x",
-         "schema": {"type": "object", "properties": {"n": {"type": "bogus"}}}}}},
-         "response_format.json_schema.schema"),  # fmt: skip
+        (
+            "/chat/completions",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"n": {"type": "bogus"}}}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),  # fmt: skip
         ("/chat/completions", {"reasoning_effort": 3}, "reasoning_effort"),
         (
             "/chat/completions",
-            {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
-             "function": {"name": "f", "arguments": "{not json"}}]}]},
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}
+                        ],
+                    }
+                ]
+            },
             "messages[0].tool_calls[0].function.arguments",
         ),  # fmt: skip
         ("/chat/completions", {"messages": [{"role": "tool", "content": "3"}]}, "messages[0].tool_call_id"),
@@ -106,9 +130,7 @@ def test_an_unsupported_or_bad_parameter_is_a_400_naming_it(server, path, fields
 
 def test_the_openai_client_sees_a_refused_parameter_as_a_bad_request_naming_it(client):
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(
-            model="planner", messages=CHAT["messages"], response_format={"type": "xml"}
-        )
+        client.chat.completions.create(model="planner", messages=CHAT["messages"], response_format={"type": "xml"})
     assert refused.value.status_code == 400 and "response_format" in refused.value.message
 
 
@@ -327,10 +349,34 @@ def test_the_servers_own_addresses_and_allowed_origins_are_answered(server):
         assert httpx.get(f"{server.root_url}/health", headers={"Host": host}).status_code == 200
     own = {"Origin": f"http://localhost:{port}"}
     assert post(server, "/chat/completions", CHAT, headers={**AUTHORIZED, **own}).status_code == 200
-    other_port = {"Host": f"127.0.0.1:{port + 1}"}
-    assert httpx.get(f"{server.root_url}/health", headers=other_port).status_code == 421
+    tunnelled = {"Host": f"localhost:{port + 1}"}  # `ssh -L`, a container's port mapping: the client's port
+    assert httpx.get(f"{server.root_url}/health", headers=tunnelled).status_code == 200
+    other_port = {"Origin": f"http://localhost:{port + 1}"}  # another local web server's page
+    assert post(server, "/chat/completions", CHAT, headers={**AUTHORIZED, **other_port}).status_code == 403
     with serve_team(server.team, allowed_origins=("https://ui.example",), allowed_hosts=("box.lan",)) as allowing:
         ui = {"Origin": "https://ui.example", "Host": f"box.lan:{allowing.port}"}
         assert post(allowing, "/chat/completions", CHAT, headers=ui).status_code == 200
         other = {"Origin": "https://else.example"}
         assert post(allowing, "/chat/completions", CHAT, headers=other).status_code == 403
+
+
+def test_a_dual_stack_server_answers_ipv4_clients_by_their_loopback_names():
+    from trl_marl.serving.access import AccessGuard
+
+    guard = AccessGuard(app=None)
+    scope = {"server": ("::ffff:127.0.0.1", 8000)}  # what a socket bound to `::` reports for an IPv4 client
+    assert guard.answers_to("127.0.0.1", None, scope) and guard.answers_to("localhost", None, scope)
+    assert not guard.answers_to("attacker.example", None, scope)
+
+
+def test_a_tool_calls_arguments_nested_past_parsing_are_a_400_naming_them(server):
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[" * 20000 + "]" * 20000}}
+    body = {**CHAT, "messages": [{"role": "assistant", "tool_calls": [call]}, {"role": "user", "content": "Hi."}]}
+    response = post(server, "/chat/completions", body)
+    assert response.status_code == 400
+    assert error_of(response)["param"] == "messages[0].tool_calls[0].function.arguments"
+
+
+def test_an_empty_prompt_among_several_is_named_by_its_place(server):
+    response = post(server, "/completions", {**COMPLETION, "prompt": ["Hi.", ""]})
+    assert response.status_code == 400 and error_of(response)["param"] == "prompt[1]"

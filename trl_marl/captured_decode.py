@@ -50,7 +50,14 @@ from typing import Any
 import torch
 from peft import PeftModel
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-from transformers import GenerationConfig, StaticCache
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StaticCache,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 from transformers.cache_utils import StaticLayer
 
 from .decode_support import (
@@ -65,6 +72,62 @@ from .decode_support import (
 from .routing import AdapterRouter
 
 logger = logging.getLogger(__name__)
+FALLBACK_WARNING = (
+    "The captured decode step failed (%s); this run samples with eager `generate`. Set `captured_decode=True` to see "
+    "the error raised, or False to skip the attempt."
+)
+CALLER_HOOKS = ("logits_processor", "stopping_criteria")
+
+
+class CapturedStepFailed(RuntimeError):
+    """The captured step failed (with `fall_back`) in a call that gave `generate` hooks of its own (a logits processor,
+    stopping criteria): they have seen the call's first tokens, so generating it again would show them twice. The
+    decoder generates eagerly from then on (`CapturedDecoder.failure`); the caller continues from what its hooks
+    recorded (the serving engine re-queues the call's rows)."""
+
+
+class CallerHookFailed(Exception):
+    """An exception of the caller's own hooks (`error`), carried out of the decode loop as such."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+def call_marked(hooks, input_ids, scores, **kwargs):
+    """`hooks(input_ids, scores, **kwargs)`, its exception raised as `CallerHookFailed`."""
+    try:
+        return hooks(input_ids, scores, **kwargs)
+    except Exception as error:
+        raise CallerHookFailed(error) from error
+
+
+class MarkedLogitsProcessor(LogitsProcessor):
+    def __init__(self, hooks: LogitsProcessorList):
+        self.hooks = hooks
+
+    def __call__(self, input_ids, scores):  # `LogitsProcessorList` passes more only to processors that name them
+        return call_marked(self.hooks, input_ids, scores)
+
+
+class MarkedStoppingCriteria(StoppingCriteria):
+    def __init__(self, hooks: StoppingCriteriaList):
+        self.hooks = hooks
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return call_marked(self.hooks, input_ids, scores, **kwargs)
+
+
+def marked_hooks(kwargs: dict) -> dict:
+    """`generate`'s keywords with the caller's `logits_processor` and `stopping_criteria` lists each wrapped as one
+    member of a list of its kind, so that their exceptions leave the decode loop as `CallerHookFailed`."""
+    marked = dict(kwargs)
+    if kwargs.get("logits_processor"):
+        marked["logits_processor"] = LogitsProcessorList([MarkedLogitsProcessor(kwargs["logits_processor"])])
+    if kwargs.get("stopping_criteria"):
+        marked["stopping_criteria"] = StoppingCriteriaList([MarkedStoppingCriteria(kwargs["stopping_criteria"])])
+    return marked
+
 
 # A batch is padded up to the next of these row counts (past the last, to a multiple of it), the cache up to a multiple
 # of `CACHE_LENGTH_STEP` positions: each (rows, length) pair is one compiled graph.
@@ -297,22 +360,27 @@ class CapturedDecoder:
                 )
             logger.info("This call goes through eager generate: %s.", reason)
             return eager()
+        callers_hooks = self.fall_back and any(kwargs.get(name) for name in CALLER_HOOKS)
+        if callers_hooks:  # an exception of the caller's own hooks is the call's, never the captured step's
+            kwargs = marked_hooks(kwargs)
         try:
             return self._generate(input_ids, attention_mask, generation_config, max_new_tokens, kwargs)
         except torch.OutOfMemoryError:
             raise
+        except CallerHookFailed as failed:
+            raise failed.error from None
         except Exception as error:
             if not self.fall_back:
                 raise
             if self.router is not None:  # eager `generate` takes the call's routing, whatever the failure left
                 self.router.route(routed)
+            if callers_hooks:  # they have seen this call's first tokens: a second generation would show them twice
+                self.failure = f"{type(error).__name__}: {error}"
+                logger.warning(FALLBACK_WARNING, self.failure)
+                raise CapturedStepFailed(self.failure) from error
             output = eager()  # raises too when the error was the call's own
             self.failure = f"{type(error).__name__}: {error}"
-            logger.warning(
-                "The captured decode step failed (%s); this run samples with eager `generate`. Set "
-                "`captured_decode=True` to see the error raised, or False to skip the attempt.",
-                self.failure,
-            )
+            logger.warning(FALLBACK_WARNING, self.failure)
             return output
 
     def unserved(self, generation_config: GenerationConfig | None, kwargs: dict) -> str | None:

@@ -42,8 +42,10 @@ def api_key_from(api_key: str | None, api_key_file: str | None) -> str | None:
             raise ValueError(f"--api_key_file {api_key_file}: its first line is empty; write the key there.")
         return key
     if api_key is not None:
-        return api_key
-    return os.environ.get(API_KEY_ENVIRONMENT) or None
+        if not api_key.strip():
+            raise ValueError("--api_key is empty: give the key, or leave the option out to serve without one.")
+        return api_key.strip()
+    return (os.environ.get(API_KEY_ENVIRONMENT) or "").strip() or None
 
 
 def check_api_key(headers: dict[str, str], api_key: str | None) -> None:
@@ -68,9 +70,19 @@ def split_host(value: str) -> tuple[str, int | None]:
     return host, int(port) if port.isdigit() else None
 
 
+def plain_address(host: str) -> str:
+    """An IPv4-mapped IPv6 address (`::ffff:127.0.0.1`, what a dual-stack socket reports for an IPv4 client) as its
+    IPv4 address; any other host as it is."""
+    try:
+        mapped = getattr(ipaddress.ip_address(host), "ipv4_mapped", None)  # IPv6 addresses have it
+    except ValueError:
+        return host
+    return str(mapped) if mapped is not None else host
+
+
 def is_loopback(host: str) -> bool:
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(plain_address(host)).is_loopback
     except ValueError:
         return host in LOOPBACK_NAMES
 
@@ -108,8 +120,9 @@ class AccessGuard:
         await send({"type": "http.response.body", "body": body})
 
     def answers_to(self, host: str, port: int | None, scope) -> bool:
-        """Whether `host:port` names this server: its own address (the one the connection reached), `localhost` when
-        that address is loopback, or an allowed host."""
+        """Whether `host` names this server: its own address (the one the connection reached), `localhost` when that
+        address is loopback, or an allowed host. The port is compared only when given (an `Origin`'s): a `Host`
+        names the port its client connected to, which a tunnel or a container's port mapping may have changed."""
         if "*" in self.allowed_hosts or host in self.allowed_hosts:
             return True
         server_host, server_port = scope.get("server") or (None, None)
@@ -117,12 +130,12 @@ class AccessGuard:
             return False
         if server_host is None:
             return False
-        server_host = server_host.lower()
+        server_host, host = plain_address(server_host.lower()), plain_address(host)
         return host == server_host or (is_loopback(server_host) and is_loopback(host))
 
     def refusal(self, scope, headers: dict[str, str]) -> APIError | None:
-        host, port = split_host(headers.get("host", ""))
-        if not self.answers_to(host, port, scope):
+        host, _ = split_host(headers.get("host", ""))
+        if not self.answers_to(host, None, scope):
             return APIError(
                 421,
                 f"This server does not answer to the host {headers.get('host', '')!r}: send requests to the address "

@@ -16,6 +16,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -166,12 +167,19 @@ def build_app(engine: BatchingEngine, settings: ServingSettings, tokenizing: Thr
         authorize(request)
         book, parsed = settings.episodes, None
         number = book.received(episode) if book is not None and episode is not None else 0
-        try:
-            parsed, responses = read_any(kind, await read_json(request, settings.max_body_bytes))
-            return await answer(request, parsed, episode, responses)
-        except APIError as error:
+
+        def noted(error: APIError) -> None:  # what the program's call got: the trainer's error names it
             if book is not None and episode is not None:
                 book.note_failure(episode, number, getattr(parsed, "model", None), error)
+
+        try:
+            parsed, responses = read_any(kind, await read_json(request, settings.max_body_bytes))
+            return await answer(request, parsed, episode, responses, noted)
+        except APIError as error:
+            noted(error)
+            raise
+        except Exception as error:  # answered 500 by `unexpected_error`
+            noted(APIError(500, f"The server failed: {type(error).__name__}: {error}", code="internal_error"))
             raise
 
     def endpoints(kind: str):
@@ -220,9 +228,11 @@ def build_app(engine: BatchingEngine, settings: ServingSettings, tokenizing: Thr
         parsed: GenerationRequest,
         episode: str | None = None,
         responses: ResponsesRequest | None = None,
+        noted: Callable[[APIError], None] = lambda error: None,
     ):
         """Generate a request's rows and answer: a chat or text completion, or (`responses`) a Responses API
-        response; streamed as server-sent events when the request asks."""
+        response; streamed as server-sent events when the request asks. A stream's failure is told to `noted` (a
+        failure before it is raised)."""
         admit(parsed, episode)
         agent = agent_index(parsed.model)
         rendered = await asyncio.get_running_loop().run_in_executor(tokenizing, renderer.rows_of, parsed, agent)
@@ -250,9 +260,9 @@ def build_app(engine: BatchingEngine, settings: ServingSettings, tokenizing: Thr
         if parsed.stream:
             deltas = choice_deltas(parsed, rows, events, reader, tokens, prompt_chars)
             if responses is not None:
-                stream = responses_stream(parsed, responses, rows, deltas, prompt_tokens, episode)
+                stream = responses_stream(parsed, responses, rows, deltas, prompt_tokens, episode, noted)
             else:
-                stream = completion_stream(parsed, rows, deltas, prompt_tokens, episode)
+                stream = completion_stream(parsed, rows, deltas, prompt_tokens, episode, noted)
             return StreamingResponse(stream, media_type="text/event-stream")
         try:
             while not all(row.done for row in rows):
@@ -336,7 +346,7 @@ def build_app(engine: BatchingEngine, settings: ServingSettings, tokenizing: Thr
                 finished.add(index)
                 yield ("finish", index, finish_reason)
 
-    async def completion_stream(parsed, rows, deltas, prompt_tokens, episode):
+    async def completion_stream(parsed, rows, deltas, prompt_tokens, episode, noted):
         """Chat completion chunks (`chat.completion.chunk`) or text completion ones, ending with `data: [DONE]`."""
         chat = parsed.kind == "chat"
         head = {
@@ -360,6 +370,7 @@ def build_app(engine: BatchingEngine, settings: ServingSettings, tokenizing: Thr
                     yield chunk(index, {"role": "assistant", "content": ""})
             async for kind, *event in deltas:
                 if kind == "error":
+                    noted(event[0])
                     yield server_sent_event(event[0].body())
                     return
                 if kind == "text":
@@ -379,7 +390,7 @@ def build_app(engine: BatchingEngine, settings: ServingSettings, tokenizing: Thr
         finally:  # the client went away (or the stream failed): stop generating for it
             engine.cancel([row for row in rows if not row.done])
 
-    async def responses_stream(parsed, responses, rows, deltas, prompt_tokens, episode):
+    async def responses_stream(parsed, responses, rows, deltas, prompt_tokens, episode, noted):
         """The Responses API's events of one answer (`responses_api.ResponseEvents`)."""
         stream = ResponseEvents(parsed.model, responses.echo)
         finish_reason = "stop"
@@ -388,6 +399,7 @@ def build_app(engine: BatchingEngine, settings: ServingSettings, tokenizing: Thr
                 yield event
             async for kind, *event in deltas:
                 if kind == "error":
+                    noted(event[0])
                     for failed in stream.failure(event[0]):
                         yield failed
                     return

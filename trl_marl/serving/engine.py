@@ -14,6 +14,7 @@ prompts) shares the calls with those that come after it rather than holding them
 """
 
 import itertools
+import logging
 import threading
 import time
 from collections import Counter
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..captured_decode import CapturedStepFailed
 from ..team import Team
 from ..team_generation import left_padded
 from .completion_text import CompletionDecoder
@@ -30,6 +32,8 @@ from .rows import GeneratedRow, RowRequest
 if TYPE_CHECKING:
     from .grammars import BaseGrammars
 from .step_hooks import CallHooks, finish
+
+logger = logging.getLogger(__name__)
 
 # When a row arrives at an idle engine, the engine waits this long for the rows sent with it (concurrent clients'
 # requests arrive a few milliseconds apart) so that they start in one call rather than the first alone.
@@ -280,6 +284,7 @@ class BatchingEngine:
         base = team.bases[team.agent_base[rows[0].request.agent]]
         tokenizer, model = base.tokenizer, base.model
         decode = self.decoder_of(rows[0].request.agent)
+        hooks = None
         try:
             hooks = CallHooks(
                 rows,
@@ -305,17 +310,28 @@ class BatchingEngine:
             finally:
                 if base.router is not None:
                     base.router.route(None)
+        except CapturedStepFailed:  # the captured step failed (logged): the rows continue on eager `generate`
+            hooks.rewind()
+            self._requeue(rows, decode, front=True)
+            return
         except Exception as error:
+            if hooks is not None:
+                hooks.rewind()  # the failed step's draws are drawn again
             if len(rows) > 1:  # one row's failure must not be the others': each row runs again in a call of its own
+                logger.warning("A call of %d rows failed (%s: %s); each runs again alone.", len(rows),
+                               type(error).__name__, error)  # fmt: skip
                 self._retry_alone(rows, decode)
             else:  # a row that fails alone fails; the engine serves the next call
                 self._fail(rows, error)
             return
+        for row in rows:  # a row that ran alone and did not fail shares calls again
+            row.alone = False
         self._requeue(rows, decode)
 
     def _retry_alone(self, rows: list[GeneratedRow], decode: Callable[[list[int]], str]) -> None:
-        """After a failed call of several rows: each row that is not done goes back to the front of the queue, to
-        run alone (`GeneratedRow.alone`), continuing from the tokens it had; only a row that fails alone fails."""
+        """After a failed call of several rows: each row that is not done goes back to the front of the queue, to run
+        once in a call of its own (`GeneratedRow.alone`), continuing from the tokens it had; a row that fails alone
+        fails, the others then share calls again."""
         for row in rows:
             row.alone = True
         self._requeue(rows, decode, front=True)

@@ -19,6 +19,7 @@ from .requests import APIError, GenerationRequest, invalid
 from .rows import GeneratedRow
 
 SEED_SPAN = 2**62  # call seeds stay below this (a request's row i samples with seed + i)
+NOTED_FAILURES = 3  # an episode's failed requests described in its error (the others counted)
 
 
 @dataclass
@@ -61,7 +62,8 @@ class _Episode:
     calls: int = 0  # calls admitted (each samples with its own seed)
     requests: int = 0  # requests received, refused ones included
     recorded: list[RecordedCall] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)  # the requests the server refused or failed, described
+    failures: list[str] = field(default_factory=list)  # the first requests the server refused or failed, described
+    failed_requests: int = 0
 
 
 class EpisodeBook:
@@ -91,13 +93,6 @@ class EpisodeBook:
             episode = self._open.pop(key, None)
         return [] if episode is None else episode.recorded
 
-    def failures(self, key: str) -> list[str]:
-        """The episode's requests that the server refused or failed so far, each described (which request, to which
-        agent, the status and the server's message)."""
-        with self._lock:
-            episode = self._open.get(key)
-            return [] if episode is None else list(episode.failures)
-
     def received(self, key: str) -> int:
         """Count a request of the episode as it arrives; its number (1 for the first; 0 for a closed episode)."""
         with self._lock:
@@ -108,13 +103,28 @@ class EpisodeBook:
             return episode.requests
 
     def note_failure(self, key: str, number: int, model: str | None, error: APIError) -> None:
-        """Note that the server answered the episode's request `number` with `error` (a closed episode notes none)."""
+        """Note that the server answered the episode's request `number` with `error` (a closed episode notes none).
+        The first `NOTED_FAILURES` are described, the others counted: a program that retries refused calls until it
+        times out must not make its error megabytes long."""
         to = f" to `{model}`" if model is not None else ""
         described = f"its request {number}{to} was answered {error.status} ({error.code or 'error'}): {error.message}"
         with self._lock:
             episode = self._open.get(key)
-            if episode is not None:
+            if episode is None:
+                return
+            episode.failed_requests += 1
+            if len(episode.failures) < NOTED_FAILURES:
                 episode.failures.append(described)
+
+    def failures(self, key: str) -> list[str]:
+        """The episode's requests that the server refused or failed so far, described (which request, to which
+        agent, the status and the server's message): the first `NOTED_FAILURES`, then how many more."""
+        with self._lock:
+            episode = self._open.get(key)
+            if episode is None:
+                return []
+            more = episode.failed_requests - len(episode.failures)
+            return [*episode.failures, *([f"{more} more of its requests failed"] if more else [])]
 
     def admit(self, key: str, request: GenerationRequest) -> None:
         """Check a request of episode `key` and give it the trainer's sampling and its seed. Raises `APIError`: the

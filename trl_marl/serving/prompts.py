@@ -31,6 +31,7 @@ from .tool_calls import AnswerReader
 
 # A prompt longer than this many characters per token of the context is measured by tokenising that much of it first.
 PREFIX_CHARACTERS_PER_TOKEN = 16
+CHUNK_CHARACTERS = 16_384  # how much of a long prompt is tokenised at a time while counting its tokens
 
 
 @dataclass
@@ -103,9 +104,11 @@ class PromptRenderer:
         except Exception as error:  # a chat template that refuses the conversation (roles, order)
             param = "messages" if parsed.kind == "chat" else "prompt"
             raise APIError(400, f"The prompt cannot be rendered for `{parsed.model}`: {error}", param=param) from error
-        if any(not ids for ids in prompt_ids):  # nothing to condition on: `generate` cannot start from no token
+        empty = next((index for index, ids in enumerate(prompt_ids) if not ids), None)
+        if empty is not None:  # nothing to condition on: `generate` cannot start from no token
+            param = "messages" if parsed.kind == "chat" else ("prompt" if len(prompt_ids) == 1 else f"prompt[{empty}]")
             raise APIError(
-                400, "The prompt is empty: it renders to no tokens. Send at least one character.", param="prompt"
+                400, f"`{param}` is empty: it renders to no tokens. Send at least one character.", param=param
             )
         max_tokens = completion_budget(parsed, prompt_ids, context, self.default_max_tokens)
         check_logprob_entries(parsed, len(prompt_ids) * parsed.n * max_tokens, self.max_logprob_entries)
@@ -184,15 +187,21 @@ def longest_token_bytes(tokenizer) -> int:
 
 
 def fewest_tokens(text: str, tokenizer, token_bytes: int, context: int) -> int:
-    """A lower bound on the tokens of `text`, at a bounded cost whatever its length: its UTF-8 bytes over the most one
-    token stands for (`token_bytes`; halved, for normalisers that shorten text, NFKC's ligatures), else, for a text
-    longer than `PREFIX_CHARACTERS_PER_TOKEN` characters per token of `context`, the tokens of that much of it (less
-    one: the cut may split a word in two). A shorter text gets the first bound alone: tokenising it is cheap."""
+    """A lower bound on the tokens of `text`, at a cost that stops growing once it passes `context`: its UTF-8 bytes
+    over the most one token stands for (`token_bytes`; halved, for normalisers that shorten text, NFKC's ligatures),
+    else, for a text longer than `PREFIX_CHARACTERS_PER_TOKEN` characters per token of `context`, the tokens of its
+    pieces of `CHUNK_CHARACTERS` characters counted until they pass `context` (each less two: a cut may split a word,
+    which tokenised whole takes fewer). A shorter text gets the first bound alone: tokenising it whole is cheap."""
     bound = len(text.encode()) // (2 * token_bytes)
-    prefix = text[: PREFIX_CHARACTERS_PER_TOKEN * context]
-    if bound >= context or len(prefix) == len(text):
+    if bound >= context or len(text) <= PREFIX_CHARACTERS_PER_TOKEN * context:
         return bound
-    return max(bound, len(tokenizer(prefix, add_special_tokens=False)["input_ids"]) - 1)
+    counted = 0
+    for start in range(0, PREFIX_CHARACTERS_PER_TOKEN * context, CHUNK_CHARACTERS):
+        chunk = text[start : start + CHUNK_CHARACTERS]
+        counted += max(0, len(tokenizer(chunk, add_special_tokens=False)["input_ids"]) - 2)
+        if counted >= context:
+            break
+    return max(bound, counted)
 
 
 def check_fits_before_tokenising(parsed: GenerationRequest, tokenizer, token_bytes: int, context: int) -> None:

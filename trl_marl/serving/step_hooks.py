@@ -55,6 +55,7 @@ class CallHooks:
         # before it checks (the captured decoder checks every few tokens): those steps are not recorded.
         self.yielded = False
         self._chosen: list[tuple[int, float, list[tuple[int, float]]] | None] = [None] * len(rows)
+        self._drawing_from: dict[int, torch.Tensor] = {}  # row index -> its generator's state before this step
 
     def generate_kwargs(self) -> dict:
         """The `logits_processor` and `stopping_criteria` keywords of `generate` that call these hooks."""
@@ -77,6 +78,9 @@ class CallHooks:
         apply_masks(scores, [(index, self.rows[index].matcher) for index in live if self.rows[index].matcher])
         tokens = scores[:count].argmax(dim=-1)
         sampled = [index for index in live if self.rows[index].request.temperature > 0]
+        # each sampled row's generator as it was before this step's draw: a step that fails before its tokens are
+        # recorded is drawn again from there (`rewind`), so a seeded row samples as it would have
+        self._drawing_from = {index: self._generator(index, scores.device).get_state() for index in sampled}
         if sampled:
             drawn = torch.cat([self._draw(index, scores[index]) for index in sampled])
             at = torch.tensor(sampled, device=scores.device)
@@ -98,6 +102,16 @@ class CallHooks:
             self._chosen[index] = (int(token), log_prob, pairs)
         return scores
 
+    def _generator(self, index: int, device: torch.device) -> torch.Generator:
+        return self.rows[index].random_generator(device)
+
+    def rewind(self) -> None:
+        """Give the rows whose tokens of the step in flight were not recorded their generators as they were before
+        its draws (called when the call fails: those rows draw that step again, alone or in a later call)."""
+        for index, state in self._drawing_from.items():
+            self.rows[index].generator.set_state(state)
+        self._drawing_from = {}
+
     def _draw(self, index: int, scores: torch.Tensor) -> torch.Tensor:
         row = self.rows[index]
         generator = row.random_generator(scores.device)
@@ -109,6 +123,7 @@ class CallHooks:
             return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         finished = [True] * input_ids.shape[0]
         self.steps += 1
+        self._drawing_from = {}  # this step's draws are recorded below
         new_tokens = input_ids[: len(self.rows), -1].tolist()
         for index, row in enumerate(self.rows):
             chosen, self._chosen[index] = self._chosen[index], None

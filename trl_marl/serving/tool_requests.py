@@ -176,7 +176,7 @@ def assistant_tool_calls(value: Any, where: str) -> list[dict]:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise invalid(f"{at}.function.arguments", f"`{at}.function.arguments` is not JSON.") from None
         if not isinstance(arguments, dict):
             raise invalid(f"{at}.function.arguments", f"`{at}.function.arguments` must be a JSON object.")
