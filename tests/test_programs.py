@@ -3,6 +3,7 @@ concurrently against the trainer's own server, each call recorded as the model p
 ids; episodes grouped and credited as MAGRPO's single-turn rollout; failed and hung episodes left out."""
 
 import asyncio
+import json
 import sys
 import threading
 import uuid
@@ -514,3 +515,128 @@ def test_an_episodes_error_describes_its_first_failed_requests_and_counts_the_re
     failures = book.failures(key)
     assert failures[0] == "its request 1 to `writer` was answered 429 (limit): This episode has made its 64 calls."
     assert len(failures) == 4 and failures[-1] == "997 more of its requests failed"
+
+
+# -- programs that call tools (docs/programs.md, "Tools")
+
+TOOL_STEPS = dict(max_steps=2, max_completion_length=160)  # the tiny model spells tool-call markup in many tokens
+
+
+def test_an_agents_sdk_program_with_a_function_tool_and_a_typed_answer_trains_every_agent(tiny_model_dir, tmp_path):
+    """The writer must call a tool the program runs (`tool_choice: required`); the critic gets the tool's result and
+    answers in a schema (`output_type`). Each call is a training row with its exact sampled ids, tool-call markup
+    included; the tool's result is prompt of the next call, never trained."""
+    sdk = pytest.importorskip("agents", reason="the OpenAI Agents SDK (`openai-agents`) drives this test")
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    sdk.set_tracing_disabled(True)
+
+    class Verdict(BaseModel):
+        ok: bool
+
+    async def episode(client, row):
+        @sdk.function_tool
+        def weather(city: Literal["Paris", "Rome"]) -> str:
+            """Today's weather in a city."""
+            return f"sunny in {city}" if city == "Paris" else f"rain in {city}"
+
+        def model(name):
+            return sdk.OpenAIChatCompletionsModel(model=name, openai_client=client)
+
+        settings = sdk.ModelSettings(tool_choice="required", parallel_tool_calls=False)
+        writer = sdk.Agent(name="writer", model=model("writer"), tools=[weather], model_settings=settings,
+                           tool_use_behavior="stop_on_first_tool")  # fmt: skip
+        found = (await sdk.Runner.run(writer, row["prompt"], max_turns=2)).final_output
+        critic = sdk.Agent(name="critic", model=model("critic"), output_type=Verdict)
+        verdict = (await sdk.Runner.run(critic, f"The weather: {found}. Is it fine?", max_turns=1)).final_output
+        return float(verdict.ok) + (0.5 if "sunny" in found else 0.0)
+
+    args = config(tmp_path, **TOOL_STEPS)
+    trainer = MAGRPOTrainer(tiny_model_dir, args=args, episode=episode, train_dataset=DATA)
+    rollouts, before = keep_rollouts(trainer), lora_b(trainer)
+    trainer.train()
+    assert moved_adapters(before, trainer) == {"writer", "critic"}
+    assert all(entry.get("episodes/failed", 0) == 0 for entry in trainer.state.log_history if "loss" in entry)
+    tokenizer = trainer.processing_class
+    writer_rows = [sample for rollout in rollouts for sample in rollout.samples if sample.agent == 0]
+    critic_rows = [sample for rollout in rollouts for sample in rollout.samples if sample.agent == 1]
+    assert len(writer_rows) == len(critic_rows) == 2 * 4  # one call each per episode
+    for sample in writer_rows:  # the call, markup and all, as sampled
+        written = tokenizer.decode(sample.completion_ids)
+        assert written.startswith("<tool_call>\n") and '"name": "weather"' in written and "</tool_call>" in written
+    for sample in critic_rows:  # the tool's result is in its prompt, and its answer is the schema's JSON
+        assert "The weather: " in tokenizer.decode(sample.prompt_ids)
+        assert json.loads(tokenizer.decode(sample.completion_ids, skip_special_tokens=True))["ok"] in (True, False)
+
+
+def test_a_langgraph_react_program_trains_the_agent_that_calls_its_tool(tiny_model_dir, tmp_path):
+    pytest.importorskip("langgraph.prebuilt", reason="the ReAct agent is LangGraph's")
+    chat_openai = pytest.importorskip("langchain_openai", reason="LangGraph reaches the agents through it")
+    from typing import Literal
+
+    from langchain_core.tools import tool
+    from langgraph.prebuilt import create_react_agent
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        ok: bool
+
+    def episode(client, row):
+        @tool(return_direct=True)
+        def weather(city: Literal["Paris", "Rome"]) -> str:
+            """Today's weather in a city."""
+            return f"sunny in {city}"
+
+        def model(name):
+            return chat_openai.ChatOpenAI(model=name, base_url=str(client.base_url), api_key=client.api_key,
+                                          max_retries=0)  # fmt: skip
+
+        bound = model("writer").bind_tools([weather], tool_choice="required", parallel_tool_calls=False)
+        result = create_react_agent(bound, [weather]).invoke({"messages": [("user", row["prompt"])]})
+        found = result["messages"][-1].content
+        verdict = model("critic").with_structured_output(Verdict, method="json_schema", strict=True).invoke(found)
+        return float(verdict.ok) + (0.5 if "Paris" in found else 0.0)
+
+    args = config(tmp_path, **TOOL_STEPS)
+    trainer = MAGRPOTrainer(tiny_model_dir, args=args, episode=episode, train_dataset=DATA)
+    before = lora_b(trainer)
+    trainer.train()
+    assert moved_adapters(before, trainer) == {"writer", "critic"}
+    assert all(entry.get("episodes/failed", 0) == 0 for entry in trainer.state.log_history if "loss" in entry)
+
+
+def test_a_constrained_calls_recorded_log_probabilities_are_the_models_own_not_the_grammars(training_server):
+    """The grammar decides which tokens are sampled, not how they are scored: a recorded call's log-probabilities
+    (what the loss and TRL's importance-sampling correction compare) are the model's unconstrained ones."""
+    import torch
+
+    server, book = training_server
+    key = book.open(seed=4)
+    client = episode_client(server, key)
+    fmt = {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "v",
+            "schema": {
+                "type": "object",
+                "properties": {"ok": {"type": "boolean"}},
+                "required": ["ok"],
+                "additionalProperties": False,
+            },
+        },
+    }
+    client.chat.completions.create(model="planner", messages=[{"role": "user", "content": "Hi."}], response_format=fmt)
+    (call,) = book.close(key)
+    team, base = server.team, server.team.bases[0]
+    ids = torch.tensor([call.prompt_ids + call.completion_ids])
+    base.router.route([team.agents[0]["adapter"]])
+    try:
+        with torch.no_grad():
+            logits = base.model(ids).logits[0, len(call.prompt_ids) - 1 : -1].float()
+    finally:
+        base.router.route(None)
+    unconstrained = torch.log_softmax(logits, -1).gather(1, torch.tensor(call.completion_ids)[:, None])[:, 0]
+    assert call.logprobs == pytest.approx(unconstrained.tolist(), abs=1e-4)
+    assert max(call.logprobs) < -0.5  # a grammar-renormalised score of a forced token would be near 0
