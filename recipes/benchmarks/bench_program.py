@@ -15,11 +15,24 @@ two arms sample different tokens, so their work differs by that much); then prog
 (docs/programs.md): the program's step at most 1.3x the built-in one's.
 
     python recipes/benchmarks/bench_program.py               # ~6 min on 2 idle CPU cores; --steps, --out
+
+With `--tools`, two other arms, `recipes/tool_team.py`'s team and task (the calculator, the writer; settings as the
+recipe's):
+
+- `tool_program`: the recipe's episode: the calculator called with an `add` tool and `tool_choice: required`
+  (constrained decoding), the program running the call, the writer shown the tool exchange;
+- `plain_program`: the same two calls without tools: the calculator answers in text, the writer is shown that answer.
+
+Printed as above, and each arm's step time per completion token (the arms write different answers); the target
+(docs/benchmarks.md): the tool-calling step at most 1.3x the plain one's for the same tokens.
+
+    python recipes/benchmarks/bench_program.py --tools       # ~8 min on 2 idle CPU cores
 """
 
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -27,6 +40,9 @@ import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+ARMS = ("built_in", "program", "plain_program", "tool_program")
 
 
 def each_agent_at_once(client, row):
@@ -45,6 +61,16 @@ def each_agent_at_once(client, row):
     return answers
 
 
+def calculate_then_answer_in_text(client, row) -> float:
+    """`tool_team.py`'s episode without tools: the calculator answers in text, the writer is shown that answer."""
+    question = [{"role": "user", "content": row["prompt"]}]
+    worked = client.chat.completions.create(model="calculator", messages=question).choices[0].message.content
+    shown = [*question, {"role": "assistant", "content": worked}, {"role": "user", "content": "So, the result?"}]
+    answer = client.chat.completions.create(model="writer", messages=shown).choices[0].message.content
+    total = str(row["a"] + row["b"])
+    return 0.5 * (total in re.findall(r"-?\d+", worked)) + 0.5 * (total in re.findall(r"-?\d+", answer))
+
+
 def train_arm(arm: str, steps: int) -> dict:
     """Train one arm in this process; its step times and completion lengths."""
     import torch
@@ -54,12 +80,22 @@ def train_arm(arm: str, steps: int) -> dict:
     from trl_marl.tasks.toy import explain_ratio_reward
 
     settings = {**quickstart_defaults(torch.cuda.is_available()), "max_steps": steps, "logging_steps": 1}
-    args = MAGRPOConfig(**{**settings, "output_dir": f"outputs/bench-program-{arm}"})
-    train_dataset, _ = quickstart_datasets(args.seed, 12)
-    episode = each_agent_at_once if arm == "program" else None
-    trainer = MAGRPOTrainer(
-        default_model_path(), explain_ratio_reward, args=args, train_dataset=train_dataset, episode=episode
-    )
+    if arm in ("tool_program", "plain_program"):
+        from tool_team import AGENTS, calculate_then_answer, sum_questions
+
+        overrides = {"output_dir": f"outputs/bench-program-{arm}", "agents": AGENTS, "max_completion_length": 48}
+        args = MAGRPOConfig(**{**settings, **overrides})
+        episode = calculate_then_answer if arm == "tool_program" else calculate_then_answer_in_text
+        trainer = MAGRPOTrainer(
+            default_model_path(), args=args, train_dataset=sum_questions(256, args.seed), episode=episode
+        )
+    else:
+        args = MAGRPOConfig(**{**settings, "output_dir": f"outputs/bench-program-{arm}"})
+        train_dataset, _ = quickstart_datasets(args.seed, 12)
+        episode = each_agent_at_once if arm == "program" else None
+        trainer = MAGRPOTrainer(
+            default_model_path(), explain_ratio_reward, args=args, train_dataset=train_dataset, episode=episode
+        )
     trainer.train()
     logs = [log for log in trainer.state.log_history if "step_time" in log]
     return {
@@ -71,8 +107,9 @@ def train_arm(arm: str, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--out", default="recipes/benchmarks/results/bench_program.json")
-    parser.add_argument("--arm", choices=["built_in", "program"], help=argparse.SUPPRESS)  # one arm, in a child
+    parser.add_argument("--out", default=None, help="default: results/bench_program.json (--tools: _tools.json)")
+    parser.add_argument("--tools", action="store_true", help="a tool-calling program against the same without tools")
+    parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # one arm, in a child
     options = parser.parse_args()
     if options.arm:
         print(json.dumps(train_arm(options.arm, options.steps)))
@@ -81,20 +118,29 @@ def main() -> None:
     from run_info import run_header
 
     results = {**run_header(torch_threads=torch.get_num_threads()), "steps": options.steps, "arms": {}}
-    for arm in ("built_in", "program"):
+    pair = ("plain_program", "tool_program") if options.tools else ("built_in", "program")
+    for arm in pair:
         command = [sys.executable, __file__, "--arm", arm, "--steps", str(options.steps)]
         output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         results["arms"][arm] = json.loads(output.strip().splitlines()[-1])
     for arm, figures in results["arms"].items():
         times = figures["step_times"]
         figures["first_step"], figures["median_step"] = times[0], statistics.median(times[1:])
+        figures["step_per_token"] = figures["median_step"] / figures["completion_length"]
         print(
-            f"{arm:9s} first step {figures['first_step']:6.2f} s, median step {figures['median_step']:6.2f} s, "
-            f"mean completion {figures['completion_length']:5.1f} tokens"
+            f"{arm:13s} first step {figures['first_step']:6.2f} s, median step {figures['median_step']:6.2f} s, "
+            f"mean completion {figures['completion_length']:5.1f} tokens, "
+            f"{1000 * figures['step_per_token']:.0f} ms of step per completion token"
         )
-    arms = results["arms"]
-    results["ratio"] = arms["program"]["median_step"] / arms["built_in"]["median_step"]
-    print(f"program / built-in median step: {results['ratio']:.2f} (target <= 1.3)")
+    arms, (base, other) = results["arms"], pair
+    results["ratio"] = arms[other]["median_step"] / arms[base]["median_step"]
+    results["ratio_per_token"] = arms[other]["step_per_token"] / arms[base]["step_per_token"]
+    print(
+        f"{other} / {base} median step: {results['ratio']:.2f}; per completion token: "
+        f"{results['ratio_per_token']:.2f} (target <= 1.3)"
+    )
+    name = "bench_program_tools.json" if options.tools else "bench_program.json"
+    options.out = options.out or os.path.join("recipes", "benchmarks", "results", name)
     os.makedirs(os.path.dirname(options.out) or ".", exist_ok=True)
     with open(options.out, "w") as f:
         json.dump(results, f, indent=2)
