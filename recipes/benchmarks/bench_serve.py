@@ -20,6 +20,13 @@ Streaming and stop strings cost the server the text of every token: this shows w
 of the default model, whose generation costs little beside that text.
 
     python recipes/benchmarks/bench_serve.py --long 5000 --tiny --rounds 1   # ~2 min on 2 idle CPU cores
+
+With `--grammar`, the cost of constrained decoding: the same 8 requests sent at once, greedy, with no response format
+and with a `json_schema` one (an object of a title and a story, both strings, so that answers run about as long),
+`--rounds` times each, alternating; printed: completion tokens/s of each (median) and their ratio. The target
+(docs/benchmarks.md): tokens/s with the grammar at least 0.8x without.
+
+    python recipes/benchmarks/bench_serve.py --grammar --rounds 3          # ~4 min on 2 idle CPU cores
 """
 
 import argparse
@@ -156,6 +163,68 @@ async def served_round(base_url: str, requests, tokens: int) -> tuple[float, int
     return seconds, sum(answer.usage.completion_tokens for answer in answers)
 
 
+STORY = {
+    "type": "object",
+    "properties": {"title": {"type": "string"}, "story": {"type": "string"}},
+    "required": ["title", "story"],
+    "additionalProperties": False,
+}
+
+
+async def formatted_round(base_url: str, requests, tokens: int, response_format: dict | None) -> tuple[float, int]:
+    """`requests` sent at once, with `response_format` (or none): wall seconds, completion tokens."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0)
+    options = {"response_format": response_format} if response_format else {}
+    begin = time.perf_counter()
+    answers = await asyncio.gather(
+        *[
+            client.chat.completions.create(
+                model=AGENTS[agent]["name"], messages=messages, temperature=0, max_tokens=tokens, **options
+            )
+            for agent, messages in requests
+        ]
+    )
+    seconds = time.perf_counter() - begin
+    await client.close()
+    return seconds, sum(answer.usage.completion_tokens for answer in answers)
+
+
+def grammar_cost(args) -> dict:
+    """`--grammar`: completion tokens/s of 8 concurrent requests without and with a `json_schema` format."""
+    story = {"type": "json_schema", "json_schema": {"name": "story", "schema": STORY, "strict": True}}
+    arms = {"text": None, "json_schema": story}
+    rounds = {name: [] for name in arms}
+    with tempfile.TemporaryDirectory() as folder:
+        team_dir = args.team or save_team(folder)
+        process, base_url = start_server(team_dir, args.max_batch_rows, args.chunk_tokens)
+        try:
+            requests = requests_for(8)
+            for response_format in arms.values():  # warm-up: the grammar's tokenizer is built at its first request
+                asyncio.run(formatted_round(base_url, requests[:1], 8, response_format))
+            for _ in range(args.rounds):
+                for name, response_format in arms.items():
+                    rounds[name].append(asyncio.run(formatted_round(base_url, requests, args.tokens, response_format)))
+        finally:
+            process.terminate()
+            process.wait(30)
+    figures = {
+        name: {
+            "tokens_per_second": statistics.median(tokens / seconds for seconds, tokens in results),
+            "completion_tokens": [tokens for _, tokens in results],
+            "seconds": [seconds for seconds, _ in results],
+        }
+        for name, results in rounds.items()
+    }
+    ratio = figures["json_schema"]["tokens_per_second"] / figures["text"]["tokens_per_second"]
+    print(f"torch threads: {torch.get_num_threads()}; 8 requests at once, greedy, at most {args.tokens} tokens each")
+    for name, entry in figures.items():
+        print(f"{name:>12}: {entry['tokens_per_second']:.1f} completion tokens/s (median of {args.rounds})")
+    print(f"json_schema / text tokens/s: {ratio:.2f} (target >= 0.8)")
+    return {"grammar": True, "tokens": args.tokens, "rounds": args.rounds, "arms": figures, "ratio": ratio}
+
+
 async def long_answer(base_url: str, tokens: int, stream: bool, stop: str | None) -> tuple[float, int, str]:
     """One greedy answer of at most `tokens` tokens, streamed or not: wall seconds, completion tokens, its text."""
     from openai import AsyncOpenAI
@@ -244,9 +313,10 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
     parser.add_argument("--long", type=int, default=None, help="time one answer of this many tokens, streamed or not")
     parser.add_argument("--tiny", action="store_true", help="with --long: a tiny random model, not the default one")
+    parser.add_argument("--grammar", action="store_true", help="tokens/s with a json_schema format against without")
     args = parser.parse_args()
-    if args.long:
-        summary = long_answers(args)
+    if args.long or args.grammar:
+        summary = long_answers(args) if args.long else grammar_cost(args)
         if args.out:
             with open(args.out, "w") as file:
                 json.dump({**run_header(torch_threads=torch.get_num_threads()), **summary}, file, indent=2)
