@@ -98,3 +98,21 @@ def test_a_client_that_disconnects_mid_stream_stops_its_vllm_request(served):
         asyncio.run(asyncio.sleep(0.1))
     assert state["rows_finished"].get("cancelled", 0) == before + 1 and state["rows_waiting"] == 0
     assert chat(client, "concise", QUESTIONS[0], max_tokens=2).usage.completion_tokens == 2  # still serving
+
+
+def test_tools_on_auto_are_rendered_through_vllm_and_constrained_output_is_refused_by_name(served):
+    server, _ = served
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    parameters = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": parameters}}]
+    plain = chat(client, "concise", QUESTIONS[0], max_tokens=8)
+    offered = chat(client, "concise", QUESTIONS[0], tools=tools, max_tokens=8)
+    assert offered.usage.prompt_tokens > plain.usage.prompt_tokens + 40  # the tools were rendered into the prompt
+    assert offered.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    for fields, param in (
+        ({"tools": tools, "tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            chat(client, "concise", QUESTIONS[0], **fields)
+        assert refused.value.body["param"] == param and "vLLM" in refused.value.message
