@@ -523,9 +523,10 @@ TOOL_STEPS = dict(max_steps=2, max_completion_length=160)  # the tiny model spel
 
 
 def test_an_agents_sdk_program_with_a_function_tool_and_a_typed_answer_trains_every_agent(tiny_model_dir, tmp_path):
-    """The writer must call a tool the program runs (`tool_choice: required`); the critic gets the tool's result and
-    answers in a schema (`output_type`). Each call is a training row with its exact sampled ids, tool-call markup
-    included; the tool's result is prompt of the next call, never trained."""
+    """The writer must call a tool the program runs (`tool_choice: required`, chat completions), then hands the
+    tool's result over to the critic (a handoff, the Responses API), who answers in a schema (`output_type`). Each call
+    is a training row with its exact sampled ids, tool-call markup included; the tool's result is prompt of the next
+    call, never trained."""
     sdk = pytest.importorskip("agents", reason="the OpenAI Agents SDK (`openai-agents`) drives this test")
     from typing import Literal
 
@@ -542,16 +543,21 @@ def test_an_agents_sdk_program_with_a_function_tool_and_a_typed_answer_trains_ev
             """Today's weather in a city."""
             return f"sunny in {city}" if city == "Paris" else f"rain in {city}"
 
-        def model(name):
+        def chat_model(name):
             return sdk.OpenAIChatCompletionsModel(model=name, openai_client=client)
 
+        def responses_model(name):  # the SDK's default API
+            return sdk.OpenAIResponsesModel(model=name, openai_client=client)
+
         settings = sdk.ModelSettings(tool_choice="required", parallel_tool_calls=False)
-        writer = sdk.Agent(name="writer", model=model("writer"), tools=[weather], model_settings=settings,
+        writer = sdk.Agent(name="writer", model=chat_model("writer"), tools=[weather], model_settings=settings,
                            tool_use_behavior="stop_on_first_tool")  # fmt: skip
         found = (await sdk.Runner.run(writer, row["prompt"], max_turns=2)).final_output
-        critic = sdk.Agent(name="critic", model=model("critic"), output_type=Verdict)
-        verdict = (await sdk.Runner.run(critic, f"The weather: {found}. Is it fine?", max_turns=1)).final_output
-        return float(verdict.ok) + (0.5 if "sunny" in found else 0.0)
+        critic = sdk.Agent(name="critic", model=responses_model("critic"), output_type=Verdict)
+        triage = sdk.Agent(name="writer", model=responses_model("writer"), handoffs=[critic], model_settings=settings)
+        handed = await sdk.Runner.run(triage, f"The weather: {found}. Is it fine?", max_turns=2)
+        assert handed.last_agent.name == "critic"
+        return float(handed.final_output.ok) + (0.5 if "sunny" in found else 0.0)
 
     args = config(tmp_path, **TOOL_STEPS)
     trainer = MAGRPOTrainer(tiny_model_dir, args=args, episode=episode, train_dataset=DATA)
@@ -562,10 +568,11 @@ def test_an_agents_sdk_program_with_a_function_tool_and_a_typed_answer_trains_ev
     tokenizer = trainer.processing_class
     writer_rows = [sample for rollout in rollouts for sample in rollout.samples if sample.agent == 0]
     critic_rows = [sample for rollout in rollouts for sample in rollout.samples if sample.agent == 1]
-    assert len(writer_rows) == len(critic_rows) == 2 * 4  # one call each per episode
-    for sample in writer_rows:  # the call, markup and all, as sampled
+    assert len(writer_rows) == 2 * len(critic_rows) == 2 * 2 * 4  # the writer twice, the critic once, per episode
+    for sample in writer_rows:  # the call (of the tool, or the handoff), markup and all, as sampled
         written = tokenizer.decode(sample.completion_ids)
-        assert written.startswith("<tool_call>\n") and '"name": "weather"' in written and "</tool_call>" in written
+        assert written.startswith("<tool_call>\n") and "</tool_call>" in written
+        assert '"name": "weather"' in written or '"name": "transfer_to_critic"' in written
     for sample in critic_rows:  # the tool's result is in its prompt, and its answer is the schema's JSON
         assert "The weather: " in tokenizer.decode(sample.prompt_ids)
         assert json.loads(tokenizer.decode(sample.completion_ids, skip_special_tokens=True))["ok"] in (True, False)
