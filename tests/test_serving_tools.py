@@ -379,3 +379,16 @@ def test_a_langgraph_react_agent_calls_its_tool_and_structured_output_follows_th
     for method in ("json_schema", "function_calling"):
         answer = model().with_structured_output(Verdict, method=method, strict=True).invoke("Is it sunny?")
         assert isinstance(answer, Verdict), method
+
+
+def test_a_grammars_bitmask_unpacks_to_the_same_allowed_tokens_on_the_host_and_on_a_device():
+    import torch
+
+    from trl_marl.serving.grammars import unpacked_on_device, unpacked_on_host
+
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, 5), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    expected = torch.tensor(
+        [[(int(bitmask[row, token // 32]) >> (token % 32)) & 1 for token in range(150)] for row in range(3)]
+    ).bool()
+    assert torch.equal(unpacked_on_host(bitmask, 150), expected)
+    assert torch.equal(unpacked_on_device(bitmask, 150), expected)  # what a GPU runs, here on the CPU

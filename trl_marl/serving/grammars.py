@@ -19,7 +19,9 @@ its tokens on spaces.
 """
 
 import json
+from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from .errors import invalid
@@ -28,6 +30,7 @@ from .tool_requests import OutputRules
 # JSON as `json.dumps` writes it: ", " between items, ": " after keys, no other whitespace.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
+CACHED_GRAMMARS = 64
 
 
 def require_llguidance():
@@ -97,17 +100,28 @@ class BaseGrammars:
 
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        self._compiled: OrderedDict[str, CompiledGrammar] = OrderedDict()  # by Lark text, the last used last
 
     def compiled(self, rules: OutputRules, param: str) -> "CompiledGrammar":
-        """The grammar of `rules`, checked; a schema llguidance refuses is a 400 naming `param`."""
+        """The grammar of `rules`, checked; a schema llguidance refuses is a 400 naming `param`. The last
+        `CACHED_GRAMMARS` grammars are kept: the lexer states llguidance builds as a grammar is first used (its first
+        answers cost tens of milliseconds a step on 2 CPU cores, later ones a few) serve the next request of the same
+        schema."""
         import llguidance
 
-        grammar = llguidance.LLMatcher.grammar_from_lark(lark_grammar(rules))
+        lark = lark_grammar(rules)
+        if lark in self._compiled:
+            self._compiled.move_to_end(lark)
+            return self._compiled[lark]
+        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if failed:
             reason = messages[0].splitlines()[0] if messages[0] else "llguidance refused it"
             raise invalid(param, f"`{param}` cannot be enforced: {reason}")
-        return CompiledGrammar(self, grammar)
+        compiled = self._compiled[lark] = CompiledGrammar(self, grammar)
+        while len(self._compiled) > CACHED_GRAMMARS:
+            self._compiled.popitem(last=False)
+        return compiled
 
 
 class CompiledGrammar:
@@ -149,15 +163,38 @@ class RowGrammar:
 
 def apply_masks(scores: torch.Tensor, grammars: list[tuple[int, RowGrammar]]) -> None:
     """Mask, in place, the scores of the rows that have a grammar (`(row index, matcher)`): a token the grammar does
-    not allow next gets -inf, on the scores' device, in one transfer of the bitmasks."""
+    not allow next gets -inf."""
     if not grammars:
         return
-    from llguidance.torch import allocate_token_bitmask, apply_token_bitmask_inplace
+    from llguidance.torch import allocate_token_bitmask
 
-    bitmask = allocate_token_bitmask(len(grammars), scores.shape[-1])
+    vocab = scores.shape[-1]
+    bitmask = allocate_token_bitmask(len(grammars), vocab)
     for position, (_, grammar) in enumerate(grammars):
         grammar.fill_mask(bitmask, position)
     rows = torch.tensor([index for index, _ in grammars], device=scores.device)
-    masked = scores[rows]
-    apply_token_bitmask_inplace(masked, bitmask.to(scores.device, non_blocking=True))
-    scores[rows] = masked
+    allowed = allowed_tokens(bitmask, vocab, scores.device)
+    scores[rows] = scores[rows].masked_fill(~allowed, float("-inf"))
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab: int, device: torch.device) -> torch.Tensor:
+    """llguidance's bitmask (`(rows, words)` int32, on the CPU; token `32 k + j` is bit `j` of word `k`) as a
+    `(rows, vocab)` bool tensor on `device`. In eager torch (numpy on the CPU): llguidance's own
+    `apply_token_bitmask_inplace` is a `torch.compile`d kernel, which costs seconds (and a C++ compiler) at its first
+    call on the CPU."""
+    if device.type == "cpu":
+        return unpacked_on_host(bitmask, vocab)
+    return unpacked_on_device(bitmask.to(device, non_blocking=True), vocab)
+
+
+def unpacked_on_host(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The bitmask's bits with numpy: the bytes of little-endian words, each byte's bits from the lowest, are the
+    tokens in order."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    return torch.from_numpy(bits.view(np.bool_))
+
+
+def unpacked_on_device(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The bitmask's bits with torch, on the words' device."""
+    shifts = torch.arange(32, device=words.device, dtype=torch.int32)
+    return ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]
