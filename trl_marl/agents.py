@@ -53,11 +53,11 @@ def normalize_agents(agents: Any) -> list[dict[str, str]]:
             agent = {"name": agent}
         if not isinstance(agent, dict) or "name" not in agent:
             raise ValueError(f"`agents[{index}]` must be a name or a dict with a 'name' key, got {agent!r}.")
-        unknown = set(agent) - {"name", "system_prompt", "role", *BASE_KEYS}
+        unknown = set(agent) - {"name", "system_prompt", "role", "tools", *BASE_KEYS}
         if unknown:
             raise ValueError(
-                f"`agents[{index}]` has unknown keys {sorted(unknown)}; allowed keys are 'name' and 'system_prompt', "
-                f"and for an agent's own base model {', '.join(repr(key) for key in BASE_KEYS)}."
+                f"`agents[{index}]` has unknown keys {sorted(unknown)}; allowed keys are 'name', 'system_prompt', "
+                f"'tools', and for an agent's own base model {', '.join(repr(key) for key in BASE_KEYS)}."
             )
         name = agent["name"]
         if not isinstance(name, str) or not _AGENT_NAME_PATTERN.match(name) or name in RESERVED_AGENT_NAMES:
@@ -76,12 +76,35 @@ def normalize_agents(agents: Any) -> list[dict[str, str]]:
         system_prompt = agent.get("system_prompt", agent.get("role")) or ""
         if not isinstance(system_prompt, str):
             raise ValueError(f"`agents[{index}]['system_prompt']` must be a string, got {system_prompt!r}.")
-        normalized.append({"name": name, "system_prompt": system_prompt, **agent_base_keys(agent, index)})
+        entry = {"name": name, "system_prompt": system_prompt, **agent_base_keys(agent, index)}
+        if agent.get("tools") is not None:
+            entry["tools"] = agent_tool_names(agent["tools"], index)
+        normalized.append(entry)
     names = [agent["name"] for agent in normalized]
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
         raise ValueError(f"`agents` has duplicate names {duplicates} (got {names}); every agent needs a unique name.")
     return normalized
+
+
+def agent_tool_names(tools: Any, index: int) -> list:
+    """`agents[index]['tools']`, checked: a list of callables (in Python), importable names
+    (`"package.module:function"`, in a config file) and names of the environment's methods the agent keeps to;
+    resolved when the trainer starts (`tool_calling.TeamTools`)."""
+    if callable(tools) or isinstance(tools, str):
+        tools = [tools]
+    if not isinstance(tools, (list, tuple)) or not all(callable(tool) or isinstance(tool, str) for tool in tools):
+        raise ValueError(
+            f"`agents[{index}]['tools']` must be a list of functions or importable names "
+            f"('package.module:function'), got {tools!r}."
+        )
+    for tool in tools:
+        if isinstance(tool, str) and not re.match(r"^[A-Za-z_][\w.]*(:[A-Za-z_]\w*)?$", tool):
+            raise ValueError(
+                f"`agents[{index}]['tools']` names {tool!r}, which is neither an importable name "
+                "('package.module:function') nor an environment method's name."
+            )
+    return list(tools)
 
 
 def agent_base_keys(agent: dict, index: int) -> dict:

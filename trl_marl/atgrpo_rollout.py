@@ -32,7 +32,9 @@ from .rollout import (
     Sample,
     TransitionError,
     checked_next_turn,
+    generated_rows,
     transition_name,
+    with_observation,
 )
 from .rows import check_group_layout
 from .scheduling import Prompt, Said
@@ -49,6 +51,7 @@ class EpisodeBranch:
     position: int  # which of the G copies
     observations: list[Prompt]  # per agent: the task prompt of this turn, before scheduler and role
     state: Any = None  # the task's environment state (`Task.reset` / `Task.step`); one object per branch
+    environment: Any = None  # the episode's environment (`environment_factory=`); one object per branch
     history: list[Said] = field(default_factory=list)
     latest: dict[str, str] = field(default_factory=dict)  # every agent's latest chosen answer
     done: bool = False
@@ -141,11 +144,12 @@ class ATGRPORollout(EpisodeRollout):
         for row, example in enumerate(examples):
             copy_index = first_copy + row
             state = self.reset(example)  # must depend on the row only: every copy starts from the same state
-            observations = [example["prompt"]] * self.num_agents
+            environment, observation = self.environment(example) if self.environment else (None, None)
+            observations = [with_observation(example["prompt"], observation)] * self.num_agents
             branches.append(
                 EpisodeBranch(example, copy_index // num_generations, copy_index % num_generations, observations)
             )
-            branches[-1].state = state
+            branches[-1].state, branches[-1].environment = state, environment
         candidates: list[Candidate] = []
         chosen: dict[GroupKey, tuple[int, float, float]] = {}  # group -> (position, reward, team reward)
         for turn in range(self.num_turns):
@@ -176,11 +180,12 @@ class ATGRPORollout(EpisodeRollout):
 
     def _generate_phase(self, phase, branches, seen, generate) -> dict[int, list[tuple]]:
         """Every agent of `phase` samples one candidate in every branch, in one `generate` call. Returns, per agent,
-        one `(model_input, prompt_ids, completion_ids, text)` per branch."""
+        one `(model_input, prompt_ids, completion_ids, text, tool_mask, environment)` per branch: each candidate acts
+        on its own copy of its branch's environment (when there is one)."""
         if not branches:
             return {agent: [] for agent in phase}
         names = self.agent_names
-        model_inputs, agents = [], []
+        model_inputs, agents, environments = [], [], []
         for agent in phase:
             for branch, current in zip(branches, seen):
                 prompt = self.scheduler.observe(
@@ -188,7 +193,11 @@ class ATGRPORollout(EpisodeRollout):
                 )
                 model_inputs.append(self.settings.agent_input(agent, prompt))
                 agents.append(agent)
-        rows = list(zip(model_inputs, *generate(model_inputs, agents)))
+                environments.append(copy.deepcopy(branch.environment))
+        options = {"environments": environments} if self.environment else {}
+        generated = generated_rows(generate(model_inputs, agents, **options))
+        tool_masks = generated.tool_masks or [None] * len(model_inputs)
+        rows = list(zip(model_inputs, *generated[:3], tool_masks, environments))
         return {agent: rows[k * len(branches) : (k + 1) * len(branches)] for k, agent in enumerate(phase)}
 
     def _candidates(self, turn, agent, branches, generated, score, local_score) -> list[Candidate]:
@@ -197,7 +206,7 @@ class ATGRPORollout(EpisodeRollout):
             return []
         names = self.agent_names
         states, joint_actions, samples = [], [], []
-        for branch, (model_input, ids, completion, text) in zip(branches, generated):
+        for branch, (model_input, ids, completion, text, tool_mask, environment) in zip(branches, generated):
             state = self.step(copy.deepcopy(branch.state), names[agent], text, turn)
             states.append(state)
             node = (branch.episode, turn, agent)
@@ -211,10 +220,22 @@ class ATGRPORollout(EpisodeRollout):
                     completion_ids={names[agent]: completion},
                     said={names[agent]: text},
                     state=state,
+                    environment=environment,
                 )
             )
             samples.append(
-                Sample(turn, node, branch.position, agent, model_input, ids, completion, text, example=branch.example)
+                Sample(
+                    turn,
+                    node,
+                    branch.position,
+                    agent,
+                    model_input,
+                    ids,
+                    completion,
+                    text,
+                    example=branch.example,
+                    tool_mask=tool_mask,
+                )  # fmt: skip
             )
         rewards_per_func = score(joint_actions)
         team = team_rewards(rewards_per_func, self.settings.reward_weights)
@@ -234,13 +255,21 @@ class ATGRPORollout(EpisodeRollout):
         name = self.agent_names[agent]
         table = gather(
             [
-                (c.sample.node, c.sample.position, c.reward, c.team_reward, c.sample.text, c.state)
+                (
+                    c.sample.node,
+                    c.sample.position,
+                    c.reward,
+                    c.team_reward,
+                    c.sample.text,
+                    c.state,
+                    c.joint_action.environment,
+                )  # fmt: skip
                 for c in step_candidates
             ]
         )
         groups = defaultdict(dict)
-        for node, position, reward, team, text, state in table:
-            groups[node][position] = (reward, team, text, state)
+        for node, position, reward, team, text, state, environment in table:
+            groups[node][position] = (reward, team, text, state, environment)
         winners = {}
         for node in sorted(groups):
             members = groups[node]
@@ -250,10 +279,11 @@ class ATGRPORollout(EpisodeRollout):
             chosen[node] = (positions[k], members[positions[k]][0], members[positions[k]][1])
         for i in active:
             branch = branches[i]
-            _, _, text, state = winners[(branch.episode, turn, agent)]
+            _, _, text, state, environment = winners[(branch.episode, turn, agent)]
             branch.latest[name] = text
             said_this_turn[i][name] = text
             branch.state = copy.deepcopy(state)  # one object per branch: no branch shares (or keeps) a stale state
+            branch.environment = copy.deepcopy(environment)
 
     # ------------------------------------------------------------------ between turns
 

@@ -32,7 +32,9 @@ from .rollout import (
     Sample,
     TransitionError,
     checked_next_turn,
+    generated_rows,
     transition_name,
+    with_observation,
 )
 from .rows import _local, check_group_layout
 from .scheduling import Prompt, Said
@@ -56,6 +58,9 @@ class TreeSlot:
     node: NodeKey
     position: int  # g: which of the node's G completions per agent
     branch: TreeBranch
+    # the slot's own environment (`environment_factory=`): a root slot's made for it, a child slot's a copy of its
+    # parent joint action's, so that siblings never see each other's tool calls
+    environment: Any = None
 
 
 class TreeRollout(EpisodeRollout):
@@ -94,6 +99,12 @@ class TreeRollout(EpisodeRollout):
                 "`joint_mode='aligned'`."
             )
         self.joint_actions_per_node = num_generations if joint_mode == "aligned" else num_generations**self.num_agents
+        if self.environment is not None and joint_mode == "cross":
+            raise ValueError(
+                "`joint_mode='cross'` recombines completions sampled in different episodes, which an environment "
+                "(`environment_factory=`) cannot follow: each completion's tool calls changed its own episode's "
+                "environment. Use `joint_mode='aligned'`."
+            )
 
     def run(
         self,
@@ -115,14 +126,13 @@ class TreeRollout(EpisodeRollout):
         """
         num_generations, num_agents = self.num_generations, self.num_agents
         check_group_layout(examples, first_copy, num_generations, gather)
-        slots = [
-            TreeSlot(
-                node=(0, -1, (first_copy + row) // num_generations),
-                position=(first_copy + row) % num_generations,
-                branch=TreeBranch(example, [example["prompt"]] * num_agents, [], -1, state=self.reset(example)),
-            )
-            for row, example in enumerate(examples)
-        ]
+        slots = []
+        for row, example in enumerate(examples):
+            environment, observation = self.environment(example) if self.environment else (None, None)
+            task_prompt = with_observation(example["prompt"], observation)
+            branch = TreeBranch(example, [task_prompt] * num_agents, [], -1, state=self.reset(example))
+            node = (0, -1, (first_copy + row) // num_generations)
+            slots.append(TreeSlot(node, (first_copy + row) % num_generations, branch, environment))
         samples, joint_actions = [], []
         for turn in range(self.num_turns):
             if turn > 0 and not slots:  # turn 0 runs on every process: its groups may span them
@@ -170,11 +180,16 @@ class TreeRollout(EpisodeRollout):
                     )
                     model_inputs.append(self.settings.agent_input(agent, observed))
                     rows.append((i, agent))
-            prompt_ids, completion_ids, texts = generate(model_inputs, [agent for _, agent in rows])
-            for (i, agent), *values in zip(rows, model_inputs, prompt_ids, completion_ids, texts):
+            agents = [agent for _, agent in rows]
+            environments = {"environments": [slots[i].environment for i, _ in rows]} if self.environment else {}
+            generated = generated_rows(generate(model_inputs, agents, **environments))
+            tool_masks = generated.tool_masks or [None] * len(rows)
+            for (i, agent), *values, tool_mask in zip(
+                rows, model_inputs, generated.prompt_ids, generated.completion_ids, generated.texts, tool_masks
+            ):
                 slot = slots[i]
                 per_slot[i][agent] = Sample(
-                    turn, slot.node, slot.position, agent, *values, example=slot.branch.example
+                    turn, slot.node, slot.position, agent, *values, example=slot.branch.example, tool_mask=tool_mask
                 )
         return per_slot
 
@@ -193,7 +208,9 @@ class TreeRollout(EpisodeRollout):
                 state = copy.deepcopy(state)  # the joint action's own: its child branches continue from it
                 for name, text in said.items():
                     state = self.step(state, name, text, turn)
-            return JointAction(turn, slot.node, index, slot.branch, latest, completion_ids, said, state=state)
+            joint_action = JointAction(turn, slot.node, index, slot.branch, latest, completion_ids, said, state=state)
+            joint_action.environment = slot.environment  # aligned: the slot's own (cross has none)
+            return joint_action
 
         if self.joint_mode == "aligned":
             return [joint_action(slot, slot.position, samples) for slot, samples in zip(slots, per_slot)]
@@ -257,7 +274,8 @@ class TreeRollout(EpisodeRollout):
                 joint_action.completions,
                 state=joint_action.state,
             )
-            slots += [TreeSlot(node, g, branch) for g in range(self.num_generations)]
+            environments = [copy.deepcopy(joint_action.environment) for _ in range(self.num_generations)]
+            slots += [TreeSlot(node, g, branch, environments[g]) for g in range(self.num_generations)]
         return slots
 
     def _next_turn(self, joint_action: JointAction) -> tuple[list[Prompt], bool]:

@@ -8,7 +8,7 @@ runs a saved team (`load_team`) and is tested with stand-ins.
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from trl.trainer.utils import get_callable_name
@@ -36,6 +36,9 @@ class RolloutSettings:
         reset: `f(example)` → a problem's initial environment state (None: the task keeps none).
         step: `f(state, agent_name, text, turn)` → the state after that agent said `text` (on a private copy).
         success: `f(example, state, completions)` → whether an episode succeeded, or None when undefined (AT-GRPO).
+        environment: `f(example)` → `(environment, observation)`: a new episode's own environment, reset with the
+            row (`environment_factory=`, `tool_calling.py`), and what its `reset` returned (None, or text added to
+            the task prompt); None without one.
     """
 
     agent_names: list[str]
@@ -50,6 +53,7 @@ class RolloutSettings:
     reset: Callable[[dict], Any] | None = None
     step: Callable[..., Any] | None = None
     success: Callable[..., bool | None] | None = None
+    environment: Callable[[dict], tuple[Any, Any]] | None = None
 
     @property
     def num_agents(self) -> int:
@@ -79,7 +83,33 @@ class EpisodeRollout:
         self.num_turns = settings.num_turns
         self.scheduler = settings.scheduler
         self.reset = settings.reset or (lambda example: None)
+        self.environment = settings.environment
         self.phases = scheduled_phases(self.scheduler, self.num_agents, self.num_turns)
+
+
+class Generated(NamedTuple):
+    """What a rollout's `generate` hook returns, per row: the prompt's ids, the completion's ids and text, and (when
+    the row's agent called tools) its tool mask: 0 on the tokens of tool results, 1 on the model's own."""
+
+    prompt_ids: list
+    completion_ids: list
+    texts: list
+    tool_masks: list | None = None
+
+
+def generated_rows(result: tuple) -> Generated:
+    """A `generate` hook's result as `Generated` (a plain `(prompt_ids, completion_ids, texts)` has no tool masks)."""
+    return result if isinstance(result, Generated) else Generated(*result)
+
+
+def with_observation(prompt: Prompt, observation: Any) -> Prompt:
+    """The task prompt with what an environment's `reset` returned added to it, as TRL adds it: to the last message's
+    content (or the text)."""
+    if observation is None:
+        return prompt
+    if isinstance(prompt, str):
+        return prompt + str(observation)
+    return [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + str(observation)}]
 
 
 class TransitionError(RuntimeError):
@@ -110,6 +140,7 @@ class Sample:
     advantage: float = 0.0
     group: int = -1  # global index of the node (in sorted node-key order), the same on every process
     example: dict = field(default_factory=dict, repr=False)  # the dataset row
+    tool_mask: list[int] | None = None  # 0 on tool results' tokens (out of the loss), when the agent called tools
 
 
 @dataclass
@@ -128,6 +159,7 @@ class JointAction:
     done: bool = False  # the transition ended the episode here
     terminated: bool = False  # early termination: its node's mean reward reached the threshold
     state: Any = None  # AT-GRPO: the task's environment state after this action (a private copy)
+    environment: Any = None  # the episode's environment (`environment_factory=`) after this action, its own copy
 
 
 @dataclass

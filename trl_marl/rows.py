@@ -146,6 +146,16 @@ def padding_loss_scale(
     return 1.0
 
 
+def tool_masks(samples: list, pad_to_multiple_of: int | None, device: torch.device) -> torch.Tensor:
+    """The rows' tool masks (`Sample.tool_mask`: 0 on tool results' tokens; a row without one, all 1), right-padded
+    with 1 as TRL pads them (the completion mask zeroes the padding)."""
+    masks = [
+        torch.tensor(s.tool_mask if s.tool_mask is not None else [1] * len(s.completion_ids), dtype=torch.long)
+        for s in samples
+    ]
+    return pad(masks, padding_value=1, padding_side="right", pad_to_multiple_of=pad_to_multiple_of).to(device)
+
+
 def pad_samples(
     prompt_ids_list: list[list[int]],
     completion_ids_list: list[list[int]],

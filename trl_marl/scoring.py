@@ -44,7 +44,9 @@ class TeamScoring:
 
         Reward functions get the dataset prompt, each joint action as a mapping agent -> text, and as kwargs the
         dataset columns, `completion_ids` (agent -> ids), `turn`, `history` (the earlier joint actions of the
-        branch), `state` (AT-GRPO, when the task keeps one) and TRL's `trainer_state`, `log_extra`, `log_metric`.
+        branch), `state` (AT-GRPO, when the task keeps one), `environments` (each joint action's episode environment,
+        with `environment_factory=`; TRL's `get_reward` of the environment reads them) and TRL's `trainer_state`,
+        `log_extra`, `log_metric`.
         """
         if not joint_actions:
             return torch.zeros(0, len(self.reward_funcs))
@@ -54,6 +56,8 @@ class TeamScoring:
                 row["state"] = ja.state
         columns = [key for key in rows[0] if key not in ("prompt", "completion", "completion_ids")]
         call = {key: [row[key] for row in rows] for key in columns}
+        if any(ja.environment is not None for ja in joint_actions):  # `environment_factory=`: as TRL passes them
+            call["environments"] = [ja.environment for ja in joint_actions]
         call.update(
             prompts=[row["prompt"] for row in rows],
             completions=[ja.completions for ja in joint_actions],

@@ -31,6 +31,7 @@ from .rows import PER_ROW_LOSS_TYPES
 from .scoring import TeamScoring
 from .team_bases import TeamBase, other_base, plan_bases, prepare_base, register_bases
 from .team_generation import TeamGeneration, position_limit
+from .tool_calling import episode_environments, team_tool_calling
 from .vllm_generation import SamplingCorrection, team_vllm_engine
 
 
@@ -191,6 +192,8 @@ def assemble_parts(trainer: Any, team: TeamModels, use_vllm: bool, sharding: str
                 trainer.vllm_importance_sampling_clip_min,
                 trainer.vllm_importance_sampling_clip_max,
             )
+    limit = position_limit(trainer.model.config, args.vllm_max_model_length if use_vllm else None)
+    tools, environment_factory = trainer._team_tools or (None, None)
     generation = TeamGeneration(
         router,
         team.agent_adapters,
@@ -198,9 +201,12 @@ def assemble_parts(trainer: Any, team: TeamModels, use_vllm: bool, sharding: str
         tokenize=lambda *call: trainer._tokenize_prompts(*call),
         generate_single_turn=lambda *call: trainer._generate_single_turn(*call),
         processing_class=trainer.processing_class,
-        position_limit=position_limit(trainer.model.config, args.vllm_max_model_length if use_vllm else None),
+        position_limit=limit,
         max_completion_length=trainer.max_completion_length,
         sampling_correction=sampling_correction,
+        tool_calling=(
+            team_tool_calling(trainer, args, tools, environment_factory, limit[0]) if trainer._team_tools else None
+        ),
     )
     profile = functools.partial(profiling_context, trainer)
     scoring = TeamScoring(
@@ -249,6 +255,7 @@ def assemble_parts(trainer: Any, team: TeamModels, use_vllm: bool, sharding: str
         transition=trainer.transition,
         agent_input=functools.partial(_agent_input, roles, chat),
         scheduler=trainer.scheduler,
+        environment=episode_environments(environment_factory) if environment_factory is not None else None,
     )
     return TeamParts(
         router,

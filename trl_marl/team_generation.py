@@ -16,7 +16,9 @@ from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
 from .captured_decode import CapturedDecoder
+from .rollout import Generated
 from .routing import AdapterRouter, rows_to_adapters
+from .tool_calling import ToolCalling, ToolRow
 
 
 class TeamGeneration:
@@ -33,6 +35,8 @@ class TeamGeneration:
             limit it is and the field that sets it; `(None, ..)` for no limit.
         max_completion_length: the longest completion.
         sampling_correction: keeps vLLM's log-probs of each row when TRL's correction applies (None without vLLM).
+        tool_calling: the agents' tools and TRL's tool loop (`ToolCalling`), when the trainer was given tools or an
+            environment; None otherwise.
     """
 
     def __init__(
@@ -47,32 +51,87 @@ class TeamGeneration:
         position_limit: tuple[int | None, str, str],
         max_completion_length: int,
         sampling_correction=None,
+        tool_calling: "ToolCalling | None" = None,
     ):
         self.router, self.agent_adapters, self.agent_names = router, list(agent_adapters), list(agent_names)
         self.tokenize, self.generate_single_turn = tokenize, generate_single_turn
         self.processing_class = processing_class
         self.position_limit, self.max_completion_length = position_limit, max_completion_length
         self.sampling_correction = sampling_correction
+        self.tool_calling = tool_calling
 
     def route(self, agent_index: torch.Tensor | Sequence[int]) -> None:
         """Route each row to its agent's adapter (`routing.rows_to_adapters`; `BASE_ROW` to the base model alone)."""
         self.router.route(rows_to_adapters(agent_index, self.agent_adapters))
 
-    def generate(self, model_inputs: list, agent_index: list[int], num_generations: int):
-        """Per row: prompt ids, completion ids and text, each row generated through its agent's adapter."""
+    def generate(self, model_inputs: list, agent_index: list[int], num_generations: int, environments=None):
+        """Per row: prompt ids, completion ids and text, each row generated through its agent's adapter. With tools
+        (`tool_calling`), each row's agent's tools (and those of its episode's environment, `environments[i]`) are
+        rendered into its prompt and its calls run, the row going on after their results (`tool_calling.ToolLoop`):
+        `Generated` with each row's tool mask."""
+        tools = self.tool_calling
+        if tools is not None and any(tools.team.uses_tools(agent) for agent in agent_index):
+            return self._generate_with_tools(model_inputs, agent_index, num_generations, environments)
+        prompt_ids, completion_ids, logprobs = self._routed_call(model_inputs, agent_index, num_generations)
+        if logprobs is not None and self.sampling_correction is not None:  # vLLM's
+            self.sampling_correction.record(agent_index, prompt_ids, completion_ids, logprobs)
+        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
+        return [list(ids) for ids in prompt_ids], completion_ids, texts
+
+    def _routed_call(self, model_inputs, agent_index, num_generations, prompt_ids=None):
+        """One routed call: the prompts tokenized (TRL's `_tokenize_prompts`, unless `prompt_ids` are given), checked
+        and generated. `(prompt ids, completion ids, log-probs or None)`."""
         self.route(agent_index)
         try:
-            prompt_ids, images, multimodal_fields = self.tokenize(model_inputs)
+            images, multimodal_fields = None, {}
+            if prompt_ids is None:
+                prompt_ids, images, multimodal_fields = self.tokenize(model_inputs)
             self.check_prompt_lengths(prompt_ids, agent_index)
             completion_ids, logprobs = self.generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations
             )
         finally:
             self.router.route(None)
-        if logprobs is not None and self.sampling_correction is not None:  # vLLM's
-            self.sampling_correction.record(agent_index, prompt_ids, completion_ids, logprobs)
-        texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
-        return [list(ids) for ids in prompt_ids], completion_ids, texts
+        return prompt_ids, completion_ids, logprobs
+
+    def _generate_with_tools(self, model_inputs, agent_index, num_generations, environments):
+        tools = self.tool_calling
+        environments = environments or [None] * len(agent_index)
+        row_tools = [tools.team.of(agent, environment) for agent, environment in zip(agent_index, environments)]
+        prompt_ids = tools.render(model_inputs, row_tools)
+        prompt_ids, completion_ids, logprobs = self._routed_call(
+            model_inputs, agent_index, num_generations, prompt_ids
+        )
+        rows = [
+            ToolRow(
+                agent,
+                list(conversation),
+                list(ids),
+                list(completion),
+                tools_of_row,
+                None if logprobs is None else list(logprobs[row]),
+            )  # fmt: skip
+            for row, (agent, conversation, ids, completion, tools_of_row) in enumerate(
+                zip(agent_index, model_inputs, prompt_ids, completion_ids, row_tools)
+            )
+        ]
+        with_tools = [row for row in rows if row.tools]
+
+        def more(sequences, agents):  # a round of the loop: one routed call over the rows that go on
+            _, more_ids, more_logprobs = self._routed_call(None, agents, 1, sequences)
+            return more_ids, more_logprobs
+
+        stats = tools.loop(more).run(with_tools)
+        tools.record([row.agent for row in with_tools], stats)
+        completion_ids = [row.completion_ids for row in rows]
+        if logprobs is not None and self.sampling_correction is not None:
+            self.sampling_correction.record(agent_index, prompt_ids, completion_ids, [row.logprobs for row in rows])
+        texts = [
+            row.answer if row.tools else self.processing_class.decode(row.completion_ids, skip_special_tokens=True)
+            for row in rows
+        ]
+        tool_masks = [row.tool_mask if row.tools else None for row in rows]
+        return Generated([list(ids) for ids in prompt_ids], completion_ids, texts, tool_masks)
 
     def check_prompt_lengths(self, prompt_ids: list[list[int]], agent_index: list[int]) -> None:
         """A prompt that leaves no room for `max_completion_length` new tokens within the model's positions is an

@@ -32,6 +32,7 @@ from datasets import Dataset, IterableDataset
 from transformers import PreTrainedTokenizerBase, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import GRPOTrainer
+from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
 from trl.models.utils import disable_gradient_checkpointing
 
 from .agents import adapter_parameters, check_adapters_train
@@ -50,7 +51,7 @@ from .metrics import log_joint_actions, log_rollout_metrics
 from .reward_checks import TeamRewardFunc
 from .rollout import Rollout, Sample, default_transition
 from .routing import BASE_ROW
-from .rows import pad_rows, pad_samples, padding_loss_scale
+from .rows import pad_rows, pad_samples, padding_loss_scale, tool_masks
 from .scheduling import resolve_scheduler, scheduled_phases
 from .sharing import card_example, card_settings, push_team_files, save_team, team_card, trained_team_spec
 from .team import local_base_paths
@@ -64,6 +65,7 @@ from .team_bases import (
 )
 from .team_generation import captured_single_turn
 from .team_inputs import resolve_team_inputs
+from .tool_calling import check_tool_settings, prepare_tool_tokenizer
 
 logger = logging.getLogger("trl_marl")
 
@@ -115,6 +117,8 @@ class TeamTrainer(GRPOTrainer):
         scheduler=None,
         task=None,
         base_models: dict | None = None,
+        tools: list[Callable] | None = None,
+        environment_factory: Callable | None = None,
     ):
         config_class = self._config_class
         if config_class is TeamConfig:
@@ -158,6 +162,10 @@ class TeamTrainer(GRPOTrainer):
         # adapter exists. model_init_kwargs were used above; TRL would warn that they are ignored. TRL's own vLLM
         # engine would serve one policy: the team's engine is built below instead, so TRL's init runs without vLLM.
         beta, model_init_kwargs, use_vllm = args.beta, args.model_init_kwargs, args.use_vllm
+        calls_tools = bool(tools or environment_factory or any(agent.get("tools") for agent in args.agents))
+        if calls_tools:  # the base renders tools and reads calls back before TRL's init looks (`tool_templates`)
+            check_tool_settings(args, environment_factory, len(team.plans), getattr(self, "episode", None))
+            processing_class = prepare_tool_tokenizer(processing_class, model, args)
         args.beta, args.model_init_kwargs, args.use_vllm = 0.0, None, False
         try:
             super().__init__(
@@ -169,9 +177,15 @@ class TeamTrainer(GRPOTrainer):
                 processing_class=processing_class,
                 callbacks=callbacks,
                 optimizers=optimizers,
+                tools=tools,
+                environment_factory=environment_factory,
             )
         finally:
             args.beta, args.model_init_kwargs, args.use_vllm = beta, model_init_kwargs, use_vllm
+        if calls_tools and not self.tools and not is_chat_template_prefix_preserving(self.processing_class):
+            # agents' own tools only: what TRL does for `tools=`, so the loop's suffixes follow the rendering
+            self.chat_template = get_training_chat_template(self.processing_class)
+        self._team_tools = (tools, environment_factory) if calls_tools else None
         self.beta, self.use_vllm = beta, use_vllm
 
         deepspeed_plugin = self.accelerator.state.deepspeed_plugin
@@ -550,6 +564,13 @@ class TeamTrainer(GRPOTrainer):
         output = self._pad_samples(
             [s.prompt_ids for s in samples], [s.completion_ids for s in samples], no_loss, [s.agent for s in samples]
         )
+        if any(s.tool_mask is not None for s in samples):  # tool results' tokens out of the loss, as TRL masks them
+            output["tool_mask"] = tool_masks(samples, self.pad_to_multiple_of, device)
+            loss_tokens = (output["completion_mask"] * output["tool_mask"]).sum()
+            output["num_items_in_batch"] = self.accelerator.gather(loss_tokens).sum()
+        if self.team_generation.tool_calling is not None:
+            for name, value in self.team_generation.tool_calling.take_metrics(self.agent_names).items():
+                self._metrics[mode][name].append(value)
         output["advantages"] = torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=device)
         if no_loss:
             output["advantages"].zero_()
