@@ -9,7 +9,7 @@ from peft import LoraConfig
 from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
-from trl_marl import MAGRPOConfig, MAGRPOTrainer
+from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer
 from trl_marl.tool_templates import CHATML_TOOLS, prepare_response_parsing, tool_chat_template
 
 PROMPTS = ["Add 2 and 3.", "Add 4 and 4.", "Add 1 and 6.", "Add 5 and 2."]
@@ -104,3 +104,166 @@ def test_one_agent_with_tools_trains_exactly_as_grpo_trainer_with_the_same_tools
     assert moved > 1e-3
     for name in trl_final:
         torch.testing.assert_close(as_trl[name], trl_final[name], rtol=0, atol=1e-6)
+
+
+class Notebook:
+    """An environment whose tool changes its state: `write` appends a word to the episode's notes."""
+
+    def reset(self, **row):
+        self.notes = []
+        return None
+
+    def write(self, word: str) -> str:
+        """Write a word in the notes.
+
+        Args:
+            word: The word.
+        """
+        self.notes.append(word)
+        return f"noted {word}"
+
+    def get_reward(self) -> float:
+        return float(len(self.notes))
+
+
+def scripted_writer(tokenizer):
+    """Every row without a tool result calls `write` with a word of its own (`w0`, `w1`, ... in call order); after a
+    result, it answers."""
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    counter = iter(range(10_000))
+
+    def generate(prompt_ids, *args, **kwargs):
+        completions = []
+        for ids in prompt_ids:
+            if "<tool_response>" in tokenizer.decode(ids[-30:]):
+                completions.append(tokenizer("Done.", add_special_tokens=False)["input_ids"] + [eos])
+            else:
+                call = f'<tool_call>\n{{"name": "write", "arguments": {{"word": "w{next(counter)}"}}}}\n</tool_call>'
+                completions.append(tokenizer(call, add_special_tokens=False)["input_ids"] + [eos])
+        return completions, None
+
+    return generate
+
+
+def notebook_trainer(trainer_cls, config_cls, model_dir, tmp_path, reward=None, **extra):
+    args = config_cls(
+        output_dir=str(tmp_path), agents=["first", "second"], per_device_train_batch_size=2, num_generations=2,
+        max_completion_length=64, max_steps=1, learning_rate=1e-3, report_to="none", save_strategy="no",
+        use_cpu=True, bf16=False, **extra,
+    )  # fmt: skip
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Take notes."}]] * 2})
+    tokenizer = tool_tokenizer(model_dir)
+    trainer = trainer_cls(
+        model_dir, reward, args=args, train_dataset=dataset, processing_class=tokenizer, environment_factory=Notebook
+    )
+    trainer._generate_single_turn = scripted_writer(tokenizer)
+    kept, rollout = [], trainer._rollout
+    trainer._rollout = lambda *a, **k: kept.append(rollout(*a, **k)) or kept[-1]
+    return trainer, kept
+
+
+def words(environment) -> list[int]:
+    return [int(word[1:]) for word in environment.notes]
+
+
+def test_a_magrpo_trees_branches_each_act_on_their_own_copy_of_the_episodes_environment(tiny_model_dir, tmp_path):
+    trainer, kept = notebook_trainer(MAGRPOTrainer, MAGRPOConfig, tiny_model_dir, tmp_path, num_turns=2)
+    trainer.train()
+    joint_actions = kept[0].joint_actions
+    by_index = dict(enumerate(joint_actions))
+    roots = [ja for ja in joint_actions if ja.turn == 0]
+    children = [ja for ja in joint_actions if ja.turn == 1]
+    assert len(roots) == 2 and len(children) == 4
+    for root in roots:  # both agents of an episode wrote in its one environment
+        assert len(words(root.environment)) == 2
+    assert not set(words(roots[0].environment)) & set(words(roots[1].environment))
+    for node in {ja.node for ja in children}:
+        siblings = [ja for ja in children if ja.node == node]
+        parent = by_index[siblings[0].branch.parent]
+        own = []
+        for sibling in siblings:  # the parent's notes, then its own two words only
+            assert words(sibling.environment)[:2] == words(parent.environment)
+            own.append(set(words(sibling.environment)[2:]))
+            assert len(own[-1]) == 2
+        assert not own[0] & own[1]  # siblings never see each other's writes
+    assert len(words(parent.environment)) == 2  # forking copied the environment: the parent's stayed as it was
+
+
+def test_at_grpo_candidates_act_on_their_own_copies_and_the_episode_continues_from_the_chosen_one(
+    tiny_model_dir, tmp_path
+):
+    trainer, kept = notebook_trainer(
+        ATGRPOTrainer,
+        ATGRPOConfig,
+        tiny_model_dir,
+        tmp_path,
+        reward=lambda completions, **kw: [0.0] * len(completions),
+    )
+    trainer.train()
+    candidates = kept[0].joint_actions
+    first = [ja for ja in candidates if ja.node[2] == 0]
+    second = [ja for ja in candidates if ja.node[2] == 1]
+    assert len(first) == len(second) == 2  # two copies (candidates) of one problem, per agent
+    assert [len(words(ja.environment)) for ja in first] == [1, 1]
+    assert words(first[0].environment) != words(first[1].environment)  # each candidate wrote in its own copy
+    chosen = words(second[0].environment)[:1]  # the second agent acts from the first's chosen candidate's notes
+    assert chosen in [words(ja.environment) for ja in first]  # (the agents share a phase: they act in turn)
+    for ja in second:  # both its candidates from that one, each on its own copy
+        assert words(ja.environment)[:1] == chosen and len(words(ja.environment)) == 2
+    assert words(second[0].environment)[1] != words(second[1].environment)[1]
+
+
+def test_an_environments_get_reward_is_a_team_reward_source(tiny_model_dir, tmp_path):
+    trainer, kept = notebook_trainer(MAGRPOTrainer, MAGRPOConfig, tiny_model_dir, tmp_path)
+    assert trainer.reward_func_names[-1] == "Notebook"
+    trainer.train()
+    for joint_action in kept[0].joint_actions:  # one word per agent: get_reward is 2
+        assert joint_action.rewards_per_func[-1] == 2.0
+    assert trainer.state.log_history[0]["rewards/Notebook/mean"] == 2.0
+
+
+def test_an_agents_own_tools_are_rendered_only_into_its_prompts_and_run_only_for_it(tiny_model_dir, tmp_path):
+    args = MAGRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, max_completion_length=64,
+        max_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
+        agents=[{"name": "caller", "tools": ["test_tools:add"]}, {"name": "plain"}],
+    )  # fmt: skip
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Add 2 and 3."}]] * 2})
+    tokenizer = tool_tokenizer(tiny_model_dir)
+    trainer = MAGRPOTrainer(
+        tiny_model_dir, team_answer_reward_any, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
+    trainer._generate_single_turn = scripted(tokenizer)
+    kept, rollout = [], trainer._rollout
+    trainer._rollout = lambda *a, **k: kept.append(rollout(*a, **k)) or kept[-1]
+    trainer.train()
+    for sample in kept[0].samples:
+        prompt = tokenizer.decode(sample.prompt_ids)
+        assert ("# Tools" in prompt) == (sample.agent == 0)
+        assert (sample.tool_mask is not None) == (sample.agent == 0)
+    called = [s for s in kept[0].samples if s.agent == 0 and 0 in s.tool_mask]
+    assert called and all("<tool_response>\n5\n</tool_response>" in tokenizer.decode(s.completion_ids) for s in called)
+
+
+def team_answer_reward_any(prompts, completions, **kwargs):
+    return [float(len(completion["caller"])) for completion in completions]
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(environment_factory={"a": Notebook, "b": Notebook}), "dict of several environments"),
+        (dict(environment_factory=Notebook, joint_mode="cross"), "joint_mode='cross'"),
+        (dict(agents=[{"name": "solo", "tools": ["no_such_module:tool"]}]), "cannot be imported"),
+        (dict(agents=[{"name": "solo", "tools": ["spell"]}], environment_factory=Notebook), "neither methods"),
+    ],
+)
+def test_what_tools_cannot_do_in_a_team_is_refused_by_name(tiny_model_dir, tmp_path, settings, message):
+    config = {"agents": ["solo"], "joint_mode": "aligned", **settings}
+    factory = config.pop("environment_factory", None)
+    args = MAGRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, bf16=False, **config)
+    dataset = Dataset.from_dict({"prompt": ["Hi."]})
+    with pytest.raises(ValueError, match=message):
+        MAGRPOTrainer(
+            tiny_model_dir, team_answer_reward, args=args, train_dataset=dataset, environment_factory=factory
+        )

@@ -159,9 +159,14 @@ class ATGRPORollout(EpisodeRollout):
                 acting = [branches[i] for i in active]
                 # Agents of one phase do not see each other's answers: their prompts are fixed when the phase begins,
                 # so one generate call serves them all. Each is then scored and continued in turn, the next one from
-                # the state (and team answers) its predecessor's chosen candidate left.
-                generated = self._generate_phase(phase, acting, [said_this_turn[i] for i in active], generate)
+                # the state (and team answers) its predecessor's chosen candidate left. With an environment, each agent
+                # of the phase generates after its predecessor's choice (same prompts), its tool calls acting on the
+                # environment that choice left.
+                seen = [dict(said_this_turn[i]) for i in active]
+                generated = self._generate_phase(phase, acting, seen, generate) if not self.environment else {}
                 for agent in phase:
+                    if self.environment:  # its tool calls act on the environment its predecessor's choice left
+                        generated[agent] = self._generate_phase([agent], acting, seen, generate)[agent]
                     step_candidates = self._candidates(turn, agent, acting, generated[agent], score, local_score)
                     candidates += step_candidates
                     self._continue(turn, agent, active, branches, step_candidates, said_this_turn, chosen, gather)

@@ -152,6 +152,7 @@ TEAM_REWARD_ARGUMENTS = frozenset(
         "turn",
         "history",
         "state",
+        "environments",  # with `environment_factory=`: each joint action's episode environment
         "trainer_state",
         "log_extra",
         "log_metric",

@@ -12,11 +12,14 @@ from .reward_checks import (
 from .tasks import resolve_task
 
 
-def resolve_team_inputs(args, task, reward_funcs, train_dataset, eval_dataset, transition) -> tuple:
+def resolve_team_inputs(
+    args, task, reward_funcs, train_dataset, eval_dataset, transition, environment_rewards: bool = False
+) -> tuple:
     """`(task, reward_funcs, train_dataset, eval_dataset, transition)` of a trainer: the task (an object or plugin
     name) supplies what was not given (its eval split when evaluation is on); a reward given by name is a plugin.
-    Fails before any model loads when there is no reward, the transition is not callable, or a dataset lacks the
-    `prompt` column or a column that a reward, local reward or transition reads.
+    Fails before any model loads when there is no reward (unless `environment_rewards`: an environment may own it,
+    TRL's `get_reward`, which TRL's init then checks), the transition is not callable, or a dataset lacks the `prompt`
+    column or a column that a reward, local reward or transition reads.
     """
     # A task supplies what was not given: team rewards, training data, evaluation data, transition.
     task = resolve_task(task) if task is not None else None
@@ -32,7 +35,9 @@ def resolve_team_inputs(args, task, reward_funcs, train_dataset, eval_dataset, t
             "(its eval split is used), or set `eval_strategy='no'`."
         )
     reward_funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]
-    if not reward_funcs or reward_funcs == [None]:
+    if reward_funcs == [None]:
+        reward_funcs = []
+    if not reward_funcs and not environment_rewards:
         raise ValueError("`reward_funcs` is empty: give at least one team reward function (or a task).")
     # A name is a reward plugin (`trl-marl list rewards`).
     reward_funcs = [load_plugin("rewards", f) if isinstance(f, str) else f for f in reward_funcs]

@@ -133,7 +133,7 @@ class TeamTrainer(GRPOTrainer):
                 f"{config_class.__name__}(output_dir='out', agents=['concise', 'detailed'])."
             )
         task, reward_funcs, train_dataset, eval_dataset, transition = resolve_team_inputs(
-            args, task, reward_funcs, train_dataset, eval_dataset, transition
+            args, task, reward_funcs, train_dataset, eval_dataset, transition, environment_factory is not None
         )
         self.task = task
         self.transition = transition or default_transition
