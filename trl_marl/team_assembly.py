@@ -29,7 +29,7 @@ from .rollout import RolloutSettings
 from .routing import AdapterRouter, check_sharding_routable
 from .rows import PER_ROW_LOSS_TYPES
 from .scoring import TeamScoring
-from .team_bases import TeamBase, other_base, plan_bases, prepare_base, register_bases
+from .team_bases import TeamBase, other_base, plan_bases, prepare_base, register_bases, tokenize_text_prompts
 from .team_generation import TeamGeneration, position_limit
 from .tool_calling import episode_environments, team_tool_calling
 from .vllm_generation import SamplingCorrection, team_vllm_engine
@@ -205,7 +205,9 @@ def assemble_parts(trainer: Any, team: TeamModels, use_vllm: bool, sharding: str
         max_completion_length=trainer.max_completion_length,
         sampling_correction=sampling_correction,
         tool_calling=(
-            team_tool_calling(trainer, args, tools, environment_factory, limit[0]) if trainer._team_tools else None
+            team_tool_calling(trainer, args, tools, environment_factory, tokenize_text_prompts, limit[0])
+            if trainer._team_tools
+            else None
         ),
     )
     profile = functools.partial(profiling_context, trainer)

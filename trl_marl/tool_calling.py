@@ -252,6 +252,8 @@ class ToolCalling:
     Args:
         team: the agents' tools.
         tokenizer: the base's tokenizer (its chat template renders the tools, as TRL's `_tokenize_prompts`).
+        tokenize: `f(tokenizer, chat_template_kwargs, tools, prompts)` → `(prompt ids, ...)`: TRL's
+            `_tokenize_prompts` for text prompts (`team_bases.tokenize_text_prompts`).
         chat_template: TRL's `chat_template` (its training template, or None for the tokenizer's own).
         chat_template_kwargs: the config's.
         suffix_ids: TRL's `_get_tool_suffix_ids`.
@@ -262,6 +264,7 @@ class ToolCalling:
         self,
         team: TeamTools,
         tokenizer,
+        tokenize: Callable,
         chat_template: str | None,
         chat_template_kwargs: dict,
         suffix_ids: Callable,
@@ -270,7 +273,7 @@ class ToolCalling:
         max_model_length: int | None,
         async_loop=None,
     ):
-        self.team, self.tokenizer = team, tokenizer
+        self.team, self.tokenizer, self.tokenize = team, tokenizer, tokenize
         self.chat_template_kwargs = {
             **chat_template_kwargs,
             **({"chat_template": chat_template} if chat_template else {}),
@@ -284,15 +287,13 @@ class ToolCalling:
 
     def render(self, model_inputs: list, row_tools: list[list[Callable]]) -> list[list[int]]:
         """Each row's prompt ids, rendered with its own tools (rows with the same tools in one call)."""
-        from .team_bases import tokenize_text_prompts
-
         prompt_ids: list = [None] * len(model_inputs)
         by_tools: dict[tuple, list[int]] = {}
         for row, tools in enumerate(row_tools):
             by_tools.setdefault(tuple(tool.__name__ for tool in tools), []).append(row)
         for rows in by_tools.values():
             tools = row_tools[rows[0]] or None  # `or None`: some templates render tool boilerplate for `[]`
-            ids, _, _ = tokenize_text_prompts(
+            ids, _, _ = self.tokenize(
                 self.tokenizer, self.chat_template_kwargs, tools, [model_inputs[row] for row in rows]
             )
             for row, row_ids in zip(rows, ids):
@@ -403,7 +404,9 @@ def episode_environments(factory: Callable) -> Callable[[dict], tuple[Any, Any]]
     return environment
 
 
-def team_tool_calling(trainer, args, tools, environment_factory, max_model_length: int | None) -> ToolCalling:
+def team_tool_calling(
+    trainer, args, tools, environment_factory, tokenize: Callable, max_model_length: int | None
+) -> ToolCalling:
     """The trainer's `ToolCalling`: the agents' tools (the trainer's `tools=`, each agent's own, the environment's
     methods), rendered and parsed with TRL's template and helpers, run by TRL's loop settings."""
     environment_type = None
@@ -415,6 +418,7 @@ def team_tool_calling(trainer, args, tools, environment_factory, max_model_lengt
     return ToolCalling(
         team,
         trainer.processing_class,
+        tokenize,
         trainer.chat_template,
         trainer.chat_template_kwargs,
         trainer._get_tool_suffix_ids,
