@@ -76,6 +76,14 @@ def local_base_paths(models: Sequence[Any]) -> dict[str, str]:
     return paths
 
 
+def _tool_names(agent: dict) -> dict:
+    """An agent's `tools` as team.json records them: names (a function as its importable name), for the record: a
+    served team is given its tools by its clients."""
+    if not agent.get("tools"):
+        return {}
+    return {"tools": [tool if isinstance(tool, str) else importable_name(tool) for tool in agent["tools"]]}
+
+
 def team_spec(
     args: Any, adapters: list[str], base_model: str, transition: Callable, scheduler: Any, task: Any = None
 ) -> dict:
@@ -84,7 +92,9 @@ def team_spec(
         "format": TEAM_FORMAT,
         "algorithm": "AT-GRPO" if isinstance(args, ATGRPOConfig) else "MAGRPO",
         "base_model": base_model,
-        "agents": [{**agent, "adapter": adapter} for agent, adapter in zip(args.agents, adapters)],
+        "agents": [
+            {**agent, **_tool_names(agent), "adapter": adapter} for agent, adapter in zip(args.agents, adapters)
+        ],
         "adapter_mode": args.adapter_mode,
         "num_turns": args.num_turns,
         "joint_mode": getattr(args, "joint_mode", "aligned"),  # AT-GRPO's are MAGRPO's defaults

@@ -136,6 +136,8 @@ class TeamTrainer(GRPOTrainer):
             args, task, reward_funcs, train_dataset, eval_dataset, transition, environment_factory is not None
         )
         self.task = task
+        if environment_factory is None:  # a task's own environment (`tasks.math_tool_calls`)
+            environment_factory = getattr(task, "environment_factory", None)
         self.transition = transition or default_transition
         # Resolved and checked before any model loads: an unknown or broken scheduler plugin, or phases that list an
         # agent twice in a turn, fail here.

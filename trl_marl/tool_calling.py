@@ -69,7 +69,7 @@ class TeamTools:
         agent_tools: per agent, its own `tools` entry (callables, importable names, and the names of environment
             methods it keeps to; None: none of its own).
         environment_type: the class of `environment_factory()`'s environments (None without one); its methods are
-            every agent's tools unless an agent names some.
+            the tools of every agent without a `tools` entry; an agent with one has those it names.
     """
 
     def __init__(
@@ -98,7 +98,8 @@ class TeamTools:
                 )
             importable = [tool for tool in own if tool not in picked]
             self.standalone.append([*(tools or []), *(resolve_tool(tool, where) for tool in importable)])
-            self.methods.append(picked or methods)
+            # without a `tools` entry, every method of the environment; with one, those it names (`[]`: none)
+            self.methods.append(methods if agent_tools[index] is None else picked)
         self.has_environment = environment_type is not None
 
     def uses_tools(self, agent: int) -> bool:

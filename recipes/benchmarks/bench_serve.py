@@ -164,7 +164,7 @@ async def served_round(base_url: str, requests, tokens: int) -> tuple[float, int
     return seconds, sum(answer.usage.completion_tokens for answer in answers)
 
 
-# The story at least 400 characters long: every answer runs to `max_tokens` in both arms, so that they do the same work.
+# The story at least 400 characters long: every answer runs to `max_tokens` in both arms (the same work).
 STORY = {
     "type": "object",
     "properties": {"title": {"type": "string"}, "story": {"type": "string", "minLength": 400}},

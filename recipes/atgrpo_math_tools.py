@@ -1,0 +1,110 @@
+"""AT-GRPO on the CPU with the paper's tool + reasoner math team on real tool calls: the tool agent calls `run_python`,
+a tool of each episode's environment that runs its program in the sandbox; the reasoner answers after it.
+
+The built-in task `math_tool_calls` (trl_marl/tasks/math_tool_calls.py) with the embedded SmolLM2-135M-Instruct, one
+LoRA adapter per agent, a few steps, generated arithmetic word problems with exact answers. The tool agent's prompts
+carry the `run_python` tool (rendered by the ChatML tool template: SmolLM2's own drops tools), its calls run in each
+episode's own `PythonRunner` (bubblewrap sandbox, docs/sandbox.md), their results are masked out of its loss
+(docs/training.md, "Tools and environments"). Reward: half for a program run that printed the answer, half for the
+reasoner's correct final answer.
+
+    python recipes/atgrpo_math_tools.py                      # defaults below
+    python recipes/atgrpo_math_tools.py --without_tools      # the same team and reward, the program written as text
+
+Prints the held-out team reward before and after training and the median step time; writes
+`<output_dir>/results.json`. Every `ATGRPOConfig` / `GRPOConfig` field is a flag.
+"""
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from trl import TrlParser
+
+from trl_marl import ATGRPOConfig, ATGRPOTrainer, default_model_path
+from trl_marl.tasks import task_defaults
+from trl_marl.tasks.math_tool import TOOL_PROMPT
+from trl_marl.tasks.math_tool_calls import MathToolCalls
+
+
+@dataclass
+class RecipeArguments:
+    model_name_or_path: str | None = field(
+        default=None, metadata={"help": "Base model; defaults to the embedded SmolLM2-135M-Instruct."}
+    )
+    without_tools: bool = field(
+        default=False, metadata={"help": "No tools: the tool agent writes its program as text (the comparison arm)."}
+    )
+    eval_problems: int = field(default=8, metadata={"help": "Held-out problems for the figures."})
+
+
+def main() -> None:
+    parser = TrlParser((RecipeArguments, ATGRPOConfig))
+    on_gpu = torch.cuda.is_available()
+    parser.set_defaults(
+        **task_defaults(MathToolCalls()),
+        output_dir="outputs/atgrpo-math-tools",
+        num_generations=4,
+        per_device_train_batch_size=8,
+        per_device_eval_batch_size=8,
+        num_generations_eval=1,
+        max_completion_length=128,
+        max_tool_calling_iterations=2,
+        max_steps=8,
+        learning_rate=5e-4,
+        lr_scheduler_type="constant",
+        lora_r=16,
+        lora_alpha=32,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        use_cpu=not on_gpu,
+        gradient_checkpointing=on_gpu,
+    )
+    script_args, args = parser.parse_args_and_config()
+    task = MathToolCalls()
+    environment_factory = task.environment_factory
+    if script_args.without_tools:  # the comparison arm: no tools, the tool agent's program in its text
+        args.agents = [
+            {**agent, "tools": [], **({"system_prompt": TOOL_PROMPT} if agent["name"] == "tool" else {})}
+            for agent in args.agents
+        ]
+        environment_factory = None
+        task.environment_factory = None
+    eval_dataset = task.dataset("eval").select(range(script_args.eval_problems))
+    trainer = ATGRPOTrainer(
+        script_args.model_name_or_path or default_model_path(),
+        args=args,
+        task=task,
+        eval_dataset=eval_dataset,
+        environment_factory=environment_factory,
+    )
+    start = time.perf_counter()
+    before = trainer.evaluate()
+    print(f"Held-out team reward before training: {before['eval_reward']:.3f} ({len(eval_dataset)} problems)")
+    trainer.train()
+    after = trainer.evaluate()
+    trainer.save_model(args.output_dir)
+    step_times = [entry["step_time"] for entry in trainer.state.log_history if "step_time" in entry]
+    results = {
+        "tools": not script_args.without_tools,
+        "team_reward_before": before["eval_reward"],
+        "team_reward_after": after["eval_reward"],
+        "tool_calls_per_row_before": before.get("eval_tools/call_frequency"),
+        "tool_calls_per_row_after": after.get("eval_tools/call_frequency"),
+        "median_step_seconds": statistics.median(step_times[1:] or step_times),
+        "steps": trainer.state.global_step,
+        "minutes": (time.perf_counter() - start) / 60,
+    }
+    print(f"Held-out team reward after {trainer.state.global_step} steps: {after['eval_reward']:.3f}")
+    print(json.dumps(results, indent=2))
+    with open(os.path.join(args.output_dir, "results.json"), "w") as file:
+        json.dump(results, file, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The AT-GRPO paper's tool + reasoner math team on real tool calls: the `tool` agent calls `run_python(code)`, a
+tool of the episode's environment that runs the program in trl_marl's sandbox and returns what it printed; the
+`reasoner` then answers in words, seeing the tool agent's answer (`sequential` scheduler). One environment per
+episode (`PythonRunner`), shared by the two agents (docs/training.md, "Tools and environments").
+
+Reward (`math_tool_calls_reward`): half for a program the tool ran that printed the problem's answer (the episode's
+environment says which), half for a reasoner's final answer (`Answer: <number>`) equal to it; answers compared exactly
+(`math_tool.parse_number`). Problems: `math_tool`'s generated arithmetic word problems (offline, seeded).
+
+The tool agent decides whether to call the tool, as TRL's tool loop lets any model: nothing forces a call.
+"""
+
+from __future__ import annotations
+
+from datasets import Dataset
+
+from .base import Task
+from .completions import completion_text
+from .math_tool import (
+    REASONER,
+    REASONER_PROMPT,
+    TOOL,
+    _correct,
+    agent_answer,
+    arithmetic_dataset,
+    final_answer,
+    run_tool,
+)
+
+TOOL_CALLS_PROMPT = (
+    "You solve math word problems with Python. Call the run_python tool with a complete program that prints only the "
+    "final answer (a whole number, or an exact fraction with fractions.Fraction). Then reply `Answer: <number>` with "
+    "what it printed."
+)
+TOOL_CALLS_AGENTS = [
+    {"name": TOOL, "system_prompt": TOOL_CALLS_PROMPT, "tools": ["run_python"]},
+    {"name": REASONER, "system_prompt": REASONER_PROMPT, "tools": []},
+]
+
+
+class PythonRunner:
+    """An episode's environment: `run_python` runs a program in trl_marl's sandbox (`math_tool.run_tool`: bubblewrap,
+    10 s) and keeps the answer the last run printed (`printed`)."""
+
+    def reset(self, **row) -> None:
+        self.printed = None  # the answer the last program printed (a Fraction), or None
+        self.runs = 0
+
+    def run_python(self, code: str) -> str:
+        """Run a Python program and return what it printed.
+
+        Args:
+            code: A complete Python program that prints only the final answer.
+        """
+        self.runs += 1
+        self.printed, happened = run_tool(f"```python\n{code}\n```")
+        return happened
+
+
+def math_tool_calls_reward(prompts, completions, answer, environments=None, log_metric=None, **kwargs) -> list[float]:
+    """Half for a program the tool agent ran (its episode's `PythonRunner`; without one, the program in its answer)
+    that printed `answer`, half for the reasoner's final answer equal to it. In a trainer it logs
+    `math/tool_accuracy`, `math/reasoner_accuracy` and `math/tool_runs` (programs run per episode)."""
+    environments = environments or [None] * len(completions)
+    tool = [  # without an environment (`recipes/atgrpo_math_tools.py --without_tools`), the program in its text
+        _correct(env.printed if env is not None else agent_answer(TOOL, completion_text(c, TOOL)), expected)
+        for env, c, expected in zip(environments, completions, answer)
+    ]
+    reasoner = [_correct(final_answer(completion_text(c, REASONER)), a) for c, a in zip(completions, answer)]
+    if log_metric is not None and completions:
+        count = len(completions)
+        log_metric("math/tool_accuracy", sum(tool) / count)
+        log_metric("math/reasoner_accuracy", sum(reasoner) / count)
+        log_metric("math/tool_runs", sum(getattr(env, "runs", 0) for env in environments) / count)
+    return [0.5 * t + 0.5 * r for t, r in zip(tool, reasoner)]
+
+
+class MathToolCalls(Task):
+    """Arithmetic word problems for a tool agent that calls `run_python` (the episode's `PythonRunner`) and a reasoner
+    that answers after it; reward: half each for a correct program run and a correct final answer. Its environment
+    (`environment_factory`) is the trainer's unless the trainer is given another."""
+
+    name = "math_tool_calls"
+    agents = TOOL_CALLS_AGENTS
+    num_turns = 1
+    scheduler = "sequential"  # the reasoner answers after the tool agent, seeing its answer
+    reward_funcs = [math_tool_calls_reward]
+    environment_factory = PythonRunner
+
+    def __init__(self, steps: int = 3, max_number: int = 20):
+        self.steps, self.max_number = steps, max_number
+
+    def dataset(self, split: str = "train") -> Dataset:
+        return arithmetic_dataset(split, self.steps, self.max_number)
