@@ -267,3 +267,27 @@ def test_what_tools_cannot_do_in_a_team_is_refused_by_name(tiny_model_dir, tmp_p
         MAGRPOTrainer(
             tiny_model_dir, team_answer_reward, args=args, train_dataset=dataset, environment_factory=factory
         )
+
+
+def test_the_math_tool_calls_environment_runs_programs_sandboxed_and_its_reward_reads_each_episodes_own():
+    import copy
+    from fractions import Fraction
+
+    from sandbox_helpers import require_bubblewrap
+
+    from trl_marl.tasks.math_tool_calls import PythonRunner, math_tool_calls_reward
+
+    require_bubblewrap()
+    right, wrong = PythonRunner(), PythonRunner()
+    right.reset(prompt="What is 3 + 4?")
+    assert right.run_python("print(3 + 4)") == "the program printed '7'" and right.printed == Fraction(7)
+    forked = copy.deepcopy(right)
+    forked.run_python("print(8)")
+    assert right.printed == Fraction(7) and right.runs == 1  # a fork's runs stay its own
+    wrong.reset(prompt="What is 3 + 4?")
+    wrong.run_python("raise SystemExit(1)")
+    completions = [{"tool": "", "reasoner": "Answer: 7"}, {"tool": "", "reasoner": "Answer: 6"}]
+    rewards = math_tool_calls_reward(["q", "q"], completions, answer=["7", "7"], environments=[right, wrong])
+    assert rewards == [1.0, 0.0]
+    as_text = [{"tool": "```python\nprint(7)\n```", "reasoner": "Answer: 7"}]  # no environment: the program in text
+    assert math_tool_calls_reward(["q"], as_text, answer=["7"]) == [1.0]
