@@ -177,6 +177,7 @@ def test_each_trainer_takes_only_its_own_config(tiny_model_dir, tmp_path):
         ATGRPOTrainer(tiny_model_dir, args=config(MAGRPOConfig, tmp_path), task=Notebook())
 
 
+@pytest.mark.slow
 def test_cli_trains_at_grpo_when_the_config_says_so(tiny_model_dir, tmp_path):
     config_file = tmp_path / "team.yaml"
     config_file.write_text(

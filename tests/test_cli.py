@@ -116,6 +116,7 @@ def test_train_help_lists_every_field_with_its_help_text(capsys):
 # --- TRL's dataset arguments and evaluation ---
 
 
+@pytest.mark.slow
 def test_a_yaml_run_on_a_local_json_file_evaluates_on_its_test_file(tiny_model_dir, tmp_path):
     test = write_prompts(tmp_path / "test.jsonl", QUESTIONS[:2], word_limit=[3, 3])
     config = dataset_config(
@@ -311,6 +312,7 @@ def test_evaluate_names_a_missing_team_or_a_baseline_that_does_not_go_with_it(tm
     assert message.replace("'", "").endswith("(choose from train, eval)")  # newer argparse quotes them
 
 
+@pytest.mark.slow
 def test_the_real_command_exits_2_with_one_line_and_debug_shows_the_traceback(tmp_path):
     path = tmp_path / "team.yaml"
     path.write_text("task: explian\n")
@@ -324,6 +326,7 @@ def test_the_real_command_exits_2_with_one_line_and_debug_shows_the_traceback(tm
     assert "UsageError" in debugged.stderr
 
 
+@pytest.mark.slow
 def test_a_command_that_uses_no_4bit_layer_prints_nothing_about_bitsandbytes_kernels():
     # On CPUs with AVX512-BF16 importing bitsandbytes (PEFT does) logs that its optional `kernels` package is missing:
     # it names a kernel of a 4-bit inference path that trl_marl never takes (`keep_4bit_weights_trainable`).
@@ -373,6 +376,7 @@ def test_the_python_api_names_a_missing_prompt_column_before_the_model_loads():
 # --- several processes ---
 
 
+@pytest.mark.slow
 def test_torchrun_prints_team_saved_once(tiny_model_dir, tmp_path):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     if torchrun is None:

@@ -80,7 +80,7 @@ def test_agent_dict_with_unknown_key_is_rejected(make_config):
     message = error_message(make_config, agents=[{"name": "writer", "prompt": "Write."}])
     assert "`agents[0]`" in message
     assert "['prompt']" in message
-    assert "'name' and 'system_prompt'" in message
+    assert "'name', 'system_prompt', 'tools'" in message
 
 
 # choices

@@ -58,6 +58,7 @@ def test_bad_arguments_name_what_is_wrong(tiny_model_dir):
         evaluate_task("reach_target", "parallel", model=tiny_model_dir, split="test")
 
 
+@pytest.mark.slow
 def test_the_evaluate_command_prints_the_metrics(tiny_model_dir):
     done = subprocess.run(
         [sys.executable, "-m", "trl_marl.cli", "evaluate", "reach_target", "--baseline", "single", "--model",

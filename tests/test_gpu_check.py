@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "recipes" / "gpu_check.py"
 
 
+@pytest.mark.slow
 def test_gpu_check_reports_skipped_gpu_checks_and_a_team_that_trains_on_the_cpu(default_model_dir, tmp_path):
     report_path = tmp_path / "report.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}

@@ -27,6 +27,7 @@ def train_on_two_processes(model_dir, output_dir, joint_mode, num_turns):
     return sorted(reports, key=lambda report: report["rank"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("joint_mode", "per_call"), [("aligned", 2), ("cross", 2 * 4)])
 def test_two_processes_train_with_groups_spanning_them(tiny_model_dir, tmp_path, joint_mode, per_call):
     for report in train_on_two_processes(tiny_model_dir, tmp_path, joint_mode, num_turns=1):
@@ -35,6 +36,7 @@ def test_two_processes_train_with_groups_spanning_them(tiny_model_dir, tmp_path,
         assert report["joint_actions_per_call"] == [per_call, per_call]
 
 
+@pytest.mark.slow
 def test_two_processes_train_trees_of_different_sizes(tiny_model_dir, tmp_path):
     rank0, rank1 = train_on_two_processes(tiny_model_dir, tmp_path, "aligned", num_turns=2)
     # Per step: process 0 scores its 2 root joint actions, then 2 child nodes of G=4; process 1 stops after the root.
@@ -76,6 +78,7 @@ def test_two_processes_compute_the_advantages_of_one_process_and_end_with_identi
     assert any(not torch.equal(one[name], torch.zeros_like(one[name])) for name in one if "lora_B" in name)
 
 
+@pytest.mark.slow
 def test_two_processes_resumed_mid_epoch_in_the_second_epoch_equal_the_uninterrupted_run(tiny_model_dir, tmp_path):
     """4 prompts, 2 per step: an epoch is 2 steps. Stopped at step 3 (epoch 1.5) and resumed, the two processes must
     see epoch 1's shuffle, not epoch 0's: accelerate's `set_epoch` does not reach the sampler of a data loader rebuilt

@@ -41,6 +41,7 @@ def test_writing_recipe_trains_and_reports_the_levels(tmp_path, default_model_di
     assert (tmp_path / "team.json").is_file()
 
 
+@pytest.mark.slow
 def test_coding_recipe_trains_with_the_sandbox_and_reports_pass_at_1(tmp_path, default_model_dir):
     require_bubblewrap()
     result = run_recipe("magrpo_coding.py", tmp_path, "--eval_problems", "2", "--max_completion_length", "24")

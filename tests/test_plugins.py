@@ -200,6 +200,7 @@ def test_cli_list_shows_plugins_sources_docs_and_marks_broken_and_clashing_ones(
     assert "schedulers (trl_marl.schedulers):" in only_schedulers.stdout and "rewards (" not in only_schedulers.stdout
 
 
+@pytest.mark.slow
 def test_cli_help_is_available_for_every_command(plugin_site):
     for arguments in (["--help"], ["list", "--help"], ["train", "--help"]):
         result = run_cli(plugin_site, *arguments)

@@ -600,7 +600,7 @@ def test_a_langgraph_react_program_trains_the_agent_that_calls_its_tool(tiny_mod
             return chat_openai.ChatOpenAI(model=name, base_url=str(client.base_url), api_key=client.api_key,
                                           max_retries=0)  # fmt: skip
 
-        bound = model("writer").bind_tools([weather], tool_choice="required", parallel_tool_calls=False)
+        bound = model("writer").bind_tools([weather], tool_choice="required", parallel_tool_calls=False, strict=True)
         result = create_react_agent(bound, [weather]).invoke({"messages": [("user", row["prompt"])]})
         found = result["messages"][-1].content
         verdict = model("critic").with_structured_output(Verdict, method="json_schema", strict=True).invoke(found)
@@ -638,12 +638,14 @@ def test_a_constrained_calls_recorded_log_probabilities_are_the_models_own_not_t
     (call,) = book.close(key)
     team, base = server.team, server.team.bases[0]
     ids = torch.tensor([call.prompt_ids + call.completion_ids])
+    server.engine.pause()  # the answer may be sent before the engine's call returns: the model is ours once paused
     base.router.route([team.agents[0]["adapter"]])
     try:
         with torch.no_grad():
             logits = base.model(ids).logits[0, len(call.prompt_ids) - 1 : -1].float()
     finally:
         base.router.route(None)
+        server.engine.resume()
     unconstrained = torch.log_softmax(logits, -1).gather(1, torch.tensor(call.completion_ids)[:, None])[:, 0]
     assert call.logprobs == pytest.approx(unconstrained.tolist(), abs=1e-4)
     assert max(call.logprobs) < -0.5  # a grammar-renormalised score of a forced token would be near 0

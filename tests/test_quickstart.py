@@ -51,6 +51,7 @@ def test_quickstart_default_run_improves_the_team_reward(tmp_path):
 MULTITURN = REPO / "recipes" / "magrpo_multiturn.py"
 
 
+@pytest.mark.slow
 def test_multiturn_recipe_trains_saves_and_replays_the_team(tmp_path, default_model_dir):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     flags = ["--output_dir", str(tmp_path), "--max_steps", "1", "--eval_words", "2", "--max_completion_length", "6"]

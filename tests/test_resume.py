@@ -239,6 +239,7 @@ def run_script(model_dir, output_dir, *flags):
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
 
 
+@pytest.mark.slow
 def test_a_process_killed_while_saving_resumes_from_the_last_complete_checkpoint(tiny_model_dir, tmp_path):
     killed = run_script(tiny_model_dir, tmp_path, "--kill_while_saving", "3")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]

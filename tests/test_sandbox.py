@@ -384,8 +384,16 @@ sandbox.run_many(SOURCES)
 """
 
 
-@pytest.mark.parametrize("backend", ["bubblewrap", "local"])
-@pytest.mark.parametrize("moment", ["filling", "running", "exiting", "killed"])
+@pytest.mark.parametrize("backend", ["bubblewrap", pytest.param("local", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "moment",
+    [
+        "filling",
+        pytest.param("running", marks=pytest.mark.slow),
+        pytest.param("exiting", marks=pytest.mark.slow),
+        "killed",
+    ],
+)
 def test_an_interrupted_or_killed_trainer_leaves_no_sandbox_behind(backend, moment, shared_tmp, isolated):
     before = sandbox_processes()
     trainer = subprocess.Popen(

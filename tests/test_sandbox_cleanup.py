@@ -153,6 +153,7 @@ print(remove_tree(run), os.path.exists(run))
 """
 
 
+@pytest.mark.slow
 def test_a_tree_nested_deeper_than_the_open_file_limit_is_removed(tmp_path):
     # One open directory per level would run a trainer with 256 descriptors out of them 256 levels down.
     run = tmp_path / "run"

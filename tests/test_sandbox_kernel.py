@@ -317,7 +317,7 @@ print(*statuses, len(zombies))
 """
 
 
-@pytest.mark.parametrize("backend", ["bubblewrap", "local"])
+@pytest.mark.parametrize("backend", ["bubblewrap", pytest.param("local", marks=pytest.mark.slow)])
 def test_a_trainer_that_reaps_orphans_keeps_no_zombie_and_honest_runs_still_run(backend):
     if backend == "bubblewrap":
         require_bubblewrap()

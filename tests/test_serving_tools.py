@@ -366,8 +366,8 @@ def test_a_langgraph_react_agent_calls_its_tool_and_structured_output_follows_th
             model="planner", base_url=server.base_url, api_key=API_KEY, max_retries=0, max_tokens=200, **kwargs
         )
 
-    agent = create_react_agent(model().bind_tools([weather], tool_choice="required", parallel_tool_calls=False),
-                               [weather])  # fmt: skip
+    bound = model().bind_tools([weather], tool_choice="required", parallel_tool_calls=False, strict=True)
+    agent = create_react_agent(bound, [weather])
     result = agent.invoke({"messages": [("user", "Weather in Paris?")]})
     assert called and result["messages"][-1].content == f"sunny in {called[0]}"
     assert result["messages"][1].tool_calls[0]["name"] == "weather"

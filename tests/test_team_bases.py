@@ -108,6 +108,7 @@ def test_a_magrpo_team_on_two_bases_trains_every_adapter_and_leaves_both_bases_u
     check_trained_every_adapter_and_no_base(trainer, before)
 
 
+@pytest.mark.slow
 def test_an_atgrpo_team_on_two_bases_trains_every_adapter_and_leaves_both_bases_unchanged(
     default_model_dir, other_base_dir, tmp_path
 ):

@@ -291,3 +291,63 @@ def test_the_math_tool_calls_environment_runs_programs_sandboxed_and_its_reward_
     assert rewards == [1.0, 0.0]
     as_text = [{"tool": "```python\nprint(7)\n```", "reasoner": "Answer: 7"}]  # no environment: the program in text
     assert math_tool_calls_reward(["q"], as_text, answer=["7"]) == [1.0]
+
+
+def test_stopping_and_resuming_a_run_with_tools_equals_the_uninterrupted_run(tiny_model_dir, tmp_path):
+    """Resuming mid-generation-buffer (steps_per_generation=2, stopped at step 3) restores the buffered tool masks,
+    and the later rollouts draw the same tool calls (decided by the sampler's generator) as the uninterrupted run."""
+    from test_resume import StopAt, adapters, logged_after
+
+    def make(output_dir, **extra):
+        settings = dict(
+            output_dir=str(output_dir), agents=["first", "second"], per_device_train_batch_size=4, num_generations=2,
+            steps_per_generation=2, max_completion_length=64, max_steps=4, learning_rate=5e-2, logging_steps=1,
+            report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=5,
+        )  # fmt: skip
+        args = MAGRPOConfig(**{**settings, **extra})
+        dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
+        tokenizer = tool_tokenizer(tiny_model_dir)
+        trainer = MAGRPOTrainer(
+            tiny_model_dir, team_reward, args=args, train_dataset=dataset, processing_class=tokenizer, tools=[add]
+        )
+        trainer._generate_single_turn = sampled(tokenizer)
+        return trainer
+
+    uninterrupted = make(tmp_path / "a")
+    uninterrupted.train()
+    first = make(tmp_path / "b", save_strategy="steps", save_steps=3)
+    first.add_callback(StopAt(3))
+    first.train()
+    resumed = make(tmp_path / "b")
+    resumed.train(resume_from_checkpoint=True)
+
+    assert resumed.state.global_step == 4
+    rollouts = [entry for entry in uninterrupted.state.log_history if "tools/call_frequency" in entry]
+    assert len(rollouts) == 2 and min(entry["tools/call_frequency"] for entry in rollouts) > 0  # both called tools
+    expected, final = adapters(uninterrupted), adapters(resumed)
+    for name in expected:
+        torch.testing.assert_close(final[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert logged_after(resumed, 3) == pytest.approx(logged_after(uninterrupted, 3), rel=1e-5, abs=1e-7)
+
+
+def sampled(tokenizer):
+    """A row without a tool result calls `add` (arguments drawn from torch's generator, as a sampler draws) on about
+    half of the draws, else answers; after a result it answers."""
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def generate(prompt_ids, *args, **kwargs):
+        completions = []
+        for ids in prompt_ids:
+            a, b = torch.randint(0, 10, (2,)).tolist()
+            if "<tool_response>" not in tokenizer.decode(ids[-30:]) and a % 2 == 0:
+                text = f'<tool_call>\n{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
+            else:
+                text = "The sum is" + " ok" * (1 + b % 4) + "."
+            completions.append(tokenizer(text, add_special_tokens=False)["input_ids"] + [eos])
+        return completions, None
+
+    return generate
+
+
+def team_reward(prompts, completions, **kwargs):
+    return [len(completion["first"]) / (1 + len(completion["second"])) for completion in completions]

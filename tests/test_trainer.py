@@ -178,6 +178,7 @@ MAGRPOTrainer(sys.argv[1], args=args, task="explain").train()
 """
 
 
+@pytest.mark.slow
 def test_a_training_run_prints_no_gradient_checkpointing_deprecation(tiny_model_dir, tmp_path):
     """transformers 5 deprecates the `gradient_checkpointing` names, which TRL 1.16 and PEFT still use on the user's
     behalf (checkpointing is on: TRL's default). pytest filters those warnings, so the run is a subprocess with
