@@ -245,6 +245,32 @@ def test_an_agents_own_tools_are_rendered_only_into_its_prompts_and_run_only_for
     assert called and all("<tool_response>\n5\n</tool_response>" in tokenizer.decode(s.completion_ids) for s in called)
 
 
+def test_an_agent_without_tools_in_a_team_with_an_environment_is_prompted_without_tools(tiny_model_dir, tmp_path):
+    """AT-GRPO generates each agent of a phase on its own when there is an environment: a call of only the agent with
+    `tools: []` renders none of the environment's tools (TRL's own prompt rendering would) and runs none."""
+    args = ATGRPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, max_completion_length=64,
+        max_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
+        agents=[{"name": "writer"}, {"name": "reader", "tools": []}],
+    )  # fmt: skip
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Take notes."}]] * 2})
+    tokenizer = tool_tokenizer(tiny_model_dir)
+    trainer = ATGRPOTrainer(
+        tiny_model_dir, lambda completions, **kw: [0.0] * len(completions), args=args, train_dataset=dataset,
+        processing_class=tokenizer, environment_factory=Notebook,
+    )  # fmt: skip
+    trainer._generate_single_turn = scripted_writer(tokenizer)
+    kept, rollout = [], trainer._rollout
+    trainer._rollout = lambda *a, **k: kept.append(rollout(*a, **k)) or kept[-1]
+    trainer.train()
+    for sample in kept[0].samples:
+        prompt = tokenizer.decode(sample.prompt_ids)
+        assert ("# Tools" in prompt) == ('"name": "write"' in prompt) == (sample.agent == 0)
+    reader = [s for s in kept[0].samples if s.agent == 1]
+    assert reader and all(s.tool_mask is None for s in reader)  # its calls (the script writes them) never ran
+    assert all(len(ja.environment.notes) == 1 for ja in kept[0].joint_actions if ja.node[2] == 1)
+
+
 def team_answer_reward_any(prompts, completions, **kwargs):
     return [float(len(completion["caller"])) for completion in completions]
 

@@ -72,7 +72,12 @@ class TeamGeneration:
         tools = self.tool_calling
         if tools is not None and any(tools.team.uses_tools(agent) for agent in agent_index):
             return self._generate_with_tools(model_inputs, agent_index, num_generations, environments)
-        prompt_ids, completion_ids, logprobs = self._routed_call(model_inputs, agent_index, num_generations)
+        # Rows of agents without tools in a team with tools: rendered without any (TRL's `_tokenize_prompts` would
+        # render the trainer's tools, or an environment's for the batch it generates).
+        prompt_ids = None if tools is None else tools.render(model_inputs, [[] for _ in agent_index])
+        prompt_ids, completion_ids, logprobs = self._routed_call(
+            model_inputs, agent_index, num_generations, prompt_ids
+        )
         if logprobs is not None and self.sampling_correction is not None:  # vLLM's
             self.sampling_correction.record(agent_index, prompt_ids, completion_ids, logprobs)
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
