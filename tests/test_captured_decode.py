@@ -252,21 +252,37 @@ def test_a_4bit_base_decodes_the_same_tokens_captured(tmp_path, path):
     assert torch.equal(eager, captured)
 
 
-def trainer_run(model_dir, tmp_path, captured_decode):
+def trainer_run(model_dir, tmp_path, captured_decode, tools=False):
+    """Two steps of a two-agent team. With `tools`, each agent has `add` and every answer is read as a call to it (the
+    tiny random model writes none): each row's tool result is appended and its second round of generation goes
+    through the same path as the first."""
     prompts = [[{"role": "user", "content": p}] for p in ["Name a colour.", "Name a fruit.", "Say hi.", "Count."]]
+    # with tools: 6 tokens a round (`max_new_tokens`), room for the tool result and a second round in a completion
+    with_tools = dict(generation_kwargs={"max_new_tokens": 6}) if tools else {}
     args = MAGRPOConfig(
         output_dir=str(tmp_path / f"out-{captured_decode}"),
         agents=["writer", "checker"],
         per_device_train_batch_size=4,
         num_generations=4,
-        max_completion_length=6,
+        max_completion_length=64 if tools else 6,
         max_steps=2,
         captured_decode=captured_decode,
         **TINY_RUN,
         seed=3,
+        **with_tools,
     )
     reward = lambda prompts, completions, **kw: [len(c["writer"]) - len(c["checker"]) / 2 for c in completions]  # noqa: E731
-    trainer = MAGRPOTrainer(model_dir, reward, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}))
+    dataset = Dataset.from_dict({"prompt": prompts})
+    if tools:
+        from test_tools import add, calls_add_once, tool_tokenizer
+
+        tokenizer = tool_tokenizer(model_dir)
+        trainer = MAGRPOTrainer(
+            model_dir, reward, args=args, train_dataset=dataset, processing_class=tokenizer, tools=[add]
+        )
+        trainer.team_generation.tool_calling.parse = calls_add_once(tokenizer)
+    else:
+        trainer = MAGRPOTrainer(model_dir, reward, args=args, train_dataset=dataset)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, parameter in trainer.model.named_parameters():
@@ -308,6 +324,23 @@ def test_the_trainer_uses_the_decoder_it_chose(tiny_model_dir, tmp_path, monkeyp
     eager, eager_adapters, _ = trainer_run(tiny_model_dir, tmp_path, False)
     assert captured.captured_decoder.path == "static" and captured.router._tensor_routing is not None
     assert not captured.captured_decoder._caches  # released when each rollout ended: training has the memory
+    assert_trained_alike(captured_adapters, eager_adapters, initial)
+
+
+def test_with_tools_the_tool_loops_rounds_go_through_the_decoder_and_train_exactly_as_on_eager_generate(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    calls, generate = [], CapturedDecoder.generate
+    monkeypatch.setattr(CapturedDecoder, "generate", lambda self, *a, **k: calls.append(1) or generate(self, *a, **k))
+    monkeypatch.setattr("trl_marl.captured_decode.choose_path", lambda requested, device: "static")
+    captured, captured_adapters, initial = trainer_run(tiny_model_dir, tmp_path, None, tools=True)
+    monkeypatch.undo()
+    eager, eager_adapters, _ = trainer_run(tiny_model_dir, tmp_path, False, tools=True)
+    assert captured.captured_decoder.path == "static" and eager.captured_decoder is None
+    assert len(calls) == 4  # 2 rollouts, each of 2 rounds (the answers, then every row after its tool result)
+    for trainer in (captured, eager):
+        logs = [entry for entry in trainer.state.log_history if "tools/call_frequency" in entry]
+        assert [entry["tools/call_frequency"] for entry in logs] == [1.0, 1.0]  # every row called, then went on
     assert_trained_alike(captured_adapters, eager_adapters, initial)
 
 

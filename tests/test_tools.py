@@ -54,6 +54,18 @@ def scripted(tokenizer):
     return generate
 
 
+def calls_add_once(tokenizer):
+    """A parse that reads every first answer as a call to `add` and every answer after a tool result as text."""
+
+    def parse(completion_ids, prompt_ids, tools):
+        if "<tool_response>" in tokenizer.decode(prompt_ids):
+            return {"role": "assistant", "content": tokenizer.decode(completion_ids)}
+        call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+        return {"role": "assistant", "content": "", "tool_calls": [call]}
+
+    return parse
+
+
 def final_answer_reward(prompts, completions, **kwargs):  # TRL's: the last message of each completion
     return [len(completion[-1]["content"]) / 10.0 for completion in completions]
 

@@ -174,6 +174,24 @@ def test_a_token_vllm_could_not_score_gets_a_ratio_of_one_and_stays_out_of_the_g
     assert correction.sampling_logps == {}  # used once, then dropped
 
 
+def test_tool_result_tokens_stay_out_of_the_sequence_ratio_and_the_gap_metric():
+    """Tool results are appended to a completion, never sampled: their log-probs from vLLM are placeholders (0.0), and
+    only the model's own tokens (`completion_mask * tool_mask`) enter the ratio, as TRL masks them."""
+    correction = SamplingCorrection("sequence_truncate", clip_min=None, clip_max=10.0)
+    correction.record([0], [[7]], [[5, 6, 9]], [[-0.5, 0.0, -2.0]])  # token 6: a tool result's
+    sample = SimpleNamespace(agent=0, prompt_ids=[7], completion_ids=[5, 6, 9])
+    output = {
+        "completion_ids": torch.tensor([[5, 6, 9]]),
+        "completion_mask": torch.tensor([[1.0, 1.0, 1.0]]),
+        "tool_mask": torch.tensor([[1, 0, 1]]),
+        "old_per_token_logps": torch.tensor([[-0.4, -3.0, -2.5]]),
+    }
+    metrics = defaultdict(list)
+    result = correction.outputs([sample], output, metrics, gather=lambda tensor: tensor)
+    torch.testing.assert_close(result["importance_sampling_ratio"], torch.tensor([[math.exp(0.1 - 0.5)]]))
+    assert metrics["sampling/sampling_logp_difference/max"] == [pytest.approx(0.5)]
+
+
 @pytest.mark.parametrize("correct", [True, False])
 def test_the_team_generation_keeps_vllm_log_probs_only_for_the_correction(correct):
     """vLLM returns the sampled tokens' log-probs with every call; they are kept (by agent, prompt and completion)

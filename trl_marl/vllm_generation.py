@@ -375,6 +375,10 @@ class SamplingCorrection:
             [logps + [0.0] * (width - len(logps)) for logps in rows], device=output["completion_ids"].device
         )
         mask = output["completion_mask"]
+        if (
+            output.get("tool_mask") is not None
+        ):  # tool results were never sampled: out of the ratio, as TRL leaves them
+            mask = mask * output["tool_mask"]
         old = output["old_per_token_logps"]
         ratio = importance_sampling_ratio(old, sampling, mask, self.mode, self.clip_min, self.clip_max)
         delta = torch.abs(old - sampling)[mask.bool()]
