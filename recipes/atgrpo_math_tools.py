@@ -8,13 +8,18 @@ episode's own `PythonRunner` (bubblewrap sandbox, docs/sandbox.md), their result
 (docs/training.md, "Tools and environments"). Reward: half for a program run that printed the answer, half for the
 reasoner's correct final answer.
 
+The embedded 135M model never calls a tool on its own, so the tool agent's adapter first learns the call format from
+written demonstrations (`--warm_start_demonstrations`, `MathToolCalls.demonstrations`) with TRL's `SFTTrainer`; the
+RL steps start from there. `--warm_start_demonstrations 0` skips it (a base that already calls tools needs none).
+
     python recipes/atgrpo_math_tools.py                      # defaults below
     python recipes/atgrpo_math_tools.py --without_tools      # the same team and reward, the program written as text
 
-Prints the held-out team reward before and after training and the median step time; writes
-`<output_dir>/results.json`. Every `ATGRPOConfig` / `GRPOConfig` field is a flag.
+Prints the held-out team reward of the base, after the warm start and after the RL steps, and the median step time;
+writes `<output_dir>/results.json`. Every `ATGRPOConfig` / `GRPOConfig` field is a flag.
 """
 
+import copy
 import json
 import os
 import statistics
@@ -22,12 +27,13 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from trl import TrlParser
+from trl import SFTConfig, SFTTrainer, TrlParser
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, default_model_path
 from trl_marl.tasks import task_defaults
-from trl_marl.tasks.math_tool import TOOL_PROMPT
+from trl_marl.tasks.math_tool import TOOL, TOOL_PROMPT
 from trl_marl.tasks.math_tool_calls import MathToolCalls
+from trl_marl.tool_templates import tool_chat_template
 
 
 @dataclass
@@ -39,6 +45,38 @@ class RecipeArguments:
         default=False, metadata={"help": "No tools: the tool agent writes its program as text (the comparison arm)."}
     )
     eval_problems: int = field(default=8, metadata={"help": "Held-out problems for the figures."})
+    warm_start_demonstrations: int = field(
+        default=128, metadata={"help": "Written tool-call demonstrations the tool agent learns first (0: none)."}
+    )
+    warm_start_epochs: float = field(default=2.0, metadata={"help": "Epochs over the demonstrations."})
+    warm_start_learning_rate: float = field(default=5e-4, metadata={"help": "The warm start's learning rate."})
+
+
+def warm_start(trainer: ATGRPOTrainer, agent: str, demonstrations, script_args, args) -> None:
+    """Supervised fine-tuning of one agent's adapter with TRL's `SFTTrainer`, on the team's own model: PEFT's
+    `set_adapter` makes that adapter the active one (and the only one with gradients) while the team's router routes
+    nothing; the team's trained adapters take gradients again afterwards. Demonstrations render with the chat template
+    the team renders tools with (`tool_chat_template`), so the warm start sees the prompts the RL steps will."""
+    model = trainer.model
+    model.set_adapter(trainer.agent_adapters[trainer.agent_names.index(agent)])
+    tokenizer = copy.deepcopy(trainer.processing_class)
+    tokenizer.chat_template = tool_chat_template(tokenizer) or tokenizer.chat_template
+    sft_args = SFTConfig(
+        output_dir=os.path.join(args.output_dir, "warm_start"),
+        num_train_epochs=script_args.warm_start_epochs,
+        learning_rate=script_args.warm_start_learning_rate,
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        logging_steps=4,
+        save_strategy="no",
+        report_to="none",
+        seed=args.seed,
+        use_cpu=args.use_cpu,
+        bf16=args.bf16,
+        gradient_checkpointing=args.gradient_checkpointing,
+    )
+    SFTTrainer(model=model, args=sft_args, train_dataset=demonstrations, processing_class=tokenizer).train()
+    model.set_requires_grad(list(trainer.trained_adapters), requires_grad=True)
 
 
 def main() -> None:
@@ -84,14 +122,21 @@ def main() -> None:
         environment_factory=environment_factory,
     )
     start = time.perf_counter()
-    before = trainer.evaluate()
-    print(f"Held-out team reward before training: {before['eval_reward']:.3f} ({len(eval_dataset)} problems)")
+    base = trainer.evaluate()
+    print(f"Held-out team reward of the base: {base['eval_reward']:.3f} ({len(eval_dataset)} problems)")
+    before = base
+    if script_args.warm_start_demonstrations and not script_args.without_tools:
+        warm_start(trainer, TOOL, task.demonstrations(script_args.warm_start_demonstrations), script_args, args)
+        before = trainer.evaluate()
+        print(f"Held-out team reward after the warm start: {before['eval_reward']:.3f}")
     trainer.train()
     after = trainer.evaluate()
     trainer.save_model(args.output_dir)
     step_times = [entry["step_time"] for entry in trainer.state.log_history if "step_time" in entry]
     results = {
         "tools": not script_args.without_tools,
+        "warm_start_demonstrations": 0 if script_args.without_tools else script_args.warm_start_demonstrations,
+        "team_reward_base": base["eval_reward"],
         "team_reward_before": before["eval_reward"],
         "team_reward_after": after["eval_reward"],
         "tool_calls_per_row_before": before.get("eval_tools/call_frequency"),

@@ -181,6 +181,7 @@ ADD = ("{name} buys {n} more {unit}.", "A neighbour gives {name} another {n} {un
 SUBTRACT = ("{name} uses {n} {unit}.", "{name} gives {n} {unit} to a friend.", "{name} spills {n} {unit}.")
 MULTIPLY = "The amount {name} has becomes {n} times as large."
 MULTIPLY_WORDS = {2: "The amount doubles.", 3: "The amount triples."}
+OPERATORS = {"add": "+", "subtract": "-", "multiply": "*", "divide": "/"}  # each operation in a solving program
 DIVIDE = (  # "with k friends": k + 1 equal shares
     "{name} splits it equally into {n} jars and keeps one jar.",
     "{name} shares it equally with {friends}, keeping one equal share.",
@@ -190,6 +191,13 @@ DIVIDE = (  # "with k friends": k + 1 equal shares
 def arithmetic_problem(rng: random.Random, steps: int = 3, max_number: int = 20) -> tuple[str, Fraction]:
     """One word problem and its exact answer: a starting amount (1..`max_number`) and `steps` operations on it (add or
     subtract 1..`max_number`, never below 0; multiply or divide by 2..`MAX_FACTOR`, so answers may be fractions)."""
+    question, answer, _ = arithmetic_solution(rng, steps, max_number)
+    return question, answer
+
+
+def arithmetic_solution(rng: random.Random, steps: int = 3, max_number: int = 20) -> tuple[str, Fraction, str]:
+    """`arithmetic_problem`'s problem and answer (the same random draws), with a Python program that solves it, one
+    line per sentence, and prints the answer (`Fraction` arithmetic): a written demonstration for the tool agent."""
     if steps < 1 or max_number < 1:
         raise ValueError(
             f"A problem needs steps >= 1 and max_number >= 1, got steps={steps}, max_number={max_number}."
@@ -197,6 +205,7 @@ def arithmetic_problem(rng: random.Random, steps: int = 3, max_number: int = 20)
     name, (unit, item) = rng.choice(NAMES), rng.choice(GOODS)
     amount = Fraction(rng.randint(1, max_number))
     sentences = [f"{name} has {amount} {unit} of {item}."]
+    program = ["from fractions import Fraction", "", f"amount = Fraction({amount})"]
     for _ in range(steps):
         operation = rng.choice(("add", "subtract", "multiply", "divide"))
         if operation == "subtract" and amount < 1:
@@ -215,8 +224,10 @@ def arithmetic_problem(rng: random.Random, steps: int = 3, max_number: int = 20)
             template = rng.choice(DIVIDE)
         friends = f"{n - 1} friend" + ("s" if n > 2 else "")
         sentences.append(template.format(name=name, n=n, friends=friends, unit=unit))
+        program.append(f"amount {OPERATORS[operation]}= {n}")
     sentences.append(f"How many {unit} of {item} does {name} have now?")
-    return " ".join(sentences), amount
+    program.append("print(amount)")
+    return " ".join(sentences), amount, "\n".join(program)
 
 
 def math_prompt(question: str) -> list[dict]:

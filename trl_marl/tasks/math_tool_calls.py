@@ -7,12 +7,18 @@ Reward (`math_tool_calls_reward`): half for a program the tool ran that printed 
 environment says which), half for a reasoner's final answer (`Answer: <number>`) equal to it; answers compared exactly
 (`math_tool.parse_number`). Problems: `math_tool`'s generated arithmetic word problems (offline, seeded).
 
-The tool agent decides whether to call the tool, as TRL's tool loop lets any model: nothing forces a call.
+The tool agent decides whether to call the tool, as TRL's tool loop lets any model: nothing forces a call. A base
+that never calls it (the embedded 135M model) can first learn the format from written demonstrations
+(`MathToolCalls.demonstrations`: TRL's SFT format, one conversation per training problem with its solving program).
 """
 
 from __future__ import annotations
 
+import json
+import random
+
 from datasets import Dataset
+from transformers.utils import get_json_schema
 
 from .base import Task
 from .completions import completion_text
@@ -20,10 +26,14 @@ from .math_tool import (
     REASONER,
     REASONER_PROMPT,
     TOOL,
+    TRAIN_SEED,
     _correct,
     agent_answer,
     arithmetic_dataset,
+    arithmetic_solution,
     final_answer,
+    format_answer,
+    math_prompt,
     run_tool,
 )
 
@@ -92,3 +102,26 @@ class MathToolCalls(Task):
 
     def dataset(self, split: str = "train") -> Dataset:
         return arithmetic_dataset(split, self.steps, self.max_number)
+
+    def demonstrations(self, count: int = 128) -> Dataset:
+        """Written tool-using answers of the tool agent for the first `count` training problems, in TRL's
+        conversational prompt-completion format with a `tools` column (`SFTTrainer` renders it with the chat template
+        it is given): the prompt is the agent's system prompt and the problem, the completion a `run_python` call with
+        the problem's solving program (`math_tool.arithmetic_solution`), the tool's result as the sandbox words it,
+        and `Answer: <number>`. No held-out problem is among them."""
+        rng = random.Random(TRAIN_SEED)  # `arithmetic_dataset("train")`'s problems, in its order
+        tools = json.dumps([get_json_schema(PythonRunner.run_python)])
+        rows = {"prompt": [], "completion": [], "tools": []}
+        for _ in range(count):
+            question, answer, program = arithmetic_solution(rng, self.steps, self.max_number)
+            call = {"type": "function", "function": {"name": "run_python", "arguments": {"code": program}}}
+            rows["prompt"].append([{"role": "system", "content": TOOL_CALLS_PROMPT}, *math_prompt(question)])
+            rows["completion"].append(
+                [
+                    {"role": "assistant", "content": "", "tool_calls": [call]},
+                    {"role": "tool", "name": "run_python", "content": f"the program printed {format_answer(answer)!r}"},
+                    {"role": "assistant", "content": f"Answer: {format_answer(answer)}"},
+                ]
+            )
+            rows["tools"].append(tools)
+        return Dataset.from_dict(rows)
