@@ -10,7 +10,8 @@ reasoner's correct final answer.
 
 The embedded 135M model never calls a tool on its own, so the tool agent's adapter first learns the call format from
 written demonstrations (`--warm_start_demonstrations`, `MathToolCalls.demonstrations`) with TRL's `SFTTrainer`; the
-RL steps start from there. `--warm_start_demonstrations 0` skips it (a base that already calls tools needs none).
+RL steps start from there. `--without_tools` warm-starts on the same programs written as text. `0` skips it (a base
+that already calls tools needs none).
 
     python recipes/atgrpo_math_tools.py                      # defaults below
     python recipes/atgrpo_math_tools.py --without_tools      # the same team and reward, the program written as text
@@ -125,8 +126,11 @@ def main() -> None:
     base = trainer.evaluate()
     print(f"Held-out team reward of the base: {base['eval_reward']:.3f} ({len(eval_dataset)} problems)")
     before = base
-    if script_args.warm_start_demonstrations and not script_args.without_tools:
-        warm_start(trainer, TOOL, task.demonstrations(script_args.warm_start_demonstrations), script_args, args)
+    if script_args.warm_start_demonstrations:
+        demonstrations = task.demonstrations(
+            script_args.warm_start_demonstrations, tools=not script_args.without_tools
+        )
+        warm_start(trainer, TOOL, demonstrations, script_args, args)
         before = trainer.evaluate()
         print(f"Held-out team reward after the warm start: {before['eval_reward']:.3f}")
     trainer.train()
@@ -135,7 +139,7 @@ def main() -> None:
     step_times = [entry["step_time"] for entry in trainer.state.log_history if "step_time" in entry]
     results = {
         "tools": not script_args.without_tools,
-        "warm_start_demonstrations": 0 if script_args.without_tools else script_args.warm_start_demonstrations,
+        "warm_start_demonstrations": script_args.warm_start_demonstrations,
         "team_reward_base": base["eval_reward"],
         "team_reward_before": before["eval_reward"],
         "team_reward_after": after["eval_reward"],

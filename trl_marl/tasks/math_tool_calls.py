@@ -26,6 +26,7 @@ from .math_tool import (
     REASONER,
     REASONER_PROMPT,
     TOOL,
+    TOOL_PROMPT,
     TRAIN_SEED,
     _correct,
     agent_answer,
@@ -103,25 +104,31 @@ class MathToolCalls(Task):
     def dataset(self, split: str = "train") -> Dataset:
         return arithmetic_dataset(split, self.steps, self.max_number)
 
-    def demonstrations(self, count: int = 128) -> Dataset:
-        """Written tool-using answers of the tool agent for the first `count` training problems, in TRL's
-        conversational prompt-completion format with a `tools` column (`SFTTrainer` renders it with the chat template
-        it is given): the prompt is the agent's system prompt and the problem, the completion a `run_python` call with
-        the problem's solving program (`math_tool.arithmetic_solution`), the tool's result as the sandbox words it,
-        and `Answer: <number>`. No held-out problem is among them."""
+    def demonstrations(self, count: int = 128, tools: bool = True) -> Dataset:
+        """Written answers of the tool agent for the first `count` training problems, in TRL's conversational
+        prompt-completion format (`SFTTrainer` renders it with the chat template it is given); no held-out problem is
+        among them. The prompt is the agent's system prompt and the problem. With `tools`, the completion is a
+        `run_python` call with the problem's solving program (`math_tool.arithmetic_solution`), the tool's result as
+        the sandbox words it, and `Answer: <number>`, with a `tools` column; without, the same program in a fenced
+        block under `math_tool`'s text prompt (the comparison arm, the program written as text)."""
         rng = random.Random(TRAIN_SEED)  # `arithmetic_dataset("train")`'s problems, in its order
-        tools = json.dumps([get_json_schema(PythonRunner.run_python)])
-        rows = {"prompt": [], "completion": [], "tools": []}
+        schema = json.dumps([get_json_schema(PythonRunner.run_python)])
+        rows = {"prompt": [], "completion": [], **({"tools": []} if tools else {})}
         for _ in range(count):
             question, answer, program = arithmetic_solution(rng, self.steps, self.max_number)
+            system = {"role": "system", "content": TOOL_CALLS_PROMPT if tools else TOOL_PROMPT}
+            rows["prompt"].append([system, *math_prompt(question)])
+            if not tools:
+                rows["completion"].append([{"role": "assistant", "content": f"```python\n{program}\n```"}])
+                continue
             call = {"type": "function", "function": {"name": "run_python", "arguments": {"code": program}}}
-            rows["prompt"].append([{"role": "system", "content": TOOL_CALLS_PROMPT}, *math_prompt(question)])
+            printed = f"the program printed {format_answer(answer)!r}"
             rows["completion"].append(
                 [
                     {"role": "assistant", "content": "", "tool_calls": [call]},
-                    {"role": "tool", "name": "run_python", "content": f"the program printed {format_answer(answer)!r}"},
+                    {"role": "tool", "name": "run_python", "content": printed},
                     {"role": "assistant", "content": f"Answer: {format_answer(answer)}"},
                 ]
             )
-            rows["tools"].append(tools)
+            rows["tools"].append(schema)
         return Dataset.from_dict(rows)
