@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 from trl import GRPOConfig
 
 from .agents import normalize_agents
-from .decode_support import captured_decode_setting
+from .generation.decode_support import captured_decode_setting
 from .precision import default_mixed_precision
 from .registry import check_plugin_name
 
@@ -96,12 +96,12 @@ class TeamConfig(GRPOConfig, metaclass=_TeamConfigType):
         > Parameters that control generation
 
         captured_decode (`bool`, `str` or `None`, *optional*, defaults to `None`):
-            Generate with the captured decode step (`trl_marl.captured_decode`): a static KV cache, the routing to each
-            row's adapter held in tensors, and the one-token forward replayed on fixed shapes. `None`: on for CUDA
-            devices, recorded as CUDA graphs (a few steps' time per shape), off elsewhere; `True`: on (CUDA graphs on
-            CUDA, compiled on a CPU); `"cuda-graphs"` or `"compiled"` (`torch.compile`: one compile for every shape,
-            kept on disk for later runs; CUDA graphs through it on a GPU): that mechanism; `False`: transformers'
-            eager `generate`. Without vLLM only.
+            Generate with the captured decode step (`trl_marl.generation.captured_decode`): a static KV cache, the
+            routing to each row's adapter held in tensors, and the one-token forward replayed on fixed shapes. `None`:
+            on for CUDA devices, recorded as CUDA graphs (a few steps' time per shape), off elsewhere; `True`: on
+            (CUDA graphs on CUDA, compiled on a CPU); `"cuda-graphs"` or `"compiled"` (`torch.compile`: one compile
+            for every shape, kept on disk for later runs; CUDA graphs through it on a GPU): that mechanism; `False`:
+            transformers' eager `generate`. Without vLLM only.
 
         > Differences from `GRPOConfig`'s defaults
 

@@ -43,7 +43,7 @@ def rollout_geometry(
     answers)·C. The micro-batch holds ⌈rows / steps_per_generation⌉ rows padded to the longest: S = max P_t + C.
     """
     from ..config import ATGRPOConfig
-    from ..scheduling import resolve_scheduler
+    from ..rollouts.scheduling import resolve_scheduler
 
     scheduler = resolve_scheduler(config.scheduler)
     copies = config.per_device_train_batch_size * config.steps_per_generation

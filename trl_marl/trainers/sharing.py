@@ -23,12 +23,12 @@ from transformers import is_wandb_available
 from transformers.trainer_utils import HubStrategy
 from trl.trainer.utils import get_comet_experiment_url, get_trackio_space_url
 
-from .agents import BASE_KEYS
-from .hub import CARD_FILE, copy_team_files, hub_base_model, hub_snapshot_id, make_adapter_configs_portable
+from ..agents import BASE_KEYS
+from ..rollouts.rollout import RolloutSettings
+from ..team.hub import CARD_FILE, copy_team_files, hub_base_model, hub_snapshot_id, make_adapter_configs_portable
+from ..team.saved import base_model_name, team_spec, write_team_file
+from ..team.team_card import CardContents, team_model_card
 from .metrics import is_training_metric
-from .rollout import RolloutSettings
-from .team import base_model_name, team_spec, write_team_file
-from .team_card import CardContents, team_model_card
 
 
 def save_team(folder: str | os.PathLike, spec: dict, adapter_names: list[str], card) -> None:

@@ -68,7 +68,7 @@ class TreeRollout(EpisodeRollout):
 
     Args:
         settings: the agents, turns, reward weights, baseline and scaling, transition, scheduler and task hooks
-            ([`~trl_marl.rollout.RolloutSettings`]). Here a node whose mean team reward reaches
+            ([`~trl_marl.RolloutSettings`]). Here a node whose mean team reward reaches
             `termination_threshold` is not expanded, and `step` is applied for each acting agent of a joint action, in
             agent order, to the joint action's own copy of its branch's state.
         num_generations: G, completions per agent at each node.

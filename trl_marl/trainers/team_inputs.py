@@ -1,7 +1,8 @@
 """What a trainer's inputs resolve to, before any model loads: a task's rewards, data and transition; reward plugins by
 name, each wrapped with its checks; and the dataset columns that rewards and transitions read."""
 
-from .registry import load_plugin
+from ..registry import load_plugin
+from ..tasks import resolve_task
 from .reward_checks import (
     LOCAL_REWARD_ARGUMENTS,
     TEAM_REWARD_ARGUMENTS,
@@ -9,7 +10,6 @@ from .reward_checks import (
     check_dataset_columns,
     checked_team_reward,
 )
-from .tasks import resolve_task
 
 
 def resolve_team_inputs(

@@ -22,10 +22,10 @@ import os
 import tempfile
 from typing import Any
 
-from .agents import BASE_KEYS
-from .cli_train import ALGORITHMS
-from .metrics import is_training_metric
-from .tasks import Task, resolve_task, task_defaults
+from ..agents import BASE_KEYS
+from ..tasks import Task, resolve_task, task_defaults
+from ..trainers.metrics import is_training_metric
+from .train import ALGORITHMS
 
 BASELINES = ("team", "parallel", "sequential", "single")
 SPLITS = ("train", "eval")  # what Task.dataset(split) takes
@@ -81,10 +81,10 @@ def evaluate_task(
     turn (no choice among candidates, whose rewards may see the answer: the figures are not best-of-K); its
     `reward` averages every agent's turn, `episodes/team_reward` is the team reward each episode ended on, and
     `episodes/success_rate` is added for tasks that define success."""
-    from .cli_train import algorithm_classes
-    from .default_model import default_model_path
-    from .hub import resolve_team_folder
-    from .team import load_saved_bases, read_team_file
+    from ..team.default_model import default_model_path
+    from ..team.hub import resolve_team_folder
+    from ..team.saved import load_saved_bases, read_team_file
+    from .train import algorithm_classes
 
     if baseline not in BASELINES:
         raise ValueError(f"`baseline` must be one of {list(BASELINES)}, got {baseline!r}.")
@@ -163,7 +163,7 @@ def team_settings(spec: dict) -> dict[str, Any]:
     adapter mode and turns, and how it generated in training (`team.GENERATION_FIELDS`: completion length, sampling,
     chat template arguments). `evaluate_task`'s `config` overrides any of them; a field that an older team.json lacks
     keeps the config's default."""
-    from .team import GENERATION_FIELDS
+    from ..team.saved import GENERATION_FIELDS
 
     agents = [
         {
@@ -180,7 +180,7 @@ def team_settings(spec: dict) -> dict[str, Any]:
 def resolve_reward(func):
     """A reward plugin by name, or the function itself."""
     if isinstance(func, str):
-        from .registry import load_plugin
+        from ..registry import load_plugin
 
         return load_plugin("rewards", func)
     return func

@@ -17,9 +17,9 @@ from typing import Any
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from .bases import spec_bases
 from .default_model import DEFAULT_MODEL_ID
 from .hub import hub_base_model, team_download_patterns
-from .team_bases import spec_bases
 
 TRL_CITATION = textwrap.dedent("""\
     @software{vonwerra2020trl,

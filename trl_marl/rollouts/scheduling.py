@@ -140,7 +140,7 @@ def scheduled_phases(scheduler, num_agents: int, num_turns: int) -> list[list[li
 def resolve_scheduler(scheduler) -> object:
     """A scheduler object from a name (a registered plugin), a class, or an object with `phases` and `observe`."""
     if isinstance(scheduler, str):
-        from .registry import load_plugin
+        from ..registry import load_plugin
 
         scheduler = load_plugin("schedulers", scheduler)
     if isinstance(scheduler, type):

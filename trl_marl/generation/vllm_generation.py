@@ -45,8 +45,8 @@ import torch
 from trl.generation.vllm_generation import VLLMGeneration, empty_cache
 from trl.trainer.utils import ensure_master_addr_port
 
-from .config import SERVER_MODE_REASON
-from .memory.geometry import VLLM_MAX_NUM_BATCHED_TOKENS, vllm_max_num_seqs
+from ..config import SERVER_MODE_REASON
+from ..memory.geometry import VLLM_MAX_NUM_BATCHED_TOKENS, vllm_max_num_seqs
 from .routing import BASE
 from .vllm_serving import (
     bitsandbytes_quantization,

@@ -4,10 +4,10 @@
 
 import textwrap
 
-from .atgrpo_rollout import ATGRPORollout
-from .config import ATGRPOConfig
-from .rollout import JointAction, Rollout
-from .tasks import local_rewards
+from ..config import ATGRPOConfig
+from ..rollouts.atgrpo_rollout import ATGRPORollout
+from ..rollouts.rollout import JointAction, Rollout
+from ..tasks import local_rewards
 from .team_trainer import TeamTrainer
 
 

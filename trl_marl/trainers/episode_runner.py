@@ -20,8 +20,8 @@ from typing import Any
 
 from trl.trainer.utils import is_async_callable
 
-from .program_rollout import EpisodeResult, checked_outcome
-from .serving.episodes import EpisodeBook, EpisodeSampling
+from ..rollouts.program_rollout import EpisodeResult, checked_outcome
+from ..serving.episodes import EpisodeBook, EpisodeSampling
 
 EPISODE_GATHER_SECONDS = 0.1
 
@@ -76,8 +76,8 @@ class EpisodeRunner:
         timeout: float | None = None,
         max_batch_rows: int = 64,
     ):
-        from .serving.app import ServingSettings
-        from .serving.server import batching_engine, bind_server
+        from ..serving.app import ServingSettings
+        from ..serving.server import batching_engine, bind_server
 
         self.episode, self.timeout = episode, timeout
         self.book = EpisodeBook(sampling, max_calls)

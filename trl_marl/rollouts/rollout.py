@@ -27,12 +27,12 @@ class RolloutSettings:
         agent_names: the agents, in order.
         num_turns: T.
         reward_weights: `(F,)` weights of the team reward functions.
-        baseline, scale_rewards: as [`~trl_marl.advantages.group_advantages`].
+        baseline, scale_rewards: as [`~trl_marl.rollouts.advantages.group_advantages`].
         transition: `f(prompt, joint_action, history, turn, observations, reward, **columns)` → each agent's next
             prompt (see [`checked_next_turn`]); AT-GRPO's also receives `state` when the task keeps one.
         agent_input: `f(agent_index, prompt)` → the model input of that agent (its role added).
-        scheduler: which agents act at each turn and what each sees (`trl_marl.scheduling`); `parallel` by default.
-        termination_threshold: early termination on the team reward (each rollout says how); `None` for never.
+        scheduler: which agents act at each turn and what each sees (`trl_marl.rollouts.scheduling`); `parallel` by
+        default. termination_threshold: early termination on the team reward (each rollout says how); `None` for never.
         reset: `f(example)` → a problem's initial environment state (None: the task keeps none).
         step: `f(state, agent_name, text, turn)` → the state after that agent said `text` (on a private copy).
         success: `f(example, state, completions)` → whether an episode succeeded, or None when undefined (AT-GRPO).

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from trl.generation.vllm_generation import empty_cache
 
-from .memory.vllm_engine import vllm_lora_rank
+from ..memory.vllm_engine import vllm_lora_rank
 
 
 def lora_engine_settings(num_adapters: int, lora_rank: int, dtype: torch.dtype | str) -> dict[str, Any]:

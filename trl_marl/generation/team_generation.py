@@ -15,8 +15,8 @@ from trl.extras.profiling import profiling_context
 from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import pad
 
+from ..rollouts.rollout import Generated
 from .captured_decode import CapturedDecoder
-from .rollout import Generated
 from .routing import AdapterRouter, rows_to_adapters
 from .tool_calling import ToolCalling, ToolRow
 

@@ -9,15 +9,15 @@ from collections.abc import Callable
 import torch
 from trl.models import unwrap_model_for_generation
 
-from .config import MAGRPOConfig
-from .magrpo_rollout import TreeRollout
+from ..config import MAGRPOConfig
+from ..generation.vllm_serving import sampling_seed
+from ..registry import load_plugin
+from ..rollouts.magrpo_rollout import TreeRollout
+from ..rollouts.program_rollout import EpisodeResult, ProgramRollout, episode_outcome
+from ..rollouts.rollout import Rollout
+from ..serving.server import require_serving_packages
 from .metrics import log_local_rewards
-from .program_rollout import EpisodeResult, ProgramRollout, episode_outcome
-from .registry import load_plugin
-from .rollout import Rollout
-from .serving.server import require_serving_packages
 from .team_trainer import TeamTrainer
-from .vllm_serving import sampling_seed
 
 
 class MAGRPOTrainer(TeamTrainer):
@@ -126,8 +126,8 @@ class MAGRPOTrainer(TeamTrainer):
 
     def _episode_server(self):
         """The server the episodes call (`episode_runner.EpisodeRunner`), started at the first batch."""
+        from ..serving.episodes import EpisodeSampling
         from .episode_runner import EpisodeRunner, TrainingTeam
-        from .serving.episodes import EpisodeSampling
 
         if self._episode_runner is None:
             sampling = EpisodeSampling(self.temperature, self.args.top_p, self.max_completion_length)

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from trl.trainer.utils import nanstd
 
+from ..serving.episodes import RecordedCall
 from .advantages import node_credit, team_rewards
 from .magrpo_rollout import TreeBranch
 from .rollout import EpisodeRollout, JointAction, Rollout, Sample
 from .rows import _local, check_group_layout
-from .serving.episodes import RecordedCall
 
 # The dataset column through which a float outcome reaches the team reward (`episode_outcome`).
 OUTCOME_COLUMN = "episode_outcome"

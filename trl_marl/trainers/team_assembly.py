@@ -15,7 +15,7 @@ from typing import Any
 from accelerate.utils import set_seed
 from trl.extras.profiling import profiling_context
 
-from .agents import (
+from ..agents import (
     adapter_parameters,
     agent_adapter_names,
     agent_lora_config,
@@ -24,15 +24,16 @@ from .agents import (
     cast_frozen_adapters_like_trained,
     keep_4bit_weights_trainable,
 )
-from .captured_decode import captured_decoder
-from .rollout import RolloutSettings
-from .routing import AdapterRouter, check_sharding_routable
-from .rows import PER_ROW_LOSS_TYPES
+from ..generation.captured_decode import captured_decoder
+from ..generation.routing import AdapterRouter, check_sharding_routable
+from ..generation.team_generation import TeamGeneration, position_limit
+from ..generation.tool_calling import episode_environments, team_tool_calling
+from ..generation.vllm_generation import SamplingCorrection, team_vllm_engine
+from ..rollouts.rollout import RolloutSettings
+from ..rollouts.rows import PER_ROW_LOSS_TYPES
+from ..team.base_generation import other_base, tokenize_text_prompts
+from ..team.bases import TeamBase, plan_bases, prepare_base, register_bases
 from .scoring import TeamScoring
-from .team_bases import TeamBase, other_base, plan_bases, prepare_base, register_bases, tokenize_text_prompts
-from .team_generation import TeamGeneration, position_limit
-from .tool_calling import episode_environments, team_tool_calling
-from .vllm_generation import SamplingCorrection, team_vllm_engine
 
 
 @dataclass

@@ -41,9 +41,9 @@ import os
 import sys
 from typing import Any
 
-from .agents import BASE_DTYPES
-from .cli_train import ALGORITHMS, TrainArguments, UsageError, flag_value, parse_train_config, read_config, train
-from .registry import GROUPS, PluginError, did_you_mean, discover
+from ..agents import BASE_DTYPES
+from ..registry import GROUPS, PluginError, did_you_mean, discover
+from .train import ALGORITHMS, TrainArguments, UsageError, flag_value, parse_train_config, read_config, train
 
 __all__ = ["TrainArguments", "UsageError", "main", "parse_train_config"]
 
@@ -79,10 +79,10 @@ def evaluate(arguments) -> int:
 
     import torch
 
+    from ..tasks import resolve_task
+    from ..team.hub import resolve_team_folder
+    from ..team.saved import find_bases, read_team_file
     from .evaluation import evaluate_task
-    from .hub import resolve_team_folder
-    from .tasks import resolve_task
-    from .team import find_bases, read_team_file
 
     baseline = arguments.baseline or ("team" if arguments.team else "parallel")
     if (baseline == "team") != (arguments.team is not None):
@@ -158,11 +158,11 @@ def vllm_settings(arguments) -> dict[str, Any]:
 
 def serve(arguments) -> int:
     """`trl-marl serve`: the team (a folder or Hub id, checked before any model loads) served until interrupted."""
-    from .decode_support import captured_decode_setting
-    from .hub import resolve_team_folder
-    from .serving.access import api_key_from
-    from .serving.server import require_serving_packages, serve_forever
-    from .team import read_team_file
+    from ..generation.decode_support import captured_decode_setting
+    from ..serving.access import api_key_from
+    from ..serving.server import require_serving_packages, serve_forever
+    from ..team.hub import resolve_team_folder
+    from ..team.saved import read_team_file
 
     try:
         require_serving_packages()
@@ -214,7 +214,7 @@ def estimate_config(
     import torch
     from transformers import AutoConfig
 
-    from .memory import DEFAULT_PROMPT_LENGTH, estimate_team_memory
+    from ..memory import DEFAULT_PROMPT_LENGTH, estimate_team_memory
 
     overrides = list(overrides)
     values = read_config(config_path)

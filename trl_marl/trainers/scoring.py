@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from trl.trainer.utils import is_async_callable
 
-from .rollout import JointAction
+from ..rollouts.rollout import JointAction
 
 
 class TeamScoring:

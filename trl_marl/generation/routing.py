@@ -32,7 +32,7 @@ from peft.tuners.lora import LoraLayer
 from peft.utils import AuxiliaryTrainingWrapper
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from .agents import is_4bit_linear
+from ..agents import is_4bit_linear
 from .tensor_routing import TensorRouting, routed_lora_delta, routed_lora_dropout
 
 BASE = "__base__"  # PEFT's name for "no adapter": a row routed here goes through the base model alone

@@ -4,9 +4,9 @@ import torch
 from accelerate.utils import gather_object
 from trl.trainer.utils import nanstd
 
-from .advantages import team_rewards
-from .rollout import JointAction, Rollout
-from .tasks import local_rewards
+from ..rollouts.advantages import team_rewards
+from ..rollouts.rollout import JointAction, Rollout
+from ..tasks import local_rewards
 
 # What `trainer.evaluate()` logs but describes training, not the evaluated team: the loss and PPO's clipping
 # fractions (the policy is its own old policy here: always 0), the advantages (the learning signal of a step, not a

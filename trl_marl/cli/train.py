@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from trl import ScriptArguments
 
-from .registry import PluginError, check_plugin_name, did_you_mean
+from ..registry import PluginError, check_plugin_name, did_you_mean
 
 ALGORITHMS = ("magrpo", "at_grpo")
 # Data files `dataset_name` / `dataset_test_split` may name, by suffix: the `datasets` builder that reads them.
@@ -63,9 +63,9 @@ class TrainArguments(ScriptArguments):
 
 def algorithm_classes(algorithm: str) -> tuple[type, type]:
     """`(config class, trainer class)` of `algorithm` (`magrpo` or `at_grpo`)."""
-    from .atgrpo_trainer import ATGRPOTrainer
-    from .config import ATGRPOConfig, MAGRPOConfig
-    from .magrpo_trainer import MAGRPOTrainer
+    from ..config import ATGRPOConfig, MAGRPOConfig
+    from ..trainers.atgrpo_trainer import ATGRPOTrainer
+    from ..trainers.magrpo_trainer import MAGRPOTrainer
 
     return (ATGRPOConfig, ATGRPOTrainer) if algorithm == "at_grpo" else (MAGRPOConfig, MAGRPOTrainer)
 
@@ -93,7 +93,7 @@ def parse_train_config(
     """`(TrainArguments, MAGRPOConfig or ATGRPOConfig)` from a `trl-marl train` YAML file (or none: flags only) and
     `--key value` overrides, validated as `trl-marl train` does, without loading a model. A key or flag that is no
     field, an unknown plugin, or no data (with `require_data`) is a `UsageError` naming it."""
-    from .tasks import task_defaults
+    from ..tasks import task_defaults
 
     source = config_path or "the command line"
     values = read_config(config_path) if config_path else {}
@@ -155,7 +155,7 @@ def check_data_given(source: str, task: str | None, dataset_name: str | None, re
 
 def task_plugin(source: str, name: str, task_source: str | None = None):
     """The task plugin `name` (with its data source), or a `UsageError` naming what is wrong."""
-    from .tasks import resolve_task
+    from ..tasks import resolve_task
 
     try:
         return resolve_task(name, **({"source": task_source} if task_source else {}))
@@ -293,8 +293,8 @@ def training_data(script_args: TrainArguments, args) -> tuple[Any, Any]:
 
 def train(config_path: str | None, overrides: list[str]) -> int:
     """`trl-marl train`: parse, check and load everything a mistake could be found in, then train and save."""
-    from .default_model import default_model_path
-    from .precision import four_bit_config
+    from ..precision import four_bit_config
+    from ..team.default_model import default_model_path
 
     script_args, args = parse_train_config(config_path, overrides)
     _, trainer_class = algorithm_classes(script_args.algorithm)

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from ..config import CONTINUATIONS
 from .advantages import group_advantages, team_rewards
-from .config import CONTINUATIONS
 from .rollout import (
     EpisodeRollout,
     JointAction,
@@ -92,7 +92,7 @@ class ATGRPORollout(EpisodeRollout):
 
     Args:
         settings: the agents, turns, reward weights, baseline and scaling, transition (which also receives `state`
-            when the task keeps one), scheduler and task hooks ([`~trl_marl.rollout.RolloutSettings`]). Here an episode
+            when the task keeps one), scheduler and task hooks ([`~trl_marl.RolloutSettings`]). Here an episode
             ends after a turn whose last chosen candidate's team reward reached `termination_threshold`.
         num_generations: G, candidates per (problem, turn, agent) group.
         team_reward_weight: α.

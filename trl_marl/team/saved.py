@@ -6,7 +6,7 @@ per agent, or `out/team/` when the agents share an adapter), the tokenizer, and 
 ```json
 {"format": "trl_marl.team/1", "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
  "agents": [{"name": "planner", "system_prompt": "...", "adapter": "planner"}, ...],
- "num_turns": 2, "transition": "trl_marl.rollout:default_transition", "max_completion_length": 64, ...}
+ "num_turns": 2, "transition": "trl_marl.rollouts.rollout:default_transition", "max_completion_length": 64, ...}
 ```
 
 `load_team(out)` (the folder, or the Hub id of a pushed team) rebuilds the team on its base model (optionally 4-bit),
@@ -32,21 +32,22 @@ import torch
 from peft import PeftModel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-from .agents import agent_prompt, keep_4bit_weights_trainable
-from .captured_decode import captured_decoder
-from .config import ATGRPOConfig
+from ..agents import agent_prompt, keep_4bit_weights_trainable
+from ..config import ATGRPOConfig
+from ..generation.captured_decode import captured_decoder
+from ..generation.routing import AdapterRouter
+from ..generation.team_generation import left_padded
+from ..precision import four_bit_config
+from ..registry import PluginError
+from ..rollouts.magrpo_rollout import TreeRollout
+from ..rollouts.rollout import RolloutSettings, default_transition
+from ..rollouts.scheduling import Prompt, resolve_scheduler
+from ..tasks import resolve_task
+from .base_generation import tokenize_text_prompts
+from .bases import loadable, saved_adapters_model, spec_bases
 from .default_model import is_default_model
 from .hub import LOCAL_BASES_FILE, TEAM_FILE, local_base_path, portable_base_name, resolve_team_folder
 from .importable import import_by_name, importable_name
-from .magrpo_rollout import TreeRollout
-from .precision import four_bit_config
-from .registry import PluginError
-from .rollout import RolloutSettings, default_transition
-from .routing import AdapterRouter
-from .scheduling import Prompt, resolve_scheduler
-from .tasks import resolve_task
-from .team_bases import loadable, saved_adapters_model, spec_bases, tokenize_text_prompts
-from .team_generation import left_padded
 
 logger = logging.getLogger("trl_marl")
 
@@ -146,7 +147,7 @@ class Team:
     """A trained team on one base model, or on several (`other_bases`: `(model, tokenizer, agent indices)` of each
     base after the first): `run(prompt)` plays one episode (greedy by default), every agent's rows of a turn in one
     generation call per base, each through its own adapter: transformers' routed `generate` (through the captured
-    decode step where `captured_decode` chooses it, `trl_marl.captured_decode`), or with `engine` (a
+    decode step where `captured_decode` chooses it, `trl_marl.generation.captured_decode`), or with `engine` (a
     `SavedTeamEngine`, `load_team(..., use_vllm=True)`) one vLLM call with one LoRA request per row."""
 
     def __init__(
@@ -511,9 +512,9 @@ def load_team(
             CPU; 0.3 by default, as in training: vLLM's own 0.92 leaves a shared machine nothing) and
             `vllm_max_model_length` (the model's when None) are passed to it as in training. With `do_sample=True`,
             `torch.manual_seed` makes `run` sample the same tokens again, as with `generate`.
-        captured_decode: without vLLM, generate through the captured decode step (`trl_marl.captured_decode`): None
-            chooses by device (CUDA graphs on CUDA), True forces it, "cuda-graphs" or "compiled" names the
-            mechanism, False is eager `generate`.
+        captured_decode: without vLLM, generate through the captured decode step
+            (`trl_marl.generation.captured_decode`): None chooses by device (CUDA graphs on CUDA), True forces it,
+            "cuda-graphs" or "compiled" names the mechanism, False is eager `generate`.
 
     Raises:
         FileNotFoundError: a base cannot be found (`find_bases`); the message says what to pass.
@@ -572,7 +573,7 @@ def load_team(
     scheduler = resolve_scheduler(scheduler or spec.get("scheduler", "parallel"))
     engine = None
     if use_vllm:
-        from .vllm_serving import SavedTeamEngine
+        from ..generation.vllm_serving import SavedTeamEngine
 
         adapters = list(dict.fromkeys(agent["adapter"] for agent in spec["agents"]))
         engine = SavedTeamEngine(

@@ -35,7 +35,18 @@ from trl import GRPOTrainer
 from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
 from trl.models.utils import disable_gradient_checkpointing
 
-from .agents import adapter_parameters, check_adapters_train
+from ..agents import adapter_parameters, check_adapters_train
+from ..config import TeamConfig
+from ..generation.routing import BASE_ROW
+from ..generation.team_generation import captured_single_turn
+from ..generation.tool_calling import check_tool_settings, prepare_tool_tokenizer
+from ..rollouts.rollout import Rollout, Sample, default_transition
+from ..rollouts.rows import pad_rows, pad_samples, padding_loss_scale, tool_masks
+from ..rollouts.scheduling import resolve_scheduler, scheduled_phases
+from ..team.base_generation import generate_by_base, logps_by_base
+from ..team.bases import first_base_alone, load_base_adapters, save_base_adapters
+from ..team.hub import CARD_FILE, write_local_bases
+from ..team.saved import local_base_paths
 from .checkpoints import (
     checkpoint_to_resume,
     load_rollout_state,
@@ -45,27 +56,11 @@ from .checkpoints import (
     resumed_epoch,
     save_rollout_state,
 )
-from .config import TeamConfig
-from .hub import CARD_FILE, write_local_bases
 from .metrics import log_joint_actions, log_rollout_metrics
 from .reward_checks import TeamRewardFunc
-from .rollout import Rollout, Sample, default_transition
-from .routing import BASE_ROW
-from .rows import pad_rows, pad_samples, padding_loss_scale, tool_masks
-from .scheduling import resolve_scheduler, scheduled_phases
 from .sharing import card_example, card_settings, push_team_files, save_team, team_card, trained_team_spec
-from .team import local_base_paths
 from .team_assembly import assemble_parts, check_team_training, load_team_models
-from .team_bases import (
-    first_base_alone,
-    generate_by_base,
-    load_base_adapters,
-    logps_by_base,
-    save_base_adapters,
-)
-from .team_generation import captured_single_turn
 from .team_inputs import resolve_team_inputs
-from .tool_calling import check_tool_settings, prepare_tool_tokenizer
 
 logger = logging.getLogger("trl_marl")
 
@@ -87,10 +82,10 @@ class TeamTrainer(GRPOTrainer):
         peft_config: a `LoraConfig` for every agent's adapter; defaults to one built from the `lora_*` fields.
         transition: with `num_turns > 1`, what each agent sees at the next turn of one branch:
             `f(prompt, joint_action, history, turn, observations, reward, **columns)` returns one prompt per agent (a
-            list, or a dict agent name -> prompt) or `NextTurn(prompts, done)`; see [`~trl_marl.rollout.NextTurn`].
-            Defaults to [`~trl_marl.rollout.default_transition`]: the task prompt again (the scheduler adds what was
+            list, or a dict agent name -> prompt) or `NextTurn(prompts, done)`; see [`~trl_marl.NextTurn`].
+            Defaults to [`~trl_marl.default_transition`]: the task prompt again (the scheduler adds what was
             said).
-        scheduler: a scheduler object or plugin name overriding `args.scheduler` (see `trl_marl.scheduling`).
+        scheduler: a scheduler object or plugin name overriding `args.scheduler` (see `trl_marl.rollouts.scheduling`).
         task: a [`~trl_marl.Task`] or task plugin name; it supplies the reward functions, training data and transition
             when those are not given (build `args` with the config's `for_task` to take its agents and turns too).
         base_models: loaded models for agents' own `model` names (name -> model), used as given instead of loading
