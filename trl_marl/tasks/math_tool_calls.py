@@ -119,11 +119,7 @@ class MathToolCalls(Task):
             rows["completion"].append(
                 [
                     {"role": "assistant", "content": "", "tool_calls": [call]},
-                    {
-                        "role": "tool",
-                        "name": "run_python",
-                        "content": f"the program printed {format_answer(answer)!r}",
-                    },
+                    {"role": "tool", "name": "run_python", "content": f"the program printed {format_answer(answer)!r}"},
                     {"role": "assistant", "content": f"Answer: {format_answer(answer)}"},
                 ]
             )
