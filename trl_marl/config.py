@@ -9,22 +9,16 @@ from trl import GRPOConfig
 
 from .agents import normalize_agents
 from .generation.decode_support import captured_decode_setting
+from .generation.vllm_limits import SERVER_MODE_REASON
 from .precision import default_mixed_precision
 from .registry import check_plugin_name
+from .rollouts.atgrpo_rollout import CONTINUATIONS
 
 logger = logging.getLogger("trl_marl")
 
 JOINT_MODES = ("aligned", "cross")
 BASELINES = ("mean", "rloo", "max", "none")
 ADAPTER_MODES = ("per_agent", "shared")
-
-
-# Why `vllm_mode='server'` is refused (here, and by the team's engine).
-SERVER_MODE_REASON = (
-    "`vllm_mode='server'` is not supported: TRL's `trl vllm-serve` server receives merged full weights, one policy, "
-    "while each agent needs its own adapter in the same batch. Use `vllm_mode='colocate'`, which serves every agent's "
-    "adapter as a LoRA from one engine in the trainer's process."
-)
 
 
 def _choice_error(field_name: str, value: Any, allowed: tuple[str, ...]) -> ValueError:
@@ -396,9 +390,6 @@ class MAGRPOConfig(TeamConfig):
             f"({per_node**self.num_turns} leaves), more than `max_joint_actions` ({self.max_joint_actions}). "
             f"Lower {lower}{mode}, or raise `max_joint_actions`."
         )
-
-
-CONTINUATIONS = ("greedy", "sample")
 
 
 @dataclass

@@ -21,13 +21,13 @@ import numpy as np
 import torch
 from trl.generation.vllm_generation import empty_cache
 
-from ..memory.vllm_engine import vllm_lora_rank
+from .vllm_limits import vllm_lora_rank
 
 
 def lora_engine_settings(num_adapters: int, lora_rank: int, dtype: torch.dtype | str) -> dict[str, Any]:
     """The `vllm.LLM` arguments that serve `num_adapters` LoRA adapters of rank at most `lora_rank` in one batch, in
     `dtype` (the model's: vLLM would otherwise pick its own). `max_lora_rank` is the smallest value vLLM accepts
-    that holds `lora_rank` (`memory.vllm_lora_rank`: a rank-4 adapter is served in rank-8 slots)."""
+    that holds `lora_rank` (`vllm_limits.vllm_lora_rank`: a rank-4 adapter is served in rank-8 slots)."""
     return {
         "enable_lora": True,
         "max_loras": num_adapters,

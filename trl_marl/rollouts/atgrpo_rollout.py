@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from ..config import CONTINUATIONS
 from .advantages import group_advantages, team_rewards
 from .rollout import (
     EpisodeRollout,
@@ -38,6 +37,9 @@ from .rollout import (
 )
 from .rows import check_group_layout
 from .scheduling import Prompt, Said
+
+# How an episode continues after a turn: from the best candidate, or from a sampled one (`ATGRPOConfig.continuation`).
+CONTINUATIONS = ("greedy", "sample")
 
 GroupKey = tuple[int, int, int]  # (episode, turn, agent): the episode is the problem's global prompt-group index
 

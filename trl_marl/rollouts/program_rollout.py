@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from trl.trainer.utils import nanstd
 
-from ..serving.episodes import RecordedCall
 from .advantages import node_credit, team_rewards
 from .magrpo_rollout import TreeBranch
 from .rollout import EpisodeRollout, JointAction, Rollout, Sample
@@ -42,9 +41,34 @@ class EpisodesFailed(RuntimeError):
 
 
 @dataclass
+class RecordedCall:
+    """One completion an agent produced in an episode: a training row.
+
+    Args:
+        agent: the agent's index.
+        prompt: what the request sent (chat messages, or the prompt text).
+        prompt_ids: the prompt as the model saw it (the agent's role and chat template applied).
+        completion_ids: the sampled completion (its end-of-sequence token kept, as `Team` keeps it).
+        logprobs: each completion token's log-probability at sampling time, as the sampler gave it: on the
+            transformers path before temperature; on the trainer's vLLM engine after temperature and top-p (what
+            TRL's importance-sampling correction compares with the trainer's).
+        text: the completion's text as the program received it.
+        finish_reason: "stop" or "length".
+    """
+
+    agent: int
+    prompt: Any
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+
+
+@dataclass
 class EpisodeResult:
     """One episode: what the program returned (`outcome`: a float or a mapping) or why it is left out (`error`),
-    and the calls it made (`serving.episodes.RecordedCall`)."""
+    and the calls it made (`RecordedCall`)."""
 
     outcome: Any = None
     calls: list[RecordedCall] = field(default_factory=list)

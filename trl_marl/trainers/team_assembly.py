@@ -28,7 +28,8 @@ from ..generation.captured_decode import captured_decoder
 from ..generation.routing import AdapterRouter, check_sharding_routable
 from ..generation.team_generation import TeamGeneration, position_limit
 from ..generation.tool_calling import episode_environments, team_tool_calling
-from ..generation.vllm_generation import SamplingCorrection, team_vllm_engine
+from ..generation.vllm_generation import SamplingCorrection, TeamVLLMGeneration
+from ..memory.geometry import vllm_max_num_seqs
 from ..rollouts.rollout import RolloutSettings
 from ..rollouts.rows import PER_ROW_LOSS_TYPES
 from ..team.base_generation import other_base, tokenize_text_prompts
@@ -276,3 +277,49 @@ def assemble_parts(trainer: Any, team: TeamModels, use_vllm: bool, sharding: str
 def _agent_input(system_prompts: list[str], use_chat_template: bool, agent: int, prompt):
     """What agent `agent` is given: its role, then the prompt (the rollouts' `agent_input`)."""
     return agent_prompt(system_prompts[agent], prompt, use_chat_template)
+
+
+def team_vllm_engine(model: Any, args: Any, *, accelerator: Any, processing_class: Any, router: Any, **team: Any):
+    """The trainer's `TeamVLLMGeneration`, built after `GRPOTrainer.__init__` (which ran with `use_vllm` off, so that
+    it built no engine of its own) with the keywords GRPOTrainer 1.16 gives `VLLMGeneration` (re-read them when the
+    TRL pin moves), plus the team's: `router` (its routing picks each row's adapter), and in `team` the
+    `adapter_names`, `trained_adapters` and `current_step` of `TeamVLLMGeneration`."""
+    if args.loss_type == "vespo" and args.vllm_importance_sampling_correction:
+        if args.vllm_importance_sampling_mode not in ["token_truncate", "token_mask"]:  # as GRPOTrainer checks
+            raise ValueError(
+                "VESPO loss requires `vllm_importance_sampling_mode` to be either 'token_truncate' or 'token_mask'. "
+                f"Got: {args.vllm_importance_sampling_mode}."
+            )
+    ranks = [config.r for name, config in model.peft_config.items() if name in team["adapter_names"]]
+    return TeamVLLMGeneration(
+        model=model,
+        row_adapters=lambda: router.row_adapters,
+        lora_rank=max(ranks),
+        team_rows=vllm_max_num_seqs(args),
+        seed=args.seed,
+        **team,
+        accelerator=accelerator,
+        processing_class=processing_class,
+        mode=args.vllm_mode,
+        structured_outputs_regex=args.vllm_structured_outputs_regex,
+        server_base_url=args.vllm_server_base_url,
+        server_host=args.vllm_server_host,
+        server_port=args.vllm_server_port,
+        group_port=args.vllm_group_port,
+        server_timeout=args.vllm_server_timeout,
+        tensor_parallel_size=args.vllm_tensor_parallel_size,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+        max_model_length=args.vllm_max_model_length,
+        max_num_seqs=args.per_device_train_batch_size * args.vllm_tensor_parallel_size * args.steps_per_generation,
+        enable_sleep_mode=args.vllm_enable_sleep_mode,
+        model_impl=args.vllm_model_impl,
+        trust_remote_code=args.trust_remote_code,
+        repetition_penalty=args.repetition_penalty,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_completion_length=args.max_completion_length,
+        logprobs=0,  # the sampled tokens' log-probs, for the importance-sampling correction
+        generation_kwargs=args.generation_kwargs,
+    )
