@@ -1,6 +1,6 @@
-"""The package's layout rules (CONTRIBUTING.md): no import cycle, counting every import; imports that point only down
-the layers CONTRIBUTING.md lists, with no cycle between its folders; and a layout table that matches the tree. File size
-is a guideline for review, not a test: a file holds one concern, whatever its length."""
+"""The package's layout rules (CONTRIBUTING.md): no import cycle, counting every import; imports that point only
+down the layers CONTRIBUTING.md lists, with no cycle between its folders; and a layout table that matches the tree.
+File size is a guideline for review, not a test: a file holds one concern, whatever its length."""
 
 import ast
 import re
@@ -96,9 +96,9 @@ def unit(name: str) -> str:
 
 
 def layer_violations(graph: dict[str, set[str]], order: list[list[str]]) -> list[str]:
-    """Every import of `graph` (module -> the modules it imports) from a unit of a lower layer of `order` (bottom first)
-    to one of a higher layer, as "importer imports imported (layer i < layer j)". The package itself (its `__init__`,
-    the front door) sits above every layer and imports from all of them."""
+    """Every import of `graph` (module -> the modules it imports) from a unit of a lower layer of `order` (bottom
+    first) to one of a higher layer, as "importer imports imported (layer i, ..., is below layer j, ...)". The package
+    itself (its `__init__`, the front door) sits above every layer and imports from all of them."""
     rank = {name: index for index, names in enumerate(order) for name in names}
     found = []
     for name, targets in sorted(graph.items()):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from ..generation.captured_decode import bucket_length, bucket_rows
+from ..generation.captured_step import bucket_length, bucket_rows
 from .dtypes import ByteWidths
 from .geometry import GenerateCall
 from .shape import ModelShape, layer_lora_parameters
