@@ -28,8 +28,11 @@ import re
 import torch
 from accelerate.utils import send_to_device
 from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl.trainer.utils import RepeatSampler
+
+from ..agents import adapter_parameters
+from ..team.bases import load_base_adapters
 
 logger = logging.getLogger("trl_marl")
 
@@ -173,3 +176,117 @@ def load_rollout_state(checkpoint: str, process: int, num_processes: int, device
     # map storages to.
     state = torch.load(path, map_location="cpu", weights_only=False)
     return state["step"], send_to_device(state["buffered_inputs"], device)
+
+
+class TeamCheckpoints:
+    """`TeamTrainer`'s checkpoint overrides (`train`, `_save_checkpoint`, `_load_rng_state`, `_get_train_sampler`,
+    `_load_from_checkpoint`, `_load_best_model`), each over `GRPOTrainer`'s and built on the functions above: complete
+    checkpoints, exact resume, every agent's adapter reloaded in place. A mixin of `TeamTrainer` only, listed before
+    `GRPOTrainer`, whose methods its `super()` calls reach."""
+
+    def _get_train_sampler(self, dataset=None):
+        # The epoch's order depends on the seed and the epoch only, also in a resumed run.
+        return resumable_sampler(super()._get_train_sampler(dataset), epoch=self._resumed_epoch)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        # `True` is the latest *complete* checkpoint; an incomplete one is refused.
+        resume_from_checkpoint = checkpoint_to_resume(resume_from_checkpoint, self.args.output_dir)
+        self._resumed_epoch = resumed_epoch(resume_from_checkpoint) if resume_from_checkpoint else 0
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self._release_generation()
+
+    def _release_generation(self) -> None:
+        """When `train()` returns, also when training failed: the vLLM engine's memory is free for what follows
+        (`load_team(..., use_vllm=True)`, another trainer); a later `evaluate()` or `train()` starts it again."""
+        if self.use_vllm:
+            self.vllm_generation.close()
+
+    def _save_checkpoint(self, model, trial) -> None:
+        # Complete or ignored: the marker goes last, once every process wrote its part (and its generation buffer);
+        # older checkpoints rotate away only then.
+        run_dir = self._get_output_dir(trial=trial)
+        checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:
+            mark_incomplete(checkpoint)
+        self.accelerator.wait_for_everyone()
+        save_total_limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = save_total_limit
+        save_rollout_state(checkpoint, self.accelerator.process_index, self._step, self._buffered_inputs)
+        self.accelerator.wait_for_everyone()
+        if self.args.should_save:
+            mark_complete(checkpoint, self.state.global_step, self.accelerator.num_processes)
+            rotate_checkpoints(
+                output_dir=run_dir,
+                save_total_limit=save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+        self.accelerator.wait_for_everyone()
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        # Trainer calls this once when it resumes, right before the first step: the generation buffer comes back here.
+        super()._load_rng_state(checkpoint)
+        if checkpoint is None:
+            return
+        accelerator = self.accelerator
+        state = load_rollout_state(
+            checkpoint, accelerator.process_index, accelerator.num_processes, accelerator.device
+        )
+        if state is not None:
+            self._step, self._buffered_inputs = state
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        unwrapped = self.accelerator.unwrap_model(model or self.model)
+        if len(self.bases) > 1:
+            # Trainer would load every adapter folder of the checkpoint onto the first base, the other bases' too:
+            # each base loads its own agents' adapters, in place, in the parameters the optimizer holds.
+            for index, base in enumerate(self.bases):
+                load_base_adapters(resume_from_checkpoint, base.model, self._base_adapters(index))
+            self._set_adapter_trainability([base.model for base in self.bases])
+            self._serve_loaded_adapters()
+            return
+        kept = {name: param for name, param in unwrapped.named_parameters() if "lora_" in name}
+        super()._load_from_checkpoint(resume_from_checkpoint, model=model)
+        # Trainer reloads every adapter with PEFT's `load_adapter`, which may replace its parameters with float32 ones
+        # (on a 4-bit base the adapters train in bf16) and leaves only the active adapter trainable. The loaded values
+        # go back into the parameters the optimizer, DDP and the router hold, in their own precision; without this a
+        # resumed run would go on in another precision and train a single agent (or a frozen one), and a `train()`
+        # after the best model was loaded would find the adapters outside its optimizer.
+        with torch.no_grad():
+            for name, loaded in list(unwrapped.named_parameters()):
+                param = kept.get(name)
+                if param is not None and loaded is not param:
+                    param.copy_(loaded)
+                    module, _, attribute = name.rpartition(".")
+                    setattr(unwrapped.get_submodule(module), attribute, param)
+        self._set_adapter_trainability([unwrapped])
+        self._adapter_parameters = adapter_parameters(unwrapped, self.adapter_names)
+        self._serve_loaded_adapters()
+
+    def _load_best_model(self):
+        # Trainer looks for one adapter at the checkpoint's root; a team's adapters are in `<adapter>/` folders, which
+        # `_load_from_checkpoint` reads (every adapter, in its precision). DeepSpeed and FSDP load their own
+        # whole-model state, every adapter included.
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            super()._load_best_model()
+            self._serve_loaded_adapters()
+            return
+        logger.info(
+            "Loading every agent's adapter from the best checkpoint, %s (%s = %s).",
+            self.state.best_model_checkpoint,
+            self.args.metric_for_best_model,
+            self.state.best_metric,
+        )
+        self._load_from_checkpoint(self.state.best_model_checkpoint)
+
+    def _serve_loaded_adapters(self) -> None:
+        """Adapters loaded outside an optimizer step (a checkpoint, the best model) are no served version of any step:
+        the vLLM engine is sent them at its next generation."""
+        if self.use_vllm:
+            self.vllm_generation.invalidate()
+            self._last_loaded_step = -1

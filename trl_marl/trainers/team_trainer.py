@@ -1,9 +1,10 @@
 """`TeamTrainer`: TRL's `GRPOTrainer` where each prompt is answered by a team of LoRA agents on one base model; the
 base of [`MAGRPOTrainer`] (`magrpo_trainer.py`) and [`ATGRPOTrainer`] (`atgrpo_trainer.py`), which add their rollout.
 
-This file is trl_marl's one seam with TRL: every method TRL or transformers calls that trl_marl overrides is here, each
-short, handing off to a collaborator the trainer owns or to functions that take their inputs explicitly. Reading it
-tells what moves when the TRL pin moves (docs/design.md, §10).
+This file is trl_marl's one seam with TRL: every method TRL or transformers calls that trl_marl overrides is here (the
+checkpoint overrides in its mixin, `checkpoints.TeamCheckpoints`), each short, handing off to a collaborator the
+trainer owns or to functions that take their inputs explicitly. Reading it tells what moves when the TRL pin moves
+(docs/design.md, §10).
 
 - `__init__`: the team's bases loaded (`team_assembly.load_team_models`); TRL's init, run without vLLM and with
   `beta=0`; then the parts around TRL's model (`team_assembly.assemble_parts`: the router, the captured decode step or
@@ -14,7 +15,7 @@ tells what moves when the TRL pin moves (docs/design.md, §10).
 - `_get_per_token_logps_and_entropies`, `_compute_loss`, `compute_loss`, `training_step`, `prediction_step`: each
   row's log-probs from its agent's adapter (the KL reference from the base), the padding scale, the adapter check.
 - `train`, `_save_checkpoint`, `_load_rng_state`, `_get_train_sampler`, `_load_from_checkpoint`, `_load_best_model`:
-  complete checkpoints, exact resume, every agent's adapter reloaded (`checkpoints.py`).
+  complete checkpoints, exact resume, every agent's adapter reloaded (`checkpoints.TeamCheckpoints`, a mixin).
 - `save_model`, `create_model_card`, `_push_from_checkpoint`: the whole team saved and shared (`sharing.py`).
 Everything else (loss types, clipping, KL to the base, gradient accumulation, logging) is TRL's.
 """
@@ -22,7 +23,6 @@ Everything else (loss types, clipping, KL to the base, gradient accumulation, lo
 import contextlib
 import functools
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -30,12 +30,11 @@ import torch
 from accelerate.utils import gather_object
 from datasets import Dataset, IterableDataset
 from transformers import PreTrainedTokenizerBase, TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from trl import GRPOTrainer
 from trl.chat_template_utils import get_training_chat_template, is_chat_template_prefix_preserving
 from trl.models.utils import disable_gradient_checkpointing
 
-from ..agents import adapter_parameters, check_adapters_train
+from ..agents import check_adapters_train
 from ..config import TeamConfig
 from ..generation.routing import BASE_ROW
 from ..generation.team_generation import captured_single_turn
@@ -44,18 +43,10 @@ from ..rollouts.rollout import Rollout, Sample, default_transition
 from ..rollouts.rows import pad_rows, pad_samples, padding_loss_scale, tool_masks
 from ..rollouts.scheduling import resolve_scheduler, scheduled_phases
 from ..team.base_generation import generate_by_base, logps_by_base
-from ..team.bases import first_base_alone, load_base_adapters, save_base_adapters
+from ..team.bases import first_base_alone, save_base_adapters
 from ..team.hub import CARD_FILE, write_local_bases
 from ..team.saved import local_base_paths
-from .checkpoints import (
-    checkpoint_to_resume,
-    load_rollout_state,
-    mark_complete,
-    mark_incomplete,
-    resumable_sampler,
-    resumed_epoch,
-    save_rollout_state,
-)
+from .checkpoints import TeamCheckpoints
 from .metrics import log_joint_actions, log_rollout_metrics
 from .reward_checks import TeamRewardFunc
 from .sharing import card_example, card_settings, push_team_files, save_team, team_card, trained_team_spec
@@ -65,7 +56,7 @@ from .team_inputs import resolve_team_inputs
 logger = logging.getLogger("trl_marl")
 
 
-class TeamTrainer(GRPOTrainer):
+class TeamTrainer(TeamCheckpoints, GRPOTrainer):
     """What [`MAGRPOTrainer`] and [`ATGRPOTrainer`] share: TRL's [`~trl.GRPOTrainer`] with a team of LoRA agents on
     one base model. A subclass supplies `_rollout` (its algorithm's episodes) and its config class.
 
@@ -413,115 +404,6 @@ class TeamTrainer(GRPOTrainer):
             dataset_name=dataset_name,
             tags=tags,
         )
-
-    # ------------------------------------------------------------------ checkpoints (checkpoints.py)
-
-    def _get_train_sampler(self, dataset=None):
-        # The epoch's order depends on the seed and the epoch only, also in a resumed run.
-        return resumable_sampler(super()._get_train_sampler(dataset), epoch=self._resumed_epoch)
-
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
-        # `True` is the latest *complete* checkpoint; an incomplete one is refused.
-        resume_from_checkpoint = checkpoint_to_resume(resume_from_checkpoint, self.args.output_dir)
-        self._resumed_epoch = resumed_epoch(resume_from_checkpoint) if resume_from_checkpoint else 0
-        try:
-            return super().train(resume_from_checkpoint, *args, **kwargs)
-        finally:
-            self._release_generation()
-
-    def _release_generation(self) -> None:
-        """When `train()` returns, also when training failed: the vLLM engine's memory is free for what follows
-        (`load_team(..., use_vllm=True)`, another trainer); a later `evaluate()` or `train()` starts it again."""
-        if self.use_vllm:
-            self.vllm_generation.close()
-
-    def _save_checkpoint(self, model, trial) -> None:
-        # Complete or ignored: the marker goes last, once every process wrote its part (and its generation buffer);
-        # older checkpoints rotate away only then.
-        run_dir = self._get_output_dir(trial=trial)
-        checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        if self.args.should_save:
-            mark_incomplete(checkpoint)
-        self.accelerator.wait_for_everyone()
-        save_total_limit, self.args.save_total_limit = self.args.save_total_limit, None
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self.args.save_total_limit = save_total_limit
-        save_rollout_state(checkpoint, self.accelerator.process_index, self._step, self._buffered_inputs)
-        self.accelerator.wait_for_everyone()
-        if self.args.should_save:
-            mark_complete(checkpoint, self.state.global_step, self.accelerator.num_processes)
-            rotate_checkpoints(
-                output_dir=run_dir,
-                save_total_limit=save_total_limit,
-                best_model_checkpoint=self.state.best_model_checkpoint,
-                use_mtime=True,
-            )
-        self.accelerator.wait_for_everyone()
-
-    def _load_rng_state(self, checkpoint: str | None) -> None:
-        # Trainer calls this once when it resumes, right before the first step: the generation buffer comes back here.
-        super()._load_rng_state(checkpoint)
-        if checkpoint is None:
-            return
-        accelerator = self.accelerator
-        state = load_rollout_state(
-            checkpoint, accelerator.process_index, accelerator.num_processes, accelerator.device
-        )
-        if state is not None:
-            self._step, self._buffered_inputs = state
-
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        unwrapped = self.accelerator.unwrap_model(model or self.model)
-        if len(self.bases) > 1:
-            # Trainer would load every adapter folder of the checkpoint onto the first base, the other bases' too:
-            # each base loads its own agents' adapters, in place, in the parameters the optimizer holds.
-            for index, base in enumerate(self.bases):
-                load_base_adapters(resume_from_checkpoint, base.model, self._base_adapters(index))
-            self._set_adapter_trainability([base.model for base in self.bases])
-            self._serve_loaded_adapters()
-            return
-        kept = {name: param for name, param in unwrapped.named_parameters() if "lora_" in name}
-        super()._load_from_checkpoint(resume_from_checkpoint, model=model)
-        # Trainer reloads every adapter with PEFT's `load_adapter`, which may replace its parameters with float32 ones
-        # (on a 4-bit base the adapters train in bf16) and leaves only the active adapter trainable. The loaded values
-        # go back into the parameters the optimizer, DDP and the router hold, in their own precision; without this a
-        # resumed run would go on in another precision and train a single agent (or a frozen one), and a `train()`
-        # after the best model was loaded would find the adapters outside its optimizer.
-        with torch.no_grad():
-            for name, loaded in list(unwrapped.named_parameters()):
-                param = kept.get(name)
-                if param is not None and loaded is not param:
-                    param.copy_(loaded)
-                    module, _, attribute = name.rpartition(".")
-                    setattr(unwrapped.get_submodule(module), attribute, param)
-        self._set_adapter_trainability([unwrapped])
-        self._adapter_parameters = adapter_parameters(unwrapped, self.adapter_names)
-        self._serve_loaded_adapters()
-
-    def _load_best_model(self):
-        # Trainer looks for one adapter at the checkpoint's root; a team's adapters are in `<adapter>/` folders, which
-        # `_load_from_checkpoint` reads (every adapter, in its precision). DeepSpeed and FSDP load their own
-        # whole-model state, every adapter included.
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            super()._load_best_model()
-            self._serve_loaded_adapters()
-            return
-        logger.info(
-            "Loading every agent's adapter from the best checkpoint, %s (%s = %s).",
-            self.state.best_model_checkpoint,
-            self.args.metric_for_best_model,
-            self.state.best_metric,
-        )
-        self._load_from_checkpoint(self.state.best_model_checkpoint)
-
-    def _serve_loaded_adapters(self) -> None:
-        """Adapters loaded outside an optimizer step (a checkpoint, the best model) are no served version of any step:
-        the vLLM engine is sent them at its next generation."""
-        if self.use_vllm:
-            self.vllm_generation.invalidate()
-            self._last_loaded_step = -1
 
     # ------------------------------------------------------------------ rollout
 
