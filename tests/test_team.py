@@ -249,7 +249,7 @@ def test_a_team_file_written_before_the_tasks_package_loads_its_transition(tiny_
         ("trl_marl.plugins.coding:coding_feedback", coding_feedback),
         ("trl_marl.plugins.code_tester:code_tester_feedback", code_tester_feedback),
         ("trl_marl.plugins.math_tool:math_feedback", math_feedback),
-        ("trl_marl.rollouts.rollout:default_transition", default_transition),
+        ("trl_marl.rollout:default_transition", default_transition),
     ],
 )
 def test_every_transition_a_team_file_could_name_before_the_move_still_imports(old, new):

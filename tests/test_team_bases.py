@@ -1,4 +1,4 @@
-"""Teams on several base models (`team_bases.py`): the embedded SmolLM2-135M beside a tiny Qwen2 with a BPE tokenizer
+"""Teams on several base models (`team/bases.py`): the embedded SmolLM2-135M beside a tiny Qwen2 with a BPE tokenizer
 of its own (`other_base_dir`). Both algorithms train every adapter and leave both bases unchanged; each base loads
 once; a greedy episode equals each agent run alone on its own base; save -> `load_team` replays the trainer's team;
 the card and `team.json` name both bases; a resumed run equals the uninterrupted one; mistakes are refused before

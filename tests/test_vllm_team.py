@@ -56,7 +56,7 @@ def saved_team(default_model_dir, tmp_path_factory):
         "discount": 1.0,
         "termination_threshold": None,
         "task": None,
-        "transition": "trl_marl.rollouts.rollout:default_transition",
+        "transition": "trl_marl.rollout:default_transition",
         "scheduler": "parallel",
         "max_completion_length": 10,
         "chat_template_kwargs": {},

@@ -37,7 +37,7 @@ from .tensor_routing import TensorRouting, routed_lora_delta, routed_lora_dropou
 
 BASE = "__base__"  # PEFT's name for "no adapter": a row routed here goes through the base model alone
 BASE_ROW = -1  # the agent index of a row routed to the base model alone (the KL reference)
-# The submodule of a team's first base that holds its other bases (`team_bases.py`): each has a router of its own.
+# The submodule of a team's first base that holds its other bases (`team/bases.py`): each has a router of its own.
 OTHER_BASES = "team_bases"
 
 # The PEFT releases the router is tested with (pyproject.toml pins the same range).
@@ -119,7 +119,7 @@ class AdapterRouter:
         self._other_layers: list[torch.nn.Module] = []
         for path, module in model.named_modules():
             if path.split(".")[0] == OTHER_BASES:
-                continue  # a layer of another base of the team (`team_bases.py`), which has its own router
+                continue  # a layer of another base of the team (`team/bases.py`), which has its own router
             if isinstance(module, LoraLayer) and self._is_plain_lora(module):
                 self._plain_layers.append(module)
                 self._handles.append(module.register_forward_pre_hook(self._base_only, with_kwargs=True))

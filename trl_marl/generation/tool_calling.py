@@ -254,7 +254,7 @@ class ToolCalling:
         team: the agents' tools.
         tokenizer: the base's tokenizer (its chat template renders the tools, as TRL's `_tokenize_prompts`).
         tokenize: `f(tokenizer, chat_template_kwargs, tools, prompts)` → `(prompt ids, ...)`: TRL's
-            `_tokenize_prompts` for text prompts (`team_bases.tokenize_text_prompts`).
+            `_tokenize_prompts` for text prompts (`team.base_generation.tokenize_text_prompts`).
         chat_template: TRL's `chat_template` (its training template, or None for the tokenizer's own).
         chat_template_kwargs: the config's.
         suffix_ids: TRL's `_get_tool_suffix_ids`.

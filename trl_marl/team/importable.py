@@ -28,14 +28,16 @@ def importable_name(func: Callable) -> str | None:
     return f"{module}:{qualname}" if found is func else None
 
 
-# Where the built-in tasks' modules were before `trl_marl.tasks` became a package: `team.json` files written then name
-# their transitions by these paths.
+# Where modules were before they moved: the built-in tasks' before `trl_marl.tasks` became a package, the rollouts'
+# before `trl_marl.rollouts` did. `team.json` files written then name their transitions by these paths.
 MOVED_MODULES = {
     "trl_marl.plugins.tasks": "trl_marl.tasks.toy",
     "trl_marl.plugins.coding": "trl_marl.tasks.coding.coop_coding",
     "trl_marl.plugins.code_tester": "trl_marl.tasks.coding.code_tester",
     "trl_marl.plugins.math_tool": "trl_marl.tasks.math_tool",
     "trl_marl.plugins.puzzles.tasks": "trl_marl.tasks.puzzles.tool_and_plan",
+    "trl_marl.rollout": "trl_marl.rollouts.rollout",
+    "trl_marl.scheduling": "trl_marl.rollouts.scheduling",
 }
 
 

@@ -1,4 +1,4 @@
-"""A second base model made offline, for trying a team on two bases (`team_bases.py`) without the network: a small
+"""A second base model made offline, for trying a team on two bases (`bases.py`) without the network: a small
 randomly initialised Qwen2 (another architecture than the embedded SmolLM2's Llama) with a byte-level BPE tokenizer
 trained on local prose (Python's own pydoc topics) and a chat template of its own, so that its vocabulary, special
 tokens and prompt format all differ from the default model's. It has learned nothing: it shows a two-base team

@@ -370,7 +370,7 @@ def load_saved_bases(
 ) -> list[SavedBase]:
     """Each base of the saved team in `path` (`spec`: its team.json), the first agent's first: found (`find_bases`),
     loaded once (`saved_base_loading`: the caller's precision, else the one its agents recorded) with its agents'
-    adapters, each from its own saved config (`team_bases.saved_adapters_model`), and its tokenizer (the first base's
+    adapters, each from its own saved config (`bases.saved_adapters_model`), and its tokenizer (the first base's
     at the folder's top, another's beside its adapters). What `load_team` and `evaluate_task` load a team with."""
     groups = spec_bases(spec)
     sources = find_bases(path, spec, base_model, base_models)
@@ -518,7 +518,7 @@ def load_team(
 
     Raises:
         FileNotFoundError: a base cannot be found (`find_bases`); the message says what to pass.
-        ValueError: an adapter's saved weights do not match its saved config (`team_bases.load_base_adapters`).
+        ValueError: an adapter's saved weights do not match its saved config (`bases.load_base_adapters`).
     """
     path = resolve_team_folder(path)
     spec = read_team_file(path)

@@ -55,7 +55,7 @@ def trained_team_spec(
     """`team.json`'s content for a trainer's team: its config, adapters, base model (a Hub cache snapshot by its repo
     id), and the transition and scheduler its rollouts used. With agents on several bases (`other_bases`, the loaded
     models after the first; `agent_base`, each agent's base index; `base_loadings`, how each of them loaded:
-    `team_bases.loading_of`, kept in `BasePlan.loading` when it loads) each agent on another base records its `model`
+    `bases.loading_of`, kept in `BasePlan.loading` when it loads) each agent on another base records its `model`
     by the same rule and its base's `load_in_4bit` and `dtype`, set by the agent or followed from the trainer's; the
     agents on the first base record none."""
     used = rollout_settings

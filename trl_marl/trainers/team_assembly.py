@@ -1,6 +1,6 @@
 """The team a trainer trains, assembled around TRL's `GRPOTrainer.__init__` (`TeamTrainer.__init__` calls these).
 
-Before TRL's init, `load_team_models`: each base planned and checked before anything loads (`team_bases.plan_bases`),
+Before TRL's init, `load_team_models`: each base planned and checked before anything loads (`bases.plan_bases`),
 loaded once, and given its agents' adapters, seeded as TRL seeds (a fresh adapter per agent, or one shared by all);
 which agents and adapters train. After it, `check_team_training` refuses what the team cannot train under the
 accelerator TRL set up, and `assemble_parts` builds what generates and scores the team's episodes around TRL's model:
@@ -42,7 +42,7 @@ class TeamModels:
     """The loaded bases of a team and who trains.
 
     Args:
-        plans: each base's plan (`team_bases.BasePlan`: its name, its agents, how it loads), the trainer's base first.
+        plans: each base's plan (`bases.BasePlan`: its name, its agents, how it loads), the trainer's base first.
         models: each base's `PeftModel`, carrying its agents' adapters.
         agent_adapters: each agent's adapter name (agents sharing one adapter share its name).
         agent_base: each agent's base (its index in `plans`).
@@ -116,7 +116,7 @@ def check_team_training(
 
 def prepare_other_bases(first: Any, others: list, args: Any, temperature: float, device) -> None:
     """The bases after the first get what TRL and Trainer did to the first (`first`: TRL's unwrapped model, which
-    then knows them: `team_bases.register_bases`)."""
+    then knows them: `bases.register_bases`)."""
     for other in others:
         prepare_base(other, args, temperature)
         if not getattr(other, "is_loaded_in_4bit", False) and not getattr(other, "is_loaded_in_8bit", False):
@@ -137,7 +137,7 @@ class TeamParts:
         sampling_correction: vLLM's log-probs carried to TRL's importance-sampling correction, or None.
         team_generation: the first base's routed generation (`team_generation.TeamGeneration`).
         scoring: the team reward functions (`scoring.TeamScoring`).
-        bases: each base's `team_bases.TeamBase`, TRL's model first.
+        bases: each base's `bases.TeamBase`, TRL's model first.
         rollout_settings: what every rollout reads (`rollout.RolloutSettings`).
     """
 

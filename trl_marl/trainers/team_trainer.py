@@ -130,7 +130,7 @@ class TeamTrainer(TeamCheckpoints, GRPOTrainer):
         self.scheduler = resolve_scheduler(scheduler if scheduler is not None else args.scheduler)
         scheduled_phases(self.scheduler, args.num_agents, args.num_turns)
 
-        # The team's bases: one, unless agents name their own `model` (`team_bases.py`); checked before any loads,
+        # The team's bases: one, unless agents name their own `model` (`team/bases.py`); checked before any loads,
         # then each loaded once with its agents' adapters (`team_assembly.py`).
         team = load_team_models(args, model, quantization_config, base_models, processing_class, peft_config)
         self.agent_names, self.agent_adapters, self.agent_base = args.agent_names, team.agent_adapters, team.agent_base
