@@ -31,10 +31,10 @@ import torch
 from trl import SFTConfig, SFTTrainer, TrlParser
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, default_model_path
+from trl_marl.generation.tool_templates import tool_chat_template
 from trl_marl.tasks import task_defaults
 from trl_marl.tasks.math_tool import TOOL, TOOL_PROMPT
 from trl_marl.tasks.math_tool_calls import MathToolCalls
-from trl_marl.tool_templates import tool_chat_template
 
 
 @dataclass

@@ -2,8 +2,8 @@
 (arXiv 2510.11062, task `code_tester`), each agent a LoRA adapter on its own base, in one trainer.
 
     python recipes/atgrpo_two_bases.py        # CPU: the coder on the embedded SmolLM2-135M, the tester on a second
-                                              # base made offline (trl_marl.offline_base: a tiny random Qwen2 with a
-                                              # tokenizer of its own); a few minutes on 2 cores
+                                              # base made offline (trl_marl.team.offline_base: a tiny random Qwen2
+                                              # with a tokenizer of its own); a few minutes on 2 cores
     python recipes/atgrpo_two_bases.py --model_name_or_path Qwen/Qwen2.5-Coder-1.5B-Instruct \\
         --tester_model HuggingFaceTB/SmolLM2-360M-Instruct --load_in_4bit true     # GPU: a coder and a small tester
                                                                                    # of another family, both 4-bit
@@ -26,10 +26,10 @@ from trl import TrlParser
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, default_model_path
 from trl_marl.agents import normalize_agents
-from trl_marl.offline_base import make_offline_base
 from trl_marl.precision import four_bit_config
 from trl_marl.tasks import task_defaults
 from trl_marl.tasks.coding.code_tester import CodeTester
+from trl_marl.team.offline_base import make_offline_base
 
 
 @dataclass

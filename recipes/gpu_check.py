@@ -31,10 +31,10 @@ from datasets import Dataset
 from transformers import AutoTokenizer, TrainerCallback
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, default_model_path
-from trl_marl.captured_decode import CapturedDecoder, captured_decoder, describe
-from trl_marl.cli import estimate_config
+from trl_marl.cli.command import estimate_config
+from trl_marl.generation.captured_decode import CapturedDecoder, captured_decoder, describe
+from trl_marl.generation.routing import AdapterRouter
 from trl_marl.precision import default_mixed_precision, four_bit_config, half_precision_dtype
-from trl_marl.routing import AdapterRouter
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "benchmarks"))

@@ -62,9 +62,10 @@ def shared_tmp(monkeypatch):
 
 @pytest.fixture(scope="session")
 def other_base_dir(tmp_path_factory) -> str:
-    """A second base of another architecture and vocabulary, for teams on several bases (`trl_marl.offline_base`): a
-    tiny randomly initialised Qwen2 with a BPE tokenizer trained on local prose and a chat template of its own. Its
-    token ids mean nothing to the default model's tokenizer, and the other way round."""
-    from trl_marl.offline_base import make_offline_base
+    """A second base of another architecture and vocabulary, for teams on several bases
+    (`trl_marl.team.offline_base`): a tiny randomly initialised Qwen2 with a BPE tokenizer trained on local prose and
+    a chat template of its own. Its token ids mean nothing to the default model's tokenizer, and the other way
+    round."""
+    from trl_marl.team.offline_base import make_offline_base
 
     return make_offline_base(tmp_path_factory.mktemp("tiny-qwen2"))

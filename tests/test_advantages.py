@@ -1,4 +1,5 @@
-"""Specification of MAGRPO's advantage math (trl_marl.advantages, docs/design.md §5), on hand-computed examples.
+"""Specification of MAGRPO's advantage math (trl_marl.rollouts.advantages, docs/design.md §5), on hand-computed
+examples.
 
 Every expected value is a literal worked out by hand in the comment above it; `EPS` is TRL's 1e-4 in the
 denominator of scaled advantages. Sample standard deviations use Bessel's correction (divide by n - 1).
@@ -10,7 +11,7 @@ import pytest
 import torch
 from trl.trainer.utils import nanstd
 
-from trl_marl.advantages import (
+from trl_marl.rollouts.advantages import (
     aligned_credit,
     baseline_values,
     cross_credit,

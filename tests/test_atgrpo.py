@@ -9,10 +9,10 @@ from collections import defaultdict
 import pytest
 import torch
 
-from trl_marl.advantages import ADVANTAGE_EPS
-from trl_marl.atgrpo_rollout import ATGRPORollout, choose
-from trl_marl.rollout import RolloutSettings
-from trl_marl.scheduling import parallel, sequential
+from trl_marl.rollouts.advantages import ADVANTAGE_EPS
+from trl_marl.rollouts.atgrpo_rollout import ATGRPORollout, choose
+from trl_marl.rollouts.rollout import RolloutSettings
+from trl_marl.rollouts.scheduling import parallel, sequential
 
 NAMES = ["a", "b"]
 

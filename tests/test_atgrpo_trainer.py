@@ -149,7 +149,7 @@ def test_at_grpo_configs_written_before_the_split_still_load(tmp_path):
 
 
 def test_the_cli_applies_the_same_rule_to_yaml_keys_and_flags(tmp_path):
-    from trl_marl.cli import UsageError, parse_train_config
+    from trl_marl.cli.train import UsageError, parse_train_config
 
     path = tmp_path / "at_grpo.yaml"
     base = f"algorithm: at_grpo\ntask: reach_target\noutput_dir: {tmp_path / 'out'}\nuse_cpu: true\nbf16: false\n"

@@ -7,7 +7,7 @@ import pytest
 from datasets import Dataset
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, RewardFunctionError, Task, load_team
-from trl_marl.checkpoints import COMPLETE_MARKER, last_complete_checkpoint
+from trl_marl.trainers.checkpoints import COMPLETE_MARKER, last_complete_checkpoint
 
 
 def make_config(output_dir, **overrides):

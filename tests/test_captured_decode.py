@@ -1,7 +1,7 @@
-"""The captured decode step (`trl_marl.captured_decode`): the same tokens as eager `generate`, for routed teams of 1, 2
-and 4 agents (in train mode too, LoRA dropout live), a 4-bit base and the trainer; the same greedy tokens as a forward
-without cache for full, sliding-window and hybrid attention; caches and graphs reused across calls without leaking
-rows.
+"""The captured decode step (`trl_marl.generation.captured_decode`): the same tokens as eager `generate`, for routed
+teams of 1, 2 and 4 agents (in train mode too, LoRA dropout live), a 4-bit base and the trainer; the same greedy
+tokens as a forward without cache for full, sliding-window and hybrid attention; caches and graphs reused across calls
+without leaking rows.
 
 Compiling costs ~10 s per shape on 2 CPU cores: the default run proves the mechanism on tiny models (the "static"
 path, the same loop with an eager step, where compiling adds nothing to what is checked); the compiled path and the
@@ -27,17 +27,18 @@ from transformers import (
     Qwen2Config,
 )
 
-from trl_marl import MAGRPOConfig, MAGRPOTrainer, captured_decode, decode_support
+from trl_marl import MAGRPOConfig, MAGRPOTrainer
 from trl_marl.agents import keep_4bit_weights_trainable
-from trl_marl.captured_decode import (
+from trl_marl.generation import captured_decode, decode_support
+from trl_marl.generation.captured_decode import (
     CapturedDecoder,
     bucket_length,
     bucket_rows,
     captured_decoder,
     describe,
 )
-from trl_marl.decode_support import choose_path
-from trl_marl.routing import BASE, AdapterRouter
+from trl_marl.generation.decode_support import choose_path
+from trl_marl.generation.routing import BASE, AdapterRouter
 
 NAMES = ["a", "b", "c", "d"]
 
@@ -318,7 +319,7 @@ def test_the_trainer_uses_the_decoder_it_chose(tiny_model_dir, tmp_path, monkeyp
     """The seam: without vLLM, the trainer's generation goes through its decoder (here the static path, fast on the
     CPU) and trains every adapter exactly as eager `generate` does: 8 rows per call fill their bucket, so sampling
     draws the same numbers on both paths, from the same probabilities."""
-    monkeypatch.setattr("trl_marl.captured_decode.choose_path", lambda requested, device: "static")
+    monkeypatch.setattr("trl_marl.generation.captured_decode.choose_path", lambda requested, device: "static")
     captured, captured_adapters, initial = trainer_run(tiny_model_dir, tmp_path, None)
     monkeypatch.undo()
     eager, eager_adapters, _ = trainer_run(tiny_model_dir, tmp_path, False)
@@ -332,7 +333,7 @@ def test_with_tools_the_tool_loops_rounds_go_through_the_decoder_and_train_exact
 ):
     calls, generate = [], CapturedDecoder.generate
     monkeypatch.setattr(CapturedDecoder, "generate", lambda self, *a, **k: calls.append(1) or generate(self, *a, **k))
-    monkeypatch.setattr("trl_marl.captured_decode.choose_path", lambda requested, device: "static")
+    monkeypatch.setattr("trl_marl.generation.captured_decode.choose_path", lambda requested, device: "static")
     captured, captured_adapters, initial = trainer_run(tiny_model_dir, tmp_path, None, tools=True)
     monkeypatch.undo()
     eager, eager_adapters, _ = trainer_run(tiny_model_dir, tmp_path, False, tools=True)
@@ -394,7 +395,7 @@ def test_a_failing_captured_step_falls_back_to_eager_generate_by_default_and_rai
             with pytest.raises(RuntimeError, match="capture failed"):
                 generate_both(team, router, decoder, ["a", "b", "a"], *rows, do_sample=False)
             continue
-        with caplog.at_level("WARNING", logger="trl_marl.captured_decode"):
+        with caplog.at_level("WARNING", logger="trl_marl.generation.captured_decode"):
             eager, fell_back = generate_both(team, router, decoder, ["a", "b", "a"], *rows, do_sample=False)
         assert torch.equal(eager, fell_back)  # routed as ever: each row through its agent's adapter
         assert "captured decode step failed (RuntimeError: CUDA graph capture failed)" in caplog.text
@@ -582,7 +583,7 @@ def test_a_model_with_other_attention_layers_goes_eager_by_default_and_is_refuse
     """The decoder's cache holds full and sliding-window attention only; the layer types are read as transformers reads
     them, or, in releases without its reader, from `layer_types` and the config's window fields."""
     model = AutoModelForCausalLM.from_config(config()).eval()
-    monkeypatch.setattr("trl_marl.captured_decode.choose_path", lambda requested, device: "static")
+    monkeypatch.setattr("trl_marl.generation.captured_decode.choose_path", lambda requested, device: "static")
     for reader in (decode_support.get_layer_types_and_kwargs, None):
         monkeypatch.setattr(decode_support, "get_layer_types_and_kwargs", reader)
         assert captured_decoder(model, None, None) is None
@@ -611,7 +612,7 @@ def test_flash_attention_goes_eager_by_default_and_is_refused_by_name_when_asked
     """The loop's mask marks the cache's unwritten positions as attended (the causal mask hides them); flash attention
     reads a mask of ones as none and would attend to them, so it is not captured."""
     model = tiny_base().eval()
-    monkeypatch.setattr("trl_marl.captured_decode.choose_path", lambda requested, device: "static")
+    monkeypatch.setattr("trl_marl.generation.captured_decode.choose_path", lambda requested, device: "static")
     assert captured_decoder(model, None, True) is not None  # sdpa: served
     monkeypatch.setattr(model.config, "_attn_implementation_internal", "flash_attention_2", raising=False)
     assert model.config._attn_implementation == "flash_attention_2"
@@ -791,7 +792,7 @@ COMPILED_DECODE = """
 import torch
 from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM
-from trl_marl.captured_decode import CapturedDecoder
+from trl_marl.generation.captured_decode import CapturedDecoder
 
 torch.manual_seed(0)
 config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)

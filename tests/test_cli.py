@@ -13,7 +13,8 @@ import pytest
 from datasets import Dataset
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, PluginError
-from trl_marl.cli import UsageError, main, parse_train_config
+from trl_marl.cli import main
+from trl_marl.cli.train import UsageError, parse_train_config
 from trl_marl.registry import get_plugin
 
 QUESTIONS = ["What is 2 plus 2?", "What colour is snow?", "Name a fruit.", "What is 3 times 3?"]
@@ -67,7 +68,7 @@ def no_model_load(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("trl_marl.team_bases.create_model_from_path", refuse)
+    monkeypatch.setattr("trl_marl.team.bases.create_model_from_path", refuse)
 
 
 def one_line_error(capsys, arguments) -> str:
@@ -85,7 +86,7 @@ def one_line_error(capsys, arguments) -> str:
 def test_config_flag_and_positional_config_parse_to_the_same_config(tmp_path, monkeypatch):
     path = dataset_config(tmp_path, "unused")
     given = []
-    monkeypatch.setattr("trl_marl.cli.train", lambda config, arguments: given.append((config, arguments)) or 0)
+    monkeypatch.setattr("trl_marl.cli.command.train", lambda config, arguments: given.append((config, arguments)) or 0)
     for form in (["--config", path], [f"--config={path}"], [path]):
         assert main(["train", *form, "--learning_rate", "0.01"]) == 0
     assert given == [(path, ["--learning_rate", "0.01"])] * 3

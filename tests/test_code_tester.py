@@ -17,10 +17,10 @@ from tiny_run import TINY_RUN
 
 import trl_marl.tasks.coding.code_tester as code_tester
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, NextTurn
-from trl_marl.atgrpo_rollout import ATGRPORollout
 from trl_marl.registry import load_plugin
-from trl_marl.rollout import RolloutSettings
-from trl_marl.scheduling import sequential
+from trl_marl.rollouts.atgrpo_rollout import ATGRPORollout
+from trl_marl.rollouts.rollout import RolloutSettings
+from trl_marl.rollouts.scheduling import sequential
 from trl_marl.tasks import local_rewards
 from trl_marl.tasks.coding.code_tester import (
     AGREEMENT,
@@ -424,7 +424,7 @@ def test_the_paper_scale_recipe_is_predicted_to_fit_one_24_gb_card(capsys):
 
 
 def test_the_single_agent_baseline_evaluates_one_answer_in_both_roles(tiny_model_dir, eval_problems):
-    from trl_marl.evaluation import evaluate_task
+    from trl_marl.cli.evaluation import evaluate_task
 
     settings = dict(model=tiny_model_dir, limit=1, max_completion_length=8, use_cpu=True)
     metrics = evaluate_task("code_tester", "single", **settings)
@@ -435,7 +435,7 @@ def test_the_single_agent_baseline_evaluates_one_answer_in_both_roles(tiny_model
 
 
 def test_the_paper_scale_recipe_is_a_valid_config_with_the_papers_settings_each_with_its_source():
-    from trl_marl.cli import parse_train_config
+    from trl_marl.cli.train import parse_train_config
 
     path = REPO / "recipes" / "paper" / "atgrpo_code_tester.yaml"
     script_args, args = parse_train_config(str(path), ["--bf16", "false"])  # bf16 needs a GPU

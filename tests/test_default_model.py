@@ -1,4 +1,5 @@
-"""Tests for the embedded default model (trl_marl.default_model). No network: the Hub is offline or faked throughout.
+"""Tests for the embedded default model (trl_marl.team.default_model). No network: the Hub is offline or faked
+throughout.
 
 The GGUF conversion (~15-20 s on CPU) runs once, in the module-scoped `converted` fixture.
 """
@@ -18,7 +19,7 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.trainer_utils import validate_quantization_for_training
 
-from trl_marl import default_model
+from trl_marl.team import default_model
 
 UNREACHABLE_HUB = "http://127.0.0.1:9"  # nothing listens on the discard port: the connection is refused at once
 OFFLINE_LINE = "offline: using the embedded SmolLM2-135M-Instruct"

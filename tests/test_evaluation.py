@@ -8,7 +8,7 @@ import pytest
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer
 from trl_marl.cli import main
-from trl_marl.evaluation import evaluate_task
+from trl_marl.cli.evaluation import evaluate_task
 
 SMALL = dict(max_completion_length=4, use_cpu=True, seed=0)
 
@@ -93,7 +93,7 @@ RECORDED = dict(max_completion_length=3, temperature=0.7, top_p=0.9, top_k=5, mi
 
 
 def test_a_saved_team_records_its_generation_settings_and_is_evaluated_with_them(tiny_model_dir, tmp_path):
-    from trl_marl.evaluation import team_settings
+    from trl_marl.cli.evaluation import team_settings
 
     team = saved_team(tiny_model_dir, tmp_path / "team", **RECORDED, chat_template_kwargs={"enable_thinking": False})
     spec = json.loads((team / "team.json").read_text())

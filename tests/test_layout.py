@@ -1,5 +1,6 @@
-"""The package's layout rules (CONTRIBUTING.md): no import cycle, counting every import, and a layout table that
-matches the tree. File size is a guideline for review, not a test: a file holds one concern, whatever its length."""
+"""The package's layout rules (CONTRIBUTING.md): no import cycle, counting every import; imports that point only
+down the layers CONTRIBUTING.md lists, with no cycle between its folders; and a layout table that matches the tree.
+File size is a guideline for review, not a test: a file holds one concern, whatever its length."""
 
 import ast
 import re
@@ -77,6 +78,75 @@ def test_the_import_graph_counts_deferred_and_type_checking_imports_and_sees_the
     assert graph == {"p.a": {"p.b"}, "p.b": {"p.a"}, "p.c": {"p.b"}}
     assert import_cycle(graph) == ["p.a", "p.b", "p.a"]
     assert import_cycle({"p.a": {"p.b"}, "p.b": set(), "p.c": {"p.b"}}) is None
+
+
+def layers() -> list[list[str]]:
+    """CONTRIBUTING.md's layers, bottom first (its numbered list): each the package's units that its line names, a
+    top-level module (`trl_marl.config`) or folder (`trl_marl.team`)."""
+    text = (PACKAGE.parent / "CONTRIBUTING.md").read_text()
+    block = text[text.index("<!-- layers:start -->") : text.index("<!-- layers:end -->")]
+    lines = [line for line in block.splitlines() if re.match(r"^\d+\. ", line)]
+    units = [re.findall(r"`trl_marl/(\w+)(?:/|\.py)`", line) for line in lines]
+    return [[f"trl_marl.{name}" for name in names] for names in units]
+
+
+def unit(name: str) -> str:
+    """The layer unit a module belongs to: its top-level folder, or itself for a top-level module."""
+    return ".".join(name.split(".")[:2])
+
+
+def layer_violations(graph: dict[str, set[str]], order: list[list[str]]) -> list[str]:
+    """Every import of `graph` (module -> the modules it imports) from a unit of a lower layer of `order` (bottom
+    first) to one of a higher layer, as "importer imports imported (layer i, ..., is below layer j, ...)". The package
+    itself (its `__init__`, the front door) sits above every layer and imports from all of them."""
+    rank = {name: index for index, names in enumerate(order) for name in names}
+    found = []
+    for name, targets in sorted(graph.items()):
+        if "." not in name:
+            continue
+        for target in sorted(targets):
+            if "." in target and rank[unit(name)] < rank[unit(target)]:
+                found.append(
+                    f"{name} imports {target} (layer {rank[unit(name)] + 1}, {unit(name)}, is below layer "
+                    f"{rank[unit(target)] + 1}, {unit(target)})"
+                )
+    return found
+
+
+def package_graph() -> dict[str, set[str]]:
+    found = modules()
+    return {name: imports(name, path, set(found)) for name, path in found.items()}
+
+
+def test_every_top_level_module_and_folder_sits_in_one_layer():
+    named = [name for names in layers() for name in names]
+    units = {unit(name) for name in modules() if "." in name}
+    assert len(named) == len(set(named)), f"named in two layers: {sorted(n for n in named if named.count(n) > 1)}"
+    assert sorted(units - set(named)) == [], "modules or folders missing from CONTRIBUTING.md's layers"
+    assert sorted(set(named) - units) == [], "CONTRIBUTING.md's layers name what is not in the package"
+
+
+def test_imports_point_only_down_the_layers():
+    violations = layer_violations(package_graph(), layers())
+    assert violations == [], "imports from a lower layer to a higher one:\n" + "\n".join(violations)
+
+
+def test_there_is_no_import_cycle_between_the_packages_folders():
+    graph: dict[str, set[str]] = {}
+    for name, targets in package_graph().items():
+        if "." in name:
+            graph.setdefault(unit(name), set()).update(unit(t) for t in targets if "." in t and unit(t) != unit(name))
+    assert len(graph) > 8
+    cycle = import_cycle(graph)
+    assert cycle is None, f"import cycle between folders: {' -> '.join(cycle)}"
+
+
+def test_the_layer_rule_names_an_import_that_points_up():
+    order = [["p.low"], ["p.mid", "p.other"], ["p.top"]]
+    graph = {"p": {"p.top.a"}, "p.low.a": {"p.mid.b"}, "p.mid.b": {"p.low.a", "p.other"}, "p.top.a": {"p.mid.b"}}
+    assert layer_violations(graph, order) == ["p.low.a imports p.mid.b (layer 1, p.low, is below layer 2, p.mid)"]
+    graph["p.low.a"] = set()
+    assert layer_violations(graph, order) == []
 
 
 def test_contributings_layout_table_matches_the_tree():

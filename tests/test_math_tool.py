@@ -282,7 +282,7 @@ def test_the_paper_scale_recipe_is_predicted_to_fit_one_24_gb_card(capsys):
 
 
 def test_the_single_agent_baseline_evaluates_one_answer_in_both_roles(tiny_model_dir):
-    from trl_marl.evaluation import evaluate_task
+    from trl_marl.cli.evaluation import evaluate_task
 
     settings = dict(model=tiny_model_dir, limit=1, max_completion_length=8, use_cpu=True)
     metrics = evaluate_task("math_tool", "single", **settings)
@@ -293,7 +293,7 @@ def test_the_single_agent_baseline_evaluates_one_answer_in_both_roles(tiny_model
 
 
 def test_the_paper_scale_recipe_is_a_valid_config_with_the_papers_settings_each_with_its_source():
-    from trl_marl.cli import parse_train_config
+    from trl_marl.cli.train import parse_train_config
 
     path = REPO / "recipes" / "paper" / "atgrpo_math.yaml"
     script_args, args = parse_train_config(str(path), ["--bf16", "false"])  # bf16 needs a GPU

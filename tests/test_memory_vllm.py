@@ -10,7 +10,9 @@ import pytest
 from transformers import AutoConfig, LlamaConfig
 
 from trl_marl import ATGRPOConfig, MAGRPOConfig
-from trl_marl.cli import estimate_config, main, parse_train_config
+from trl_marl.cli import main
+from trl_marl.cli.command import estimate_config
+from trl_marl.cli.train import parse_train_config
 from trl_marl.memory import (
     CUDA_CONTEXT_BYTES,
     ENGINE_NON_TORCH_BYTES,

@@ -13,8 +13,8 @@ from trl.trainer.utils import split_tensor_dict
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, NextTurn, TransitionError
 from trl_marl.agents import agent_prompt
-from trl_marl.rows import pad_rows, padding_loss_scale
-from trl_marl.scheduling import parallel
+from trl_marl.rollouts.rows import pad_rows, padding_loss_scale
+from trl_marl.rollouts.scheduling import parallel
 
 AGENTS = [{"name": "planner", "system_prompt": "Plan briefly."}, {"name": "checker"}]
 PROMPTS = ["Name a colour.", "Name a fruit.", "Count to three.", "Say hello."]

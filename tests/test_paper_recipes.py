@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from sandbox_helpers import require_bubblewrap
 
-from trl_marl.cli import parse_train_config
+from trl_marl.cli.train import parse_train_config
 from trl_marl.tasks import resolve_task
 
 REPO = Path(__file__).resolve().parents[1]

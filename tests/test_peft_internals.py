@@ -10,7 +10,7 @@ import torch
 from packaging.specifiers import SpecifierSet
 from peft import LoraConfig, get_peft_model
 
-from trl_marl.routing import PEFT_TESTED, AdapterRouter, check_peft_internals, missing_peft_internals
+from trl_marl.generation.routing import PEFT_TESTED, AdapterRouter, check_peft_internals, missing_peft_internals
 
 REPO = Path(__file__).resolve().parents[1]
 

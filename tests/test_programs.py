@@ -16,10 +16,10 @@ pytest.importorskip("fastapi", reason="programs are served by the `serve` extra 
 openai = pytest.importorskip("openai", reason="episodes call the agents with the `openai` client")
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer  # noqa: E402
-from trl_marl.magrpo_rollout import TreeRollout  # noqa: E402
-from trl_marl.program_rollout import EpisodeResult, EpisodesFailed, ProgramRollout  # noqa: E402
+from trl_marl.rollouts.magrpo_rollout import TreeRollout  # noqa: E402
+from trl_marl.rollouts.program_rollout import EpisodeResult, EpisodesFailed, ProgramRollout  # noqa: E402
 from trl_marl.serving.episodes import RecordedCall  # noqa: E402
-from trl_marl.team_bases import tokenize_text_prompts  # noqa: E402
+from trl_marl.team.base_generation import tokenize_text_prompts  # noqa: E402
 
 AGENTS = [{"name": "writer", "system_prompt": "Write."}, {"name": "critic", "system_prompt": "Critique."}]
 DATA = Dataset.from_dict({"prompt": ["Name a cat.", "Name a dog."]})

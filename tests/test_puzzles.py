@@ -17,10 +17,10 @@ from test_trainer import lora_params, randomize_adapters
 from tiny_run import TINY_RUN
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, NextTurn
-from trl_marl.atgrpo_rollout import ATGRPORollout
-from trl_marl.rollout import RolloutSettings
+from trl_marl.rollouts.atgrpo_rollout import ATGRPORollout
+from trl_marl.rollouts.rollout import RolloutSettings
+from trl_marl.rollouts.scheduling import sequential
 from trl_marl.sandbox import Limits
-from trl_marl.scheduling import sequential
 from trl_marl.tasks import local_rewards, resolve_task
 from trl_marl.tasks.puzzles import (
     PLAN,
@@ -459,7 +459,7 @@ def test_the_puzzle_task_trains_a_few_at_grpo_steps_on_a_tiny_model(tiny_model_d
 
 
 def test_the_single_agent_baseline_evaluates_on_the_puzzle(tiny_model_dir):
-    from trl_marl.evaluation import evaluate_task
+    from trl_marl.cli.evaluation import evaluate_task
 
     task = PlanPathTask(difficulty="easy", num_turns=2, train_size=4, eval_size=2)
     metrics = evaluate_task(task, "single", model=tiny_model_dir, limit=2, max_completion_length=8, use_cpu=True)
@@ -471,7 +471,7 @@ def test_the_single_agent_baseline_evaluates_on_the_puzzle(tiny_model_dir):
 
 @pytest.mark.parametrize("task", ["plan_path", "sokoban", "sudoku"])
 def test_the_paper_configs_parse_with_the_papers_settings(task):
-    from trl_marl.cli import parse_train_config
+    from trl_marl.cli.train import parse_train_config
 
     path = str(REPO / "recipes" / "paper" / "atgrpo_puzzles.yaml")
     overrides = ["--task", task, "--output_dir", f"outputs/{task}", "--bf16", "false"]  # bf16 needs a GPU

@@ -14,7 +14,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, load_team
-from trl_marl.checkpoints import COMPLETE_MARKER, last_complete_checkpoint
+from trl_marl.trainers.checkpoints import COMPLETE_MARKER, last_complete_checkpoint
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_until_killed.py"
 PROMPTS = ["Name a colour.", "Name a fruit.", "Count to three.", "Say hello.", "Name a tree.", "Name a city."]

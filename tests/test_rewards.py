@@ -13,7 +13,7 @@ import pytest
 import torch
 from trl.trainer.utils import get_callable_name, is_async_callable
 
-from trl_marl.reward_checks import RewardFunctionError, checked_team_reward
+from trl_marl.trainers.reward_checks import RewardFunctionError, checked_team_reward
 
 PROMPTS = ["Say hi.", "Say bye."]
 COMPLETIONS = [{"a": "hi", "b": "hello"}, {"a": "bye", "b": "farewell"}]

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from trl_marl.advantages import tree_returns
-from trl_marl.magrpo_rollout import TreeRollout
-from trl_marl.rollout import NextTurn, RolloutSettings, TransitionError, default_transition
-from trl_marl.rows import pad_rows, row_digest
+from trl_marl.rollouts.advantages import tree_returns
+from trl_marl.rollouts.magrpo_rollout import TreeRollout
+from trl_marl.rollouts.rollout import NextTurn, RolloutSettings, TransitionError, default_transition
+from trl_marl.rollouts.rows import pad_rows, row_digest
 
 EPS = 1e-4
 AGENTS = ["a", "b"]

@@ -5,7 +5,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
-from trl_marl.routing import BASE, AdapterRouter, check_sharding_routable
+from trl_marl.generation.routing import BASE, AdapterRouter, check_sharding_routable
 
 ROWS = ["left", "right", "right", "left"]
 
@@ -44,7 +44,7 @@ def test_routed_forward_and_gradients_equal_per_adapter_forwards(
 ):
     """Under DeepSpeed ZeRO-3 a parameter is gathered only while its own module runs: the batched path reads the
     adapters' weights without running their modules, so every layer takes PEFT's path, which runs them."""
-    monkeypatch.setattr("trl_marl.routing.is_deepspeed_zero3_enabled", lambda: zero3)
+    monkeypatch.setattr("trl_marl.generation.routing.is_deepspeed_zero3_enabled", lambda: zero3)
     model = two_adapter_model(tiny_model_dir, right_rank, right_dropout)
     router = AdapterRouter(model, ["left", "right"])
     plain_layers = [m for m in model.modules() if hasattr(m, "lora_A") and router._is_plain_lora(m)]

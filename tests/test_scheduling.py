@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer
-from trl_marl.magrpo_rollout import TreeRollout
 from trl_marl.registry import load_plugin
-from trl_marl.rollout import RolloutSettings, default_transition
-from trl_marl.scheduling import Parallel, scheduled_phases
+from trl_marl.rollouts.magrpo_rollout import TreeRollout
+from trl_marl.rollouts.rollout import RolloutSettings, default_transition
+from trl_marl.rollouts.scheduling import Parallel, scheduled_phases
 
 NAMES = ["ann", "bob", "cy"]
 TASK = "Plan a picnic."

@@ -16,7 +16,7 @@ httpx = pytest.importorskip("httpx", reason="the serving tests read raw response
 from test_serving_engine import AGENTS, QUESTION, no_reward, save_tiny_team  # noqa: E402
 
 from trl_marl import load_team, serve_team  # noqa: E402
-from trl_marl.team_bases import tokenize_text_prompts  # noqa: E402
+from trl_marl.team.base_generation import tokenize_text_prompts  # noqa: E402
 
 API_KEY = "test-key"
 

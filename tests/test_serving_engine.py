@@ -14,7 +14,7 @@ from trl_marl.serving.completion_text import CompletionDecoder, StreamedText
 from trl_marl.serving.engine import BatchingEngine, EngineStopped
 from trl_marl.serving.rows import GeneratedRow, RowRequest
 from trl_marl.serving.step_hooks import nucleus_sample
-from trl_marl.team_bases import tokenize_text_prompts
+from trl_marl.team.base_generation import tokenize_text_prompts
 
 AGENTS = [{"name": "planner", "system_prompt": "Plan briefly."}, {"name": "checker", "system_prompt": "Check."}]
 QUESTION = [{"role": "user", "content": "Suggest a name for a cat."}]
@@ -230,7 +230,7 @@ def test_rows_retried_alone_run_once_alone_then_share_calls_again(team):
 
 
 def test_when_the_captured_step_fails_the_rows_continue_on_eager_generate_without_repeating_a_token(team, monkeypatch):
-    from trl_marl.captured_decode import CapturedDecoder
+    from trl_marl.generation.captured_decode import CapturedDecoder
 
     requests = [RowRequest(agent, agent_prompt_ids(team, agent), 12) for agent in (0, 1)]
     eager_engine = BatchingEngine(team).start()
@@ -316,7 +316,7 @@ def test_a_call_takes_rows_from_each_waiting_request_in_turn(team):
 
 
 def test_through_the_captured_decode_loop_rows_generate_as_with_eager_generate(team, monkeypatch):
-    from trl_marl.captured_decode import CapturedDecoder
+    from trl_marl.generation.captured_decode import CapturedDecoder
 
     requests = [
         RowRequest(0, agent_prompt_ids(team, 0), 40),

@@ -19,10 +19,10 @@ jsonschema = pytest.importorskip("jsonschema", reason="answers are validated aga
 import test_serving  # noqa: E402
 from test_serving_engine import agent_prompt_ids  # noqa: E402
 
+from trl_marl.generation.tool_templates import CHATML_TOOLS, CHATML_TOOLS_TEMPLATE  # noqa: E402
 from trl_marl.serving.engine import BatchingEngine  # noqa: E402
 from trl_marl.serving.rows import RowRequest  # noqa: E402
 from trl_marl.serving.tool_requests import read_output_rules  # noqa: E402
-from trl_marl.tool_templates import CHATML_TOOLS, CHATML_TOOLS_TEMPLATE  # noqa: E402
 
 API_KEY = test_serving.API_KEY
 team_dir, server, client = test_serving.team_dir, test_serving.server, test_serving.client  # the same fixtures
@@ -66,7 +66,7 @@ def test_a_base_whose_template_drops_tools_gets_chatml_with_hermes_calls_which_r
     from transformers import AutoTokenizer
     from trl.chat_template_utils import is_chat_template_prefix_preserving, supports_tool_calling
 
-    from trl_marl.tool_templates import ToolsUnsupported, tool_chat_template, tool_template_name
+    from trl_marl.generation.tool_templates import ToolsUnsupported, tool_chat_template, tool_template_name
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)  # SmolLM2's tokenizer and chat template
     assert not supports_tool_calling(tokenizer)  # its own template drops a tool call silently
@@ -125,7 +125,7 @@ def test_constrained_answers_sampled_at_temperature_1_always_parse_and_validate(
 @pytest.mark.parametrize("path", ["eager", "captured"])
 def test_rows_of_different_grammars_and_none_share_one_routed_call(server, monkeypatch, path):
     """Each row follows its own grammar (or none), in one call, on eager `generate` and on the captured decode step."""
-    from trl_marl.captured_decode import CapturedDecoder
+    from trl_marl.generation.captured_decode import CapturedDecoder
 
     team = server.team
     if path == "captured":

@@ -13,14 +13,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, load_team
 from trl_marl.agents import agent_prompt
-from trl_marl.importable import import_by_name
-from trl_marl.rollout import default_transition
-from trl_marl.scheduling import parallel
+from trl_marl.rollouts.rollout import default_transition
+from trl_marl.rollouts.scheduling import parallel
 from trl_marl.tasks.coding.code_tester import code_tester_feedback
 from trl_marl.tasks.coding.coop_coding import coding_feedback
 from trl_marl.tasks.math_tool import math_feedback
 from trl_marl.tasks.toy import word_count_feedback
-from trl_marl.team import saved_base_loading
+from trl_marl.team.importable import import_by_name
+from trl_marl.team.saved import saved_base_loading
 
 AGENTS = [{"name": "planner", "system_prompt": "Plan briefly."}, {"name": "checker", "system_prompt": "Check."}]
 NEW_PROMPT = [{"role": "user", "content": "Suggest a name for a cat."}]
@@ -103,7 +103,7 @@ def test_save_model_writes_peft_adapters_and_a_team_file(tiny_model_dir, tmp_pat
     assert spec["agents"] == [{**agent, "adapter": agent["name"]} for agent in AGENTS]
     assert spec["base_model"] == f"./{Path(tiny_model_dir).name}"  # a local base: its folder's name
     assert (spec["num_turns"], spec["discount"], spec["termination_threshold"]) == (2, 0.8, 3.0)
-    assert spec["transition"] == "trl_marl.rollout:default_transition"
+    assert spec["transition"] == "trl_marl.rollouts.rollout:default_transition"
     assert spec["scheduler"] == "parallel"
     assert spec["max_completion_length"] == 6
 

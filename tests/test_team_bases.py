@@ -1,4 +1,4 @@
-"""Teams on several base models (`team_bases.py`): the embedded SmolLM2-135M beside a tiny Qwen2 with a BPE tokenizer
+"""Teams on several base models (`team/bases.py`): the embedded SmolLM2-135M beside a tiny Qwen2 with a BPE tokenizer
 of its own (`other_base_dir`). Both algorithms train every adapter and leave both bases unchanged; each base loads
 once; a greedy episode equals each agent run alone on its own base; save -> `load_team` replays the trainer's team;
 the card and `team.json` name both bases; a resumed run equals the uninterrupted one; mistakes are refused before
@@ -24,11 +24,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, Team, load_team
 from trl_marl.cli import main
-from trl_marl.default_model import DEFAULT_MODEL_ID
-from trl_marl.evaluation import evaluate_task
-from trl_marl.scheduling import parallel
+from trl_marl.cli.evaluation import evaluate_task
+from trl_marl.rollouts.scheduling import parallel
 from trl_marl.tasks import resolve_task
-from trl_marl.team_bases import base_generation_config, base_tokenizer, plan_bases
+from trl_marl.team.base_generation import base_generation_config
+from trl_marl.team.bases import base_tokenizer, plan_bases
+from trl_marl.team.default_model import DEFAULT_MODEL_ID
 
 PROMPTS = ["Say hi.", "Count to three."]
 NEW_PROMPT = [{"role": "user", "content": "Suggest a name for a cat."}]

@@ -367,7 +367,7 @@ def test_snippets_load_a_folder_whose_name_holds_quotes_and_a_backslash(tiny_mod
 
 
 def test_a_printed_row_never_passes_a_column_as_one_of_team_runs_options():
-    from trl_marl.team_card import _example_call
+    from trl_marl.team.team_card import _example_call
 
     assert _example_call({"prompt": "Plan.", "topic": "picnic"}) == "'Plan.', topic='picnic'"
     assert _example_call({"prompt": "Plan.", "num_turns": 3}) == "'Plan.'"  # not run(num_turns=3)

@@ -14,8 +14,9 @@ from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.utils import filter_repo_objects
 from test_team_card import HUB_ID, PROMPT, card_text, python_blocks, run_block, tiny_trainer
 
-from trl_marl import DEFAULT_MODEL_ID, default_model_path, hub, load_team
-from trl_marl.hub import hub_base_model, team_download_patterns
+from trl_marl import DEFAULT_MODEL_ID, default_model_path, load_team
+from trl_marl.team import hub
+from trl_marl.team.hub import hub_base_model, team_download_patterns
 
 # A team repo pushed with hub_strategy="checkpoint" / "all_checkpoints", beside a base model's files.
 REPO_FILES = {

@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, load_team
-from trl_marl.rollout import NextTurn
+from trl_marl.rollouts.rollout import NextTurn
 from trl_marl.tasks import resolve_task, task_defaults
 from trl_marl.tasks.categories import ALIASES, CATEGORIES, UNSEEN_CATEGORIES, listed_items, mentioned
 from trl_marl.tasks.teamwork import (

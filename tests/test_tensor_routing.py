@@ -1,6 +1,6 @@
-"""Routing held in tensors (`trl_marl.tensor_routing`), as the captured decode step reads it: layers that read one
-input share their LoRA matmuls, a call on one adapter reads that adapter alone with no mask, and both give the logits
-and tokens of the ordinary routing, with the kernels counted."""
+"""Routing held in tensors (`trl_marl.generation.tensor_routing`), as the captured decode step reads it: layers that
+read one input share their LoRA matmuls, a call on one adapter reads that adapter alone with no mask, and both give
+the logits and tokens of the ordinary routing, with the kernels counted."""
 
 from collections import Counter
 
@@ -10,9 +10,9 @@ from peft import LoraConfig, get_peft_model
 from test_captured_decode import NAMES, emulate_recording, generate_both, left_padded, tiny_base, tiny_team
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trl_marl.captured_decode import CapturedDecoder
-from trl_marl.routing import AdapterRouter
-from trl_marl.tensor_routing import TensorRouting
+from trl_marl.generation.captured_decode import CapturedDecoder
+from trl_marl.generation.routing import AdapterRouter
+from trl_marl.generation.tensor_routing import TensorRouting
 
 # The tiny team's decoder layers (2) each have seven LoRA linears: q, k, v, o, gate, up, down; plus an untargeted head.
 LAYERS, LINEARS = 2, 7

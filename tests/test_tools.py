@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer
-from trl_marl.tool_templates import CHATML_TOOLS, prepare_response_parsing, tool_chat_template
+from trl_marl.generation.tool_templates import CHATML_TOOLS, prepare_response_parsing, tool_chat_template
 
 PROMPTS = ["Add 2 and 3.", "Add 4 and 4.", "Add 1 and 6.", "Add 5 and 2."]
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'

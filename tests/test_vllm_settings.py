@@ -12,10 +12,10 @@ import torch
 from accelerate import Accelerator
 
 from trl_marl import MAGRPOConfig
+from trl_marl.generation.team_generation import TeamGeneration
+from trl_marl.generation.vllm_generation import SamplingCorrection, TeamVLLMGeneration, importance_sampling_ratio
+from trl_marl.generation.vllm_serving import TeamLLM, check_sharding_served, lora_engine_settings, sampling_seed
 from trl_marl.memory.geometry import largest_call_rows
-from trl_marl.team_generation import TeamGeneration
-from trl_marl.vllm_generation import SamplingCorrection, TeamVLLMGeneration, importance_sampling_ratio
-from trl_marl.vllm_serving import TeamLLM, check_sharding_served, lora_engine_settings, sampling_seed
 
 # two rows of three tokens; the second row's last token is padding
 OLD = torch.tensor([[-1.0, -2.0, -0.5], [-0.2, -0.4, -9.0]])

@@ -17,10 +17,10 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from trl_marl import load_team  # noqa: E402
-from trl_marl.evaluation import evaluate_task  # noqa: E402
+from trl_marl.cli.evaluation import evaluate_task  # noqa: E402
+from trl_marl.generation.vllm_serving import SavedTeamEngine  # noqa: E402
 from trl_marl.tasks import resolve_task  # noqa: E402
-from trl_marl.team import TEAM_FORMAT, write_team_file  # noqa: E402
-from trl_marl.vllm_serving import SavedTeamEngine  # noqa: E402
+from trl_marl.team.saved import TEAM_FORMAT, write_team_file  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

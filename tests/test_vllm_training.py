@@ -12,7 +12,7 @@ from test_atgrpo_trainer import AGENTS, Notebook  # noqa: E402
 from test_trainer import lora_params  # noqa: E402
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer  # noqa: E402
-from trl_marl.vllm_generation import TeamVLLMGeneration  # noqa: E402
+from trl_marl.generation.vllm_generation import TeamVLLMGeneration  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -14,18 +14,18 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
     lambda record: not str(record.msg).startswith(BITSANDBYTES_KERNELS_NOTICE)
 )
 
-from .advantages import aligned_credit, baseline_values, cross_credit, group_advantages, team_rewards
-from .atgrpo_trainer import ATGRPOTrainer
 from .config import ATGRPOConfig, MAGRPOConfig, TeamConfig
-from .default_model import DEFAULT_MODEL_ID, default_model_path
-from .magrpo_trainer import MAGRPOTrainer
 from .registry import PluginError, register_episode, register_reward, register_scheduler, register_task
-from .reward_checks import RewardFunctionError, for_agent
-from .rollout import NextTurn, RolloutSettings, TransitionError, default_transition
+from .rollouts.advantages import aligned_credit, baseline_values, cross_credit, group_advantages, team_rewards
+from .rollouts.rollout import NextTurn, RolloutSettings, TransitionError, default_transition
 from .serving import serve_team  # FastAPI and uvicorn are imported only when a server starts
 from .tasks import Task
-from .team import Team, TeamRun, load_team
-from .team_trainer import TeamTrainer
+from .team.default_model import DEFAULT_MODEL_ID, default_model_path
+from .team.saved import Team, TeamRun, load_team
+from .trainers.atgrpo_trainer import ATGRPOTrainer
+from .trainers.magrpo_trainer import MAGRPOTrainer
+from .trainers.reward_checks import RewardFunctionError, for_agent
+from .trainers.team_trainer import TeamTrainer
 
 __version__ = "0.1.0.dev0"
 

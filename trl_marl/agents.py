@@ -34,7 +34,7 @@ def normalize_agents(agents: Any) -> list[dict[str, str]]:
 
     Each entry may be a name (`"writer"`) or a mapping with a `name` and an optional `system_prompt` (alias `role`),
     and optionally the agent's own base model: `model` (Hub id or folder), with its `load_in_4bit` and `dtype`
-    (`team_bases.py`); these keys are kept only when given.
+    (`team/bases.py`); these keys are kept only when given.
     Raises `ValueError` naming the field and the offending entry when an entry is malformed, a name is not a valid
     adapter / folder name, or two agents share a name.
     """

@@ -8,23 +8,17 @@ from typing import Any, ClassVar
 from trl import GRPOConfig
 
 from .agents import normalize_agents
-from .decode_support import captured_decode_setting
+from .generation.decode_support import captured_decode_setting
+from .generation.vllm_limits import SERVER_MODE_REASON
 from .precision import default_mixed_precision
 from .registry import check_plugin_name
+from .rollouts.atgrpo_rollout import CONTINUATIONS
 
 logger = logging.getLogger("trl_marl")
 
 JOINT_MODES = ("aligned", "cross")
 BASELINES = ("mean", "rloo", "max", "none")
 ADAPTER_MODES = ("per_agent", "shared")
-
-
-# Why `vllm_mode='server'` is refused (here, and by the team's engine).
-SERVER_MODE_REASON = (
-    "`vllm_mode='server'` is not supported: TRL's `trl vllm-serve` server receives merged full weights, one policy, "
-    "while each agent needs its own adapter in the same batch. Use `vllm_mode='colocate'`, which serves every agent's "
-    "adapter as a LoRA from one engine in the trainer's process."
-)
 
 
 def _choice_error(field_name: str, value: Any, allowed: tuple[str, ...]) -> ValueError:
@@ -96,12 +90,12 @@ class TeamConfig(GRPOConfig, metaclass=_TeamConfigType):
         > Parameters that control generation
 
         captured_decode (`bool`, `str` or `None`, *optional*, defaults to `None`):
-            Generate with the captured decode step (`trl_marl.captured_decode`): a static KV cache, the routing to each
-            row's adapter held in tensors, and the one-token forward replayed on fixed shapes. `None`: on for CUDA
-            devices, recorded as CUDA graphs (a few steps' time per shape), off elsewhere; `True`: on (CUDA graphs on
-            CUDA, compiled on a CPU); `"cuda-graphs"` or `"compiled"` (`torch.compile`: one compile for every shape,
-            kept on disk for later runs; CUDA graphs through it on a GPU): that mechanism; `False`: transformers'
-            eager `generate`. Without vLLM only.
+            Generate with the captured decode step (`trl_marl.generation.captured_decode`): a static KV cache, the
+            routing to each row's adapter held in tensors, and the one-token forward replayed on fixed shapes. `None`:
+            on for CUDA devices, recorded as CUDA graphs (a few steps' time per shape), off elsewhere; `True`: on
+            (CUDA graphs on CUDA, compiled on a CPU); `"cuda-graphs"` or `"compiled"` (`torch.compile`: one compile
+            for every shape, kept on disk for later runs; CUDA graphs through it on a GPU): that mechanism; `False`:
+            transformers' eager `generate`. Without vLLM only.
 
         > Differences from `GRPOConfig`'s defaults
 
@@ -396,9 +390,6 @@ class MAGRPOConfig(TeamConfig):
             f"({per_node**self.num_turns} leaves), more than `max_joint_actions` ({self.max_joint_actions}). "
             f"Lower {lower}{mode}, or raise `max_joint_actions`."
         )
-
-
-CONTINUATIONS = ("greedy", "sample")
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Milliseconds per decode step of the team's generation, eager `generate` against the captured decode step
-(`trl_marl.captured_decode`), on the embedded default model (SmolLM2-135M-Instruct). Prints figures; not a test.
+(`trl_marl.generation.captured_decode`), on the embedded default model (SmolLM2-135M-Instruct). Prints figures; not a
+test.
 
 For each precision and row count, five models: the base alone; one PEFT adapter (PEFT's own forward, no router);
 the team's router with 2 and 4 agents (rows spread evenly over the agents, LoRA B randomised so the adapters differ),
@@ -39,10 +40,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from trl_marl import default_model_path
 from trl_marl.agents import agent_lora_config, attach_agent_adapters
-from trl_marl.captured_decode import CapturedDecoder
-from trl_marl.decode_support import choose_path
+from trl_marl.generation.captured_decode import CapturedDecoder
+from trl_marl.generation.decode_support import choose_path
+from trl_marl.generation.routing import AdapterRouter
 from trl_marl.precision import four_bit_config
-from trl_marl.routing import AdapterRouter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_info import run_header  # noqa: E402

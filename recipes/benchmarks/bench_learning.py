@@ -63,8 +63,8 @@ import torch
 from transformers import TrainerCallback
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, default_model_path, load_team
-from trl_marl.advantages import group_advantages
 from trl_marl.agents import agent_lora_config
+from trl_marl.rollouts.advantages import group_advantages
 from trl_marl.tasks import task_defaults
 from trl_marl.tasks.teamwork import (
     congestion_reward,

@@ -1,4 +1,4 @@
-"""Step time of a team on two bases against the same team on one base (`trl_marl.team_bases`), in one run.
+"""Step time of a team on two bases against the same team on one base (`trl_marl.team.bases`), in one run.
 
 Three configurations of one 2-agent MAGRPO team (the `explain` task's `concise` and `detailed` agents and reward),
 trained in this process one after another with the same seed, data and settings:
@@ -8,8 +8,8 @@ trained in this process one after another with the same seed, data and settings:
 2. `two bases, same model`: `detailed` on a copy of the same weights saved to another folder, so a second base is
    loaded: the same work, split in two `generate` calls and two forwards per micro-batch. Its ratio to (1) is the cost
    of a second base itself;
-3. `two bases, small second`: `detailed` on the tiny second base of `trl_marl.offline_base` (another architecture and
-   tokenizer): what a smaller second model saves.
+3. `two bases, small second`: `detailed` on the tiny second base of `trl_marl.team.offline_base` (another architecture
+   and tokenizer): what a smaller second model saves.
 
 Every completion is exactly `--tokens` new tokens (`min_new_tokens`), so what either agent learns cannot change the
 amount of work. Measured: the median of TRL's logged `step_time` over the steps after the first (model load and
@@ -26,8 +26,8 @@ import time
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, default_model_path
-from trl_marl.offline_base import make_offline_base
 from trl_marl.tasks import resolve_task
+from trl_marl.team.offline_base import make_offline_base
 
 
 def step_seconds(second_base: str | None, args, folder: str) -> float:

@@ -26,8 +26,8 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from trl_marl import default_model_path  # noqa: E402
-from trl_marl.routing import AdapterRouter  # noqa: E402
-from trl_marl.vllm_generation import TeamVLLMGeneration  # noqa: E402
+from trl_marl.generation.routing import AdapterRouter  # noqa: E402
+from trl_marl.generation.vllm_generation import TeamVLLMGeneration  # noqa: E402
 
 ADAPTERS = ["a0", "a1", "a2", "a3"]
 QUESTIONS = ["Name a fruit.", "What is 2 + 3?", "Say hello.", "Name a colour.", "Describe rain.", "Count to five."]

@@ -16,7 +16,7 @@ from datasets import Dataset
 from transformers import Trainer
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer
-from trl_marl.checkpoints import last_complete_checkpoint
+from trl_marl.trainers.checkpoints import last_complete_checkpoint
 
 
 def team_reward(prompts, completions, **kwargs):

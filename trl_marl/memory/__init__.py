@@ -35,6 +35,7 @@ One function per term, its formula in its docstring:
 The rows and lengths those terms see come from `rollout_geometry` (`geometry.py`).
 """
 
+from ..generation.vllm_limits import VLLM_MAX_LORA_RANKS, vllm_lora_rank  # what vLLM serves, read by the planner
 from .bases import PlannedBase, estimate_team_memory, planned_bases
 from .dtypes import DTYPE_BYTES, ByteWidths, byte_widths, model_dtype_bytes
 from .estimate import (
@@ -91,7 +92,6 @@ from .vllm_engine import (
     ENGINE_BATCHED_TOKENS,
     ENGINE_NON_TORCH_BYTES,
     KV_BLOCK_TOKENS,
-    VLLM_MAX_LORA_RANKS,
     EngineTerms,
     call_kv_tokens,
     card_problems,
@@ -102,7 +102,6 @@ from .vllm_engine import (
     kv_cache_tokens,
     lora_slot_bytes,
     sequence_kv_tokens,
-    vllm_lora_rank,
 )
 from .weights import (
     FROZEN_ADAPTER_BYTES,

@@ -1,4 +1,4 @@
-"""A team on several base models (`trl_marl.team_bases`): each base estimated with its own architecture, precision
+"""A team on several base models (`trl_marl.team.bases`): each base estimated with its own architecture, precision
 and agents (`estimate_memory(..., agents=...)`), then summed as the trainer holds them.
 
 - static: every base's weights, adapters, optimizer states (and captured decode buffers), summed;
@@ -39,8 +39,8 @@ class PlannedBase:
 def planned_bases(config: MAGRPOConfig, model_name_or_path: str | None, load_in_4bit: bool) -> list[PlannedBase]:
     """The team's bases from its `agents` (an agent without `model` on `model_name_or_path`, the default model when
     None), the first agent's first, each agent's own `load_in_4bit` and `dtype` in place of the team's."""
-    from ..default_model import DEFAULT_MODEL_ID
-    from ..team_bases import model_key
+    from ..team.bases import model_key
+    from ..team.default_model import DEFAULT_MODEL_ID
 
     groups: dict[str, list[int]] = {}
     first: dict[str, dict] = {}
@@ -88,7 +88,7 @@ def estimate_team_memory(
             f"`use_vllm=True` with agents on {len(bases)} base models: a team's vLLM engine serves one base. Plan "
             "without vLLM (each base generates with transformers)."
         )
-    from ..team_bases import model_key
+    from ..team.bases import model_key
 
     configs = {model_key(name): value for name, value in (model_configs or {}).items()}
     parts = []
@@ -153,7 +153,7 @@ def combined(
 
 def _base_label(config: MAGRPOConfig, base: PlannedBase) -> str:
     """A base as the table names it: its model, precision and agents."""
-    from ..default_model import DEFAULT_MODEL_ID
+    from ..team.default_model import DEFAULT_MODEL_ID
 
     agents = ", ".join(config.agent_names[i] for i in base.agents)
     precision = "4-bit" if base.load_in_4bit else (base.dtype or "the team's dtype")

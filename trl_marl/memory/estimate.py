@@ -339,7 +339,7 @@ def _read_model_config(model_name_or_path: str | None) -> PretrainedConfig:
     from transformers import AutoConfig
 
     if model_name_or_path is None:
-        from ..default_model import default_model_path
+        from ..team.default_model import default_model_path
 
         model_name_or_path = default_model_path()
     return AutoConfig.from_pretrained(model_name_or_path)

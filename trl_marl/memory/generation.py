@@ -4,8 +4,8 @@ and C new tokens each.
 `kv_cache_bytes` + `routed_lora_weight_bytes` + the larger of `prefill_working_set_bytes` and
 `generation_logits_bytes` (`GenerationTerms.total`).
 
-With the captured decode step (`trl_marl.captured_decode`), each call's rows and length are rounded up to their
-buckets (`captured_call`); its static caches, one per row bucket, live until the rollout ends
+With the captured decode step (`trl_marl.generation.captured_decode`), each call's rows and length are rounded up to
+their buckets (`captured_call`); its static caches, one per row bucket, live until the rollout ends
 (`captured_kv_cache_bytes`, the generation phase's KV cache), and what the decoder holds for the whole run, the
 router's copy of every adapter and the CUDA graphs' pool, is static memory (`captured_decode_bytes`).
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from ..captured_decode import bucket_length, bucket_rows
+from ..generation.captured_step import bucket_length, bucket_rows
 from .dtypes import ByteWidths
 from .geometry import GenerateCall
 from .shape import ModelShape, layer_lora_parameters

@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..generation.vllm_limits import VLLM_MAX_NUM_BATCHED_TOKENS
+
 if TYPE_CHECKING:
     from ..config import MAGRPOConfig
 
@@ -43,7 +45,7 @@ def rollout_geometry(
     answers)·C. The micro-batch holds ⌈rows / steps_per_generation⌉ rows padded to the longest: S = max P_t + C.
     """
     from ..config import ATGRPOConfig
-    from ..scheduling import resolve_scheduler
+    from ..rollouts.scheduling import resolve_scheduler
 
     scheduler = resolve_scheduler(config.scheduler)
     copies = config.per_device_train_batch_size * config.steps_per_generation
@@ -72,11 +74,6 @@ def largest_call_rows(config: MAGRPOConfig) -> int:
     runs at once (`max_num_seqs`, times the tensor-parallel size)."""
     calls, _, _ = rollout_geometry(config, prompt_length=0)
     return max(call.rows for call in calls)
-
-
-# The tokens TRL's colocated vLLM engine schedules in one step (`max_num_batched_tokens`, set by TRL); vLLM refuses a
-# `max_num_seqs` above it.
-VLLM_MAX_NUM_BATCHED_TOKENS = 4096
 
 
 def vllm_max_num_seqs(config: MAGRPOConfig) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..generation.vllm_limits import vllm_lora_rank
 from .generation import generation_logits_bytes, kv_cache_bytes
 from .geometry import GenerateCall
 from .shape import ModelShape, lora_parameters
@@ -28,19 +29,6 @@ KV_BLOCK_TOKENS = 16
 # What vLLM's profiling counts outside torch's allocator in the pool ("non-torch forward increase memory": cuBLAS and
 # attention-backend workspaces, communicator buffers). vLLM logs 0.05-0.2 GiB for one GPU; an allowance, not measured.
 ENGINE_NON_TORCH_BYTES = 256 * 2**20
-# The LoRA ranks vLLM accepts as `max_lora_rank` (its slot sizes); trl_marl serves an adapter in the smallest that
-# holds its rank. Kept here, free of torch and vLLM, for the planner and `vllm_generation.lora_engine_settings`.
-VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def vllm_lora_rank(lora_rank: int) -> int:
-    """The `max_lora_rank` vLLM is given for adapters of rank at most `lora_rank`: the smallest of
-    `VLLM_MAX_LORA_RANKS` (1, 8, 16, 32, 64, 128, 256, 320, 512) that holds it (a rank-4 adapter is served in rank-8
-    slots). Raises `ValueError` above 512."""
-    supported = [rank for rank in VLLM_MAX_LORA_RANKS if rank >= lora_rank]
-    if not supported:
-        raise ValueError(f"vLLM serves LoRA ranks up to {VLLM_MAX_LORA_RANKS[-1]}; `lora_r` is {lora_rank}.")
-    return supported[0]
 
 
 def engine_pool_bytes(gpu_memory_bytes: int, utilization: float) -> int:

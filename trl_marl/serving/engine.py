@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..captured_decode import CapturedStepFailed
-from ..team import Team
-from ..team_generation import left_padded
+from ..generation.captured_decode import CapturedStepFailed
+from ..generation.team_generation import left_padded
+from ..team.saved import Team
 from .completion_text import CompletionDecoder
 from .rows import GeneratedRow, RowRequest
 

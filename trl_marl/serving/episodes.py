@@ -13,38 +13,13 @@ tokenisation of the text the program got back.
 import secrets
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 
+from ..rollouts.program_rollout import RecordedCall
 from .requests import APIError, GenerationRequest, invalid
 from .rows import GeneratedRow
 
 SEED_SPAN = 2**62  # call seeds stay below this (a request's row i samples with seed + i)
 NOTED_FAILURES = 3  # an episode's failed requests described in its error (the others counted)
-
-
-@dataclass
-class RecordedCall:
-    """One completion an agent produced in an episode: a training row.
-
-    Args:
-        agent: the agent's index.
-        prompt: what the request sent (chat messages, or the prompt text).
-        prompt_ids: the prompt as the model saw it (the agent's role and chat template applied).
-        completion_ids: the sampled completion (its end-of-sequence token kept, as `Team` keeps it).
-        logprobs: each completion token's log-probability at sampling time, as the sampler gave it: on the
-            transformers path before temperature; on the trainer's vLLM engine after temperature and top-p (what
-            TRL's importance-sampling correction compares with the trainer's).
-        text: the completion's text as the program received it.
-        finish_reason: "stop" or "length".
-    """
-
-    agent: int
-    prompt: Any
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
-    text: str
-    finish_reason: str
 
 
 @dataclass

@@ -11,11 +11,11 @@ Why llguidance: it compiles a JSON schema or a Lark grammar for any tokenizer in
 in tens of microseconds on the CPU, and installs as one wheel with no dependencies; vLLM and SGLang use it as one of
 their structured-output backends (xgrammar, the other, needs triton and CUDA kernels that a CPU machine does not run).
 
-The grammar of tool calls is the Hermes format of `trl_marl.tool_templates.CHATML_TOOLS_TEMPLATE` (and of Qwen's own
-templates): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one or (with `parallel_tool_calls`)
-several, each call's `name` one of the offered tools and its `arguments` valid against that tool's `parameters`.
-JSON is written as the chat templates write it (`json.dumps`' separators, no free whitespace), so a model cannot spend
-its tokens on spaces.
+The grammar of tool calls is the Hermes format of `trl_marl.generation.tool_templates.CHATML_TOOLS_TEMPLATE` (and of
+Qwen's own templates): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one or (with
+`parallel_tool_calls`) several, each call's `name` one of the offered tools and its `arguments` valid against that
+tool's `parameters`. JSON is written as the chat templates write it (`json.dumps`' separators, no free whitespace),
+so a model cannot spend its tokens on spaces.
 """
 
 import json

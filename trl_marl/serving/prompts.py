@@ -3,10 +3,10 @@ sampling, completion budget and output rules of each row (`PromptRenderer.rows_o
 
 A chat request's messages get the agent's role (its system prompt, merged as training and `Team.run` merge it) and
 are rendered with the chat template of the agent's base. A request that offers tools, or whose history holds a tool
-exchange, is rendered with the base's tool template (`trl_marl.tool_templates`: the base's own when it renders tools,
-else ChatML with Hermes-style calls for a ChatML base, else a 400 saying why), and its answers are read back into tool
-calls (`tool_calls.AnswerReader`). A request whose tool choice or response format constrains the answer gets its
-grammar compiled here (`grammars.py`); each of its rows samples under it.
+exchange, is rendered with the base's tool template (`trl_marl.generation.tool_templates`: the base's own when it
+renders tools, else ChatML with Hermes-style calls for a ChatML base, else a 400 saying why), and its answers are read
+back into tool calls (`tool_calls.AnswerReader`). A request whose tool choice or response format constrains the answer
+gets its grammar compiled here (`grammars.py`); each of its rows samples under it.
 
 Before any of that, a prompt that cannot fit the context is refused by its size (`fewest_tokens`): rendering runs on
 the server's tokenising thread, and a body of megabytes must not hold it for seconds.
@@ -16,14 +16,14 @@ import threading
 from dataclasses import dataclass
 
 from ..agents import agent_prompt
-from ..team_bases import tokenize_text_prompts
-from ..tool_templates import (
+from ..generation.tool_templates import (
     CHATML_TOOLS,
     ToolsUnsupported,
     prepare_response_parsing,
     tool_chat_template,
     tool_template_name,
 )
+from ..team.base_generation import tokenize_text_prompts
 from .errors import APIError, invalid
 from .requests import MIN_SAMPLING_TEMPERATURE, GenerationRequest
 from .rows import RowRequest

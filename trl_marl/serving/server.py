@@ -138,7 +138,7 @@ def prepare_server(
         if value is not None and value < 1:
             raise ValueError(f"`{name}` must be at least 1, got {value}.")
 
-    from ..team import Team, load_team
+    from ..team.saved import Team, load_team
     from .app import MAX_BODY_BYTES, MAX_REQUEST_ROWS, ServingSettings
 
     if isinstance(team_or_path, Team):

@@ -1,8 +1,8 @@
 """An answer read back as OpenAI's assistant message: its content and its `tool_calls`, whole or as stream deltas.
 
 The answer's tokens are parsed by the base's response template (transformers' `parse_response`, through TRL's
-`parse_response`, which falls back to the plain text when a call is malformed: `trl_marl.tool_templates`). A call
-becomes `{"id": "call_...", "type": "function", "function": {"name", "arguments": <JSON text>}}`, the message's
+`parse_response`, which falls back to the plain text when a call is malformed: `trl_marl.generation.tool_templates`).
+A call becomes `{"id": "call_...", "type": "function", "function": {"name", "arguments": <JSON text>}}`, the message's
 `content` is the text around the calls (None when there is none, as OpenAI gives it), and the choice's
 `finish_reason` is "tool_calls" when the answer ended after calling tools.
 
@@ -15,7 +15,7 @@ arguments. A template whose marker is unknown holds the content back until the a
 import json
 import secrets
 
-from ..tool_templates import parse_tool_calls
+from ..generation.tool_templates import parse_tool_calls
 from .tool_requests import OutputRules
 
 

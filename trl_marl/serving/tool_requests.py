@@ -4,9 +4,9 @@ messages) what chat templates render. Every error is an `APIError` naming the fi
 
 What each asks for (docs/serving.md, "Tools and structured output"):
 
-- `tools` are rendered into the prompt by the agent's chat template (`trl_marl.tool_templates`); with `tool_choice`
-  "auto" (the default when tools are given) the answer is parsed back into `tool_calls`, the model free to answer in
-  text; "none" renders them and parses nothing.
+- `tools` are rendered into the prompt by the agent's chat template (`trl_marl.generation.tool_templates`); with
+  `tool_choice` "auto" (the default when tools are given) the answer is parsed back into `tool_calls`, the model free
+  to answer in text; "none" renders them and parses nothing.
 - "required" and a named function (`{"type": "function", "function": {"name": ...}}`) are enforced while sampling: a
   grammar (`grammars.py`) lets the model write only tool calls (of that function), each call's arguments valid against
   its `parameters`; one call, or several with `parallel_tool_calls` (the default).

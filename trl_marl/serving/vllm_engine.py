@@ -19,7 +19,7 @@ The team's own `run` and `play` use the same vLLM engine: do not call them while
 import itertools
 from typing import Any
 
-from ..team import Team
+from ..team.saved import Team
 from .engine import BatchingEngine
 from .rows import GeneratedRow
 from .step_hooks import finish

@@ -11,7 +11,7 @@ from typing import Any
 
 from datasets import Dataset
 
-from ..rollout import default_transition
+from ..rollouts.rollout import default_transition
 
 
 class Task:
@@ -50,7 +50,7 @@ class Task:
         return None
 
     def transition(self, **kwargs) -> Any:
-        """Each agent's next prompt (feedback) or `NextTurn(done=True)`; see `trl_marl.rollout.NextTurn`. Default: the
+        """Each agent's next prompt (feedback) or `NextTurn(done=True)`; see `trl_marl.NextTurn`. Default: the
         task prompt again."""
         return default_transition(**kwargs)
 

@@ -19,9 +19,9 @@ from fractions import Fraction
 
 from datasets import Dataset
 
-from ..rollout import NextTurn
+from ..rollouts.rollout import NextTurn
+from ..rollouts.scheduling import with_feedback
 from ..sandbox import ExecutionResult, Limits
-from ..scheduling import with_feedback
 from .base import Task
 from .completions import completion_text
 from .sandbox_runs import SandboxResultCache, extract_code, shared_sandbox

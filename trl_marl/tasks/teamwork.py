@@ -33,7 +33,7 @@ import re
 
 from datasets import Dataset
 
-from ..rollout import NextTurn
+from ..rollouts.rollout import NextTurn
 from .base import Task
 from .categories import CATEGORIES, UNSEEN_CATEGORIES, listed_items, mentioned
 

@@ -33,9 +33,9 @@ from typing import Any
 
 from datasets import Dataset
 
-from ...rollout import NextTurn
+from ...rollouts.rollout import NextTurn
+from ...rollouts.scheduling import with_feedback
 from ...sandbox import Limits
-from ...scheduling import with_feedback
 from ..base import Task
 from ..completions import completion_text
 from ..sandbox_runs import shared_sandbox

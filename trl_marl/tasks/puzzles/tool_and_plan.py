@@ -18,7 +18,7 @@ from typing import Any
 
 from datasets import Dataset
 
-from ...rollout import NextTurn
+from ...rollouts.rollout import NextTurn
 from ...sandbox import Limits
 from ..base import Task
 from ..completions import completion_text

@@ -3,7 +3,7 @@
 from datasets import Dataset
 
 from trl_marl import Task
-from trl_marl.scheduling import Sequential
+from trl_marl.rollouts.scheduling import Sequential
 
 
 def fewest_words(prompts, completions, **kwargs):

@@ -1,0 +1,589 @@
+"""The trained team as an artefact: `team.json` beside the agents' PEFT adapters, and `load_team` to run it.
+
+A trainer's `save_model(out)` (`MAGRPOTrainer`, `ATGRPOTrainer`) writes `out/<adapter>/` (PEFT format, one folder
+per agent, or `out/team/` when the agents share an adapter), the tokenizer, and `out/team.json`:
+
+```json
+{"format": "trl_marl.team/1", "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+ "agents": [{"name": "planner", "system_prompt": "...", "adapter": "planner"}, ...],
+ "num_turns": 2, "transition": "trl_marl.rollouts.rollout:default_transition", "max_completion_length": 64, ...}
+```
+
+`load_team(out)` (the folder, or the Hub id of a pushed team) rebuilds the team on its base model (optionally 4-bit),
+or its base models when agents trained on their own, and `Team.run(prompt)` plays an episode with the prompt building
+of training: each agent gets its role and what the transition shows it, nothing else.
+
+`team.json` names each base as another machine can use it: its Hub id, else its local folder's name (`./<folder>`);
+the machine that saved the team keeps its local bases' paths beside it (`hub.LOCAL_BASES_FILE`), in a file that
+Trainer's uploads of the team leave out; the checkpoint folders that `hub_strategy="checkpoint"` or
+`"all_checkpoints"` uploads go whole, that file included.
+"""
+
+import json
+import logging
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import PeftModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+from ..agents import agent_prompt, keep_4bit_weights_trainable
+from ..config import ATGRPOConfig
+from ..generation.captured_decode import captured_decoder
+from ..generation.routing import AdapterRouter
+from ..generation.team_generation import left_padded
+from ..precision import four_bit_config
+from ..registry import PluginError
+from ..rollouts.magrpo_rollout import TreeRollout
+from ..rollouts.rollout import RolloutSettings, default_transition
+from ..rollouts.scheduling import Prompt, resolve_scheduler
+from ..tasks import resolve_task
+from .base_generation import tokenize_text_prompts
+from .bases import loadable, saved_adapters_model, spec_bases
+from .default_model import is_default_model
+from .hub import LOCAL_BASES_FILE, TEAM_FILE, local_base_path, portable_base_name, resolve_team_folder
+from .importable import import_by_name, importable_name
+
+logger = logging.getLogger("trl_marl")
+
+TEAM_FORMAT = "trl_marl.team/1"
+# How the team sampled in training and in the trainer's evaluation (config fields of these names), recorded in
+# team.json so that `trl-marl evaluate` samples the same way by default.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+GENERATION_FIELDS = ("max_completion_length", *SAMPLING_FIELDS, "chat_template_kwargs")
+
+
+def base_model_name(model: Any) -> str:
+    """A loaded base model's name in `team.json` and its adapters' configs, one another machine can use
+    (`hub.portable_base_name`): its Hub id (the locally converted default model's too), else its local folder's name
+    as `./<folder>`, never its path on this machine."""
+    return portable_base_name(getattr(model.config, "_name_or_path", "") or "")
+
+
+def local_base_paths(models: Sequence[Any]) -> dict[str, str]:
+    """Where this machine keeps the loaded base `models` that `team.json` names otherwise than they were loaded (a
+    local folder, a Hub cache snapshot), by their recorded names: what `hub.write_local_bases` keeps beside a saved
+    team, so that `load_team` finds them here."""
+    paths = {}
+    for model in models:
+        loaded_from = getattr(model.config, "_name_or_path", "") or ""
+        if os.path.isdir(loaded_from) and not is_default_model(loaded_from):
+            paths[base_model_name(model)] = loaded_from
+    return paths
+
+
+def _tool_names(agent: dict) -> dict:
+    """An agent's `tools` as team.json records them: names (a function as its importable name), for the record: a
+    served team is given its tools by its clients."""
+    if not agent.get("tools"):
+        return {}
+    return {"tools": [tool if isinstance(tool, str) else importable_name(tool) for tool in agent["tools"]]}
+
+
+def team_spec(
+    args: Any, adapters: list[str], base_model: str, transition: Callable, scheduler: Any, task: Any = None
+) -> dict:
+    """The contents of `team.json` for a trainer's configuration."""
+    return {
+        "format": TEAM_FORMAT,
+        "algorithm": "AT-GRPO" if isinstance(args, ATGRPOConfig) else "MAGRPO",
+        "base_model": base_model,
+        "agents": [
+            {**agent, **_tool_names(agent), "adapter": adapter} for agent, adapter in zip(args.agents, adapters)
+        ],
+        "adapter_mode": args.adapter_mode,
+        "num_turns": args.num_turns,
+        "joint_mode": getattr(args, "joint_mode", "aligned"),  # AT-GRPO's are MAGRPO's defaults
+        "discount": getattr(args, "discount", 1.0),
+        "termination_threshold": args.termination_threshold,
+        "task": getattr(task, "name", None) or None,  # a task plugin: its transition is rebuilt from it
+        "transition": importable_name(transition),
+        "scheduler": getattr(scheduler, "name", None) or args.scheduler,
+        "max_completion_length": args.max_completion_length,
+        **{name: getattr(args, name) for name in SAMPLING_FIELDS},
+        "chat_template_kwargs": dict(args.chat_template_kwargs or {}),
+    }
+
+
+def write_team_file(folder: str | os.PathLike, spec: dict) -> None:
+    path = Path(folder) / TEAM_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(spec, indent=2) + "\n")
+
+
+@dataclass
+class TeamRun:
+    """One episode: per turn, what each acting agent was shown (its role included) and what it answered; every
+    agent's latest answer (what the team reward scores) and the task's final environment state (None without one)."""
+
+    observations: list[dict[str, Prompt]]
+    turns: list[dict[str, str]]
+    latest: dict[str, str] | None = None
+    state: Any = None
+
+    @property
+    def final(self) -> dict[str, str]:
+        return self.turns[-1]
+
+
+@dataclass
+class BasePart:
+    """One base of a loaded team: its `PeftModel` (the adapters of its agents), tokenizer, agents (indices), router
+    (None for one adapter) and captured decoder (None for eager `generate`)."""
+
+    model: PeftModel
+    tokenizer: Any
+    agents: list[int]
+    router: AdapterRouter | None = None
+    decoder: Any = None
+
+
+class Team:
+    """A trained team on one base model, or on several (`other_bases`: `(model, tokenizer, agent indices)` of each
+    base after the first): `run(prompt)` plays one episode (greedy by default), every agent's rows of a turn in one
+    generation call per base, each through its own adapter: transformers' routed `generate` (through the captured
+    decode step where `captured_decode` chooses it, `trl_marl.generation.captured_decode`), or with `engine` (a
+    `SavedTeamEngine`, `load_team(..., use_vllm=True)`) one vLLM call with one LoRA request per row."""
+
+    def __init__(
+        self,
+        model: PeftModel,
+        tokenizer: Any,
+        spec: dict,
+        transition: Callable,
+        scheduler: Any,
+        task: Any = None,
+        engine: Any = None,
+        captured_decode: bool | str | None = None,
+        other_bases: list[tuple] = (),
+    ):
+        self.model, self.tokenizer, self.spec, self.transition = model, tokenizer, spec, transition
+        self.scheduler = scheduler
+        self.engine = engine
+        self.task = task  # the task plugin it was trained on, when loadable: its environment state, if any
+        self.agents = spec["agents"]
+        self.agent_names = [agent["name"] for agent in self.agents]
+        self._adapters = [agent["adapter"] for agent in self.agents]
+        on_others = {agent for _, _, agents in other_bases for agent in agents}
+        first = [index for index in range(len(self.agents)) if index not in on_others]
+        self.bases = [
+            self._base(part_model, part_tokenizer, agents, engine, captured_decode)
+            for part_model, part_tokenizer, agents in [(model, tokenizer, first), *other_bases]
+        ]
+        self.agent_base = [0] * len(self.agents)
+        for index, base in enumerate(self.bases):
+            for agent in base.agents:
+                self.agent_base[agent] = index
+        self.router, self.decoder = self.bases[0].router, self.bases[0].decoder
+        # Every agent is given its role as training gave it: as a conversation when its base's tokenizer has a chat
+        # template (the first base's decides, as in the trainer's rollouts).
+        self._use_chat_template = getattr(tokenizer, "chat_template", None) is not None
+
+    def _base(self, model, tokenizer, agents: list[int], engine, captured_decode) -> BasePart:
+        adapters = list(dict.fromkeys(self._adapters[agent] for agent in agents))
+        if len(adapters) > 1:
+            router = AdapterRouter(model, adapters)
+        else:
+            router = None
+            model.set_adapter(adapters[0])
+        decoder = captured_decoder(model, router, captured_decode) if engine is None else None
+        return BasePart(model, tokenizer, agents, router, decoder)
+
+    def run(
+        self,
+        prompt: Prompt,
+        num_turns: int | None = None,
+        max_new_tokens: int | None = None,
+        do_sample: bool = False,
+        **columns,
+    ) -> TeamRun:
+        """Play one episode on `prompt` (a string or chat messages, as in the training data) for `num_turns` turns
+        (default: as trained). `columns` are the extra dataset columns the transition reads (e.g. tests)."""
+        return self.play([{**columns, "prompt": prompt}], num_turns, max_new_tokens, do_sample)[0]
+
+    def play(
+        self,
+        rows: list[dict],
+        num_turns: int | None = None,
+        max_new_tokens: int | None = None,
+        do_sample: bool = False,
+    ) -> list[TeamRun]:
+        """Play one episode per dataset row (its `prompt` and the columns the task reads), all rows' agents of a turn
+        in one generation call; an episode ends early when the transition says it is done."""
+        if not rows:
+            return []
+        max_new_tokens = max_new_tokens or self.spec["max_completion_length"]
+        settings = RolloutSettings(
+            agent_names=self.agent_names,
+            num_turns=num_turns or self.spec["num_turns"],
+            reward_weights=torch.ones(1),
+            baseline="none",
+            scale_rewards="none",
+            transition=self.transition,
+            scheduler=self.scheduler,
+            reset=self.task.reset if self.task is not None else None,
+            step=self.task.step if self.task is not None else None,
+            agent_input=lambda agent, task: agent_prompt(
+                self.agents[agent]["system_prompt"], task, self._use_chat_template
+            ),
+        )
+        rollout = TreeRollout(settings, num_generations=1).run(
+            [dict(row) for row in rows],
+            first_copy=0,
+            generate=lambda inputs, agent_index: self._generate(inputs, agent_index, max_new_tokens, do_sample),
+            score=lambda joint_actions: torch.full((len(joint_actions), 1), math.nan),
+        )
+        # With one generation per node each row is one path: a joint action continues its parent's (`branch.parent`),
+        # and a later node's key ends with the index of the joint action it continues.
+        row_of = []
+        for joint_action in rollout.joint_actions:
+            row_of.append(joint_action.node[2] if joint_action.turn == 0 else row_of[joint_action.branch.parent])
+        paths = [[ja for ja, row in zip(rollout.joint_actions, row_of) if row == index] for index in range(len(rows))]
+        observations = [[{} for _ in path] for path in paths]
+        for sample in rollout.samples:
+            row = sample.node[2] if sample.turn == 0 else row_of[sample.node[2]]
+            observations[row][sample.turn][self.agent_names[sample.agent]] = sample.model_input
+        runs = [
+            TeamRun(seen, [dict(ja.said) for ja in path], dict(path[-1].completions), path[-1].state)
+            for seen, path in zip(observations, paths)
+        ]
+        return runs
+
+    @torch.no_grad()
+    def _generate(self, model_inputs: list, agent_index: list[int], max_new_tokens: int, do_sample: bool):
+        """Per row: prompt ids, completion ids and text, each base's rows in one call, back in row order."""
+        if len(self.bases) == 1:
+            return self._generate_on(self.bases[0], model_inputs, agent_index, max_new_tokens, do_sample)
+        results = [None] * len(agent_index)
+        for index, base in enumerate(self.bases):
+            rows = [row for row, agent in enumerate(agent_index) if self.agent_base[agent] == index]
+            if rows:
+                inputs, agents = [model_inputs[row] for row in rows], [agent_index[row] for row in rows]
+                out = self._generate_on(base, inputs, agents, max_new_tokens, do_sample)
+                for position, row in enumerate(rows):
+                    results[row] = (out[0][position], out[1][position], out[2][position])
+        prompt_ids, completion_ids, texts = (list(column) for column in zip(*results))
+        return prompt_ids, completion_ids, texts
+
+    def _generate_on(self, base: BasePart, model_inputs: list, agent_index: list[int], max_new_tokens, do_sample):
+        tokenizer, model = base.tokenizer, base.model
+        # rendered as TRL's `_tokenize_prompts` does (conversations through the chat template)
+        prompt_ids, _, _ = tokenize_text_prompts(
+            tokenizer, self.spec.get("chat_template_kwargs", {}), None, model_inputs
+        )
+        width = max(len(ids) for ids in prompt_ids)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        adapters = [self._adapters[a] for a in agent_index]
+        eos_ids = self._eos_token_ids(base)
+        if self.engine is not None:
+            rows = self.engine.generate(
+                prompt_ids, adapters, max_new_tokens, do_sample, eos_ids, model.generation_config
+            )
+        else:
+            input_ids, attention_mask = left_padded(prompt_ids, pad_id, None, next(model.parameters()).device)
+            if base.router is not None:
+                base.router.route(adapters)
+            generate = base.decoder.generate if base.decoder is not None else model.generate
+            try:
+                output = generate(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    max_new_tokens=max_new_tokens,
+                    do_sample=do_sample,
+                    pad_token_id=pad_id,
+                )
+            finally:
+                if base.router is not None:
+                    base.router.route(None)
+            rows = output[:, width:].tolist()
+        eos_set = set(eos_ids)
+        completion_ids = []
+        for row in rows:
+            end = next((i + 1 for i, token in enumerate(row) if token in eos_set), len(row))
+            completion_ids.append(row[:end])
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        return [list(ids) for ids in prompt_ids], completion_ids, texts
+
+    def stop_token_ids(self, agent: int) -> list[int]:
+        """The tokens that end the completions of `agent` (its index): its base's end-of-sequence tokens, from the
+        base model's generation config and its tokenizer (what `run` cuts completions after)."""
+        return self._eos_token_ids(self.bases[self.agent_base[agent]])
+
+    def _eos_token_ids(self, base: BasePart | None = None) -> list[int]:
+        base = base or self.bases[0]
+        eos = base.model.generation_config.eos_token_id
+        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        return list(dict.fromkeys([*eos, base.tokenizer.eos_token_id]))
+
+    def close(self) -> None:
+        """Shut down the vLLM engine, if the team has one, and free the captured decode step's caches (kept between
+        calls to `run` and `play` otherwise)."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        for base in self.bases:
+            if base.decoder is not None:
+                base.decoder.release()
+
+
+def read_team_file(path: str | os.PathLike) -> dict:
+    team_file = Path(path) / TEAM_FILE
+    if not team_file.is_file():
+        raise FileNotFoundError(
+            f"No {TEAM_FILE} in {path}: point `load_team` at a folder written by MAGRPOTrainer.save_model or "
+            "ATGRPOTrainer.save_model (the output_dir or a checkpoint-N folder)."
+        )
+    spec = json.loads(team_file.read_text())
+    if spec.get("format") != TEAM_FORMAT:
+        raise ValueError(f"{team_file} has format {spec.get('format')!r}; this trl_marl reads {TEAM_FORMAT!r}.")
+    return spec
+
+
+@dataclass
+class SavedBase:
+    """One base of a saved team, loaded: its name in `team.json`, where it was loaded from, its `PeftModel` (its
+    agents' adapters), its tokenizer, its agents (indices) and whether it was quantized."""
+
+    name: str
+    source: str
+    model: PeftModel
+    tokenizer: Any
+    agents: list[int]
+    quantized: bool = False
+
+
+def load_saved_bases(
+    path: Path,
+    spec: dict,
+    *,
+    load_in_4bit: bool | None = None,
+    quantization_config: BitsAndBytesConfig | None = None,
+    dtype: str | torch.dtype | None = None,
+    device_map: Any = None,
+    base_model: str | None = None,
+    base_models: dict[str, str] | None = None,
+) -> list[SavedBase]:
+    """Each base of the saved team in `path` (`spec`: its team.json), the first agent's first: found (`find_bases`),
+    loaded once (`saved_base_loading`: the caller's precision, else the one its agents recorded) with its agents'
+    adapters, each from its own saved config (`bases.saved_adapters_model`), and its tokenizer (the first base's
+    at the folder's top, another's beside its adapters). What `load_team` and `evaluate_task` load a team with."""
+    groups = spec_bases(spec)
+    sources = find_bases(path, spec, base_model, base_models)
+    bases = []
+    for index, ((name, agents), source) in enumerate(zip(groups.items(), sources)):
+        recorded = spec["agents"][agents[0]]  # agents on one base trained with one loading (`plan_bases`)
+        quantization, base_dtype = saved_base_loading(recorded, load_in_4bit, quantization_config, dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=base_dtype, quantization_config=quantization, device_map=device_map
+        )
+        adapters = list(dict.fromkeys(spec["agents"][agent]["adapter"] for agent in agents))
+        model = saved_adapters_model(model, path, adapters)
+        keep_4bit_weights_trainable(model)  # the 4-bit kernel training used, so greedy episodes replay exactly
+        saved = path if index == 0 else path / adapters[0]
+        tokenizer = AutoTokenizer.from_pretrained(saved if (saved / "tokenizer_config.json").is_file() else source)
+        bases.append(SavedBase(name, source, model, tokenizer, agents, quantization is not None))
+    return bases
+
+
+def saved_base_loading(
+    agent: dict, load_in_4bit: bool | None, quantization_config: BitsAndBytesConfig | None, dtype
+) -> tuple[BitsAndBytesConfig | None, Any]:
+    """A saved base's quantization config and dtype. The caller's `quantization_config` / `load_in_4bit` and `dtype`,
+    when given, apply to every base; else the base loads as its agent (`agent`, its team.json entry) recorded its own
+    model's loading (`load_in_4bit`, `dtype`), as the trainer loaded it; else unquantized in the checkpoint's dtype."""
+    if quantization_config is None:
+        four_bit = agent.get("load_in_4bit", False) if load_in_4bit is None else load_in_4bit
+        quantization_config = four_bit_config() if four_bit else None
+    return quantization_config, agent.get("dtype", "auto") if dtype is None else dtype
+
+
+def find_bases(
+    path: Path, spec: dict, base_model: str | None = None, base_models: dict[str, str] | None = None
+) -> list[str]:
+    """Where each base of the saved team (`spec_bases`, the first agent's first) loads from here: as the caller says
+    (`base_model` for the first, `base_models` by recorded name), else the local folder the saving machine kept it in
+    (`hub.local_base_path`), else its recorded name (a Hub id, the embedded default model, or `./<folder>` in the
+    working directory; a warning names both when the kept folder is gone and the working directory's is loaded
+    instead).
+
+    Raises:
+        ValueError: `base_models` names no base of the team.
+        FileNotFoundError: some bases cannot be found; the message names each, its agents, the kept path it tried,
+            and the `base_model=` / `base_models=` to pass to `load_team` or `evaluate_task`.
+    """
+    groups = spec_bases(spec)
+    base_models = dict(base_models or {})
+    unknown = [name for name in base_models if name not in groups]
+    if unknown:
+        raise ValueError(
+            f"`base_models` names {unknown}, but the team in {path} sits on {list(groups)} (the names its team.json "
+            "records). Key each model by one of those."
+        )
+    sources, missing = [], []
+    for index, (name, agents) in enumerate(groups.items()):
+        who = ", ".join(f"'{spec['agents'][agent]['name']}'" for agent in agents)
+        given = base_model if index == 0 and base_model else base_models.get(name)
+        kept = None if given else local_base_path(path, name)
+        kept_here = kept is not None and os.path.isdir(kept)
+        source = loadable(given or (kept if kept_here else name))
+        in_working_directory = not given and not kept_here and name.startswith("./") and os.path.isdir(name)
+        if kept is not None and in_working_directory:
+            logger.warning(
+                f"The team in {path} kept its base {name!r} (the base of {who}) at {kept} ({LOCAL_BASES_FILE}), which "
+                f"does not exist any more; loading {os.path.abspath(name)} from the working directory instead. Pass "
+                f"base_model= / base_models={{{name!r}: ...}} to load_team or evaluate_task to choose the base."
+            )
+        try:
+            AutoConfig.from_pretrained(source)  # config.json alone: found before any weights load
+        except (OSError, ValueError) as error:
+            reason = " ".join(str(error).split())[:160].rstrip(".")
+            if given:
+                where = f"not at {source!r} ({reason})"
+            elif kept_here:
+                where = f"the kept path {kept!r} ({LOCAL_BASES_FILE}) holds no model ({reason})"
+            elif name.startswith("./"):  # a local base, recorded by its folder's name
+                tried = f"the kept path {kept!r} ({LOCAL_BASES_FILE}) does not exist, and " if kept else ""
+                found = f"holds no model ({reason})" if in_working_directory else "does not exist"
+                where = f"{tried}the working directory's {name!r} ({os.path.abspath(name)}) {found}"
+            else:
+                where = f"not found ({reason})"
+            missing.append((index, name, f"{name!r} (the base of {who}): {where}"))
+        sources.append(source)
+    if missing:
+        placeholder = {name: f"'/path/to/{Path(name).name}'" for _, name, _ in missing}
+        first = [f"base_model={placeholder[name]}" for index, name, _ in missing if index == 0]
+        others = [f"{name!r}: {placeholder[name]}" for index, name, _ in missing if index > 0]
+        say = [*first, *([f"base_models={{{', '.join(others)}}}"] if others else [])]
+        keywords = " and ".join(keyword.split("=")[0] + "=" for keyword in say)
+        raise FileNotFoundError(
+            f"The team in {path} sits on base models that cannot be found here: "
+            f"{'; '.join(text for _, _, text in missing)}. team.json names a base by its Hub id, or a local one by "
+            "its folder's name ('./<folder>'), which the machine that saved the team finds, or a working directory "
+            "holding that folder. Say where each is on this machine (a folder or a Hub id): "
+            f"load_team({', '.join([repr(str(path)), *say])}), or the same {keywords} to evaluate_task "
+            "(trl-marl evaluate: --base_model, --base_models NAME=PATH)."
+        )
+    return sources
+
+
+def load_team(
+    path: str | os.PathLike,
+    *,
+    load_in_4bit: bool | None = None,
+    quantization_config: BitsAndBytesConfig | None = None,
+    base_model: str | None = None,
+    base_models: dict[str, str] | None = None,
+    transition: Callable | None = None,
+    scheduler: Any = None,
+    dtype: str | torch.dtype | None = None,
+    device_map: Any = None,
+    use_vllm: bool = False,
+    vllm_gpu_memory_utilization: float = 0.3,
+    vllm_max_model_length: int | None = None,
+    captured_decode: bool | str | None = None,
+) -> Team:
+    """Rebuild a team saved by a trainer's `save_model`: each base model once (one for most teams; agents that trained
+    on their own `model` get theirs, `team.json` names it), each agent's adapter on its base, built from its own saved
+    config.
+
+    Args:
+        path: the saved folder (`output_dir` or a `checkpoint-N` folder), or the Hub repo id of a pushed team
+            (fetched with `snapshot_download`; from the Hub cache under `HF_HUB_OFFLINE`).
+        load_in_4bit: load every base in 4-bit NF4 (bitsandbytes), or, with False, none; or pass `quantization_config`.
+            Left None, a base loads as its agents' team.json entries record (`load_in_4bit`: the agent's own, or
+            the trainer's that its base followed), else unquantized.
+        base_model: a Hub id or path overriding the recorded base model (the first agent's base).
+        base_models: Hub ids or paths of the bases, keyed by the names team.json records (another base is named in
+            its agents' `model`): where a base is on this machine when its recorded name does not find it.
+        transition: overrides the recorded transition; needed when the training transition was not importable
+            (a lambda or a local function).
+        scheduler: overrides the recorded scheduler (a plugin name or object); training's is used by default.
+        dtype: passed to `from_pretrained` for every base; left None, a base loads in the `dtype` its agents recorded,
+            else in the checkpoint's ("auto").
+        device_map: passed to `from_pretrained`.
+        use_vllm: generate with a vLLM engine (`SavedTeamEngine`) serving the base once and each saved adapter as
+            a LoRA, in the loaded model's dtype (NF4 through vLLM's bitsandbytes on a 4-bit base); `Team.close()`
+            frees it. `vllm_gpu_memory_utilization` (vLLM's share of the GPU's memory, of the machine's RAM on the
+            CPU; 0.3 by default, as in training: vLLM's own 0.92 leaves a shared machine nothing) and
+            `vllm_max_model_length` (the model's when None) are passed to it as in training. With `do_sample=True`,
+            `torch.manual_seed` makes `run` sample the same tokens again, as with `generate`.
+        captured_decode: without vLLM, generate through the captured decode step
+            (`trl_marl.generation.captured_decode`): None chooses by device (CUDA graphs on CUDA), True forces it,
+            "cuda-graphs" or "compiled" names the mechanism, False is eager `generate`.
+
+    Raises:
+        FileNotFoundError: a base cannot be found (`find_bases`); the message says what to pass.
+        ValueError: an adapter's saved weights do not match its saved config (`bases.load_base_adapters`).
+    """
+    path = resolve_team_folder(path)
+    spec = read_team_file(path)
+    task = None
+    if spec.get("task"):
+        try:
+            task = resolve_task(spec["task"])
+        except PluginError:
+            task = None  # needed only to rebuild the transition (below) or an environment state
+    if transition is None and spec["transition"] is None and spec.get("task"):
+        try:
+            transition = resolve_task(spec["task"]).transition
+        except PluginError as error:
+            raise ValueError(
+                f"The team in {path} was trained on task {spec['task']!r}, whose transition rebuilds its prompts "
+                f"between turns, but that task cannot be loaded here ({error}). Install or register the task, or "
+                "pass `transition=` to load_team."
+            ) from error
+    if transition is None:
+        if spec["transition"] is None:
+            if spec["num_turns"] > 1:
+                raise ValueError(
+                    f"The team in {path} was trained with a transition that cannot be imported (a lambda or a local "
+                    "function), so its prompts between turns cannot be rebuilt: pass `transition=` to load_team."
+                )
+            transition = default_transition
+        else:
+            try:
+                transition = import_by_name(spec["transition"])
+            except (ImportError, AttributeError) as error:
+                raise ValueError(
+                    f"The team in {path} names its transition {spec['transition']!r}, which cannot be imported here "
+                    f"({error}): pass `transition=` to load_team."
+                ) from error
+    groups = spec_bases(spec)
+    if use_vllm and len(groups) > 1:
+        raise ValueError(
+            f"The team in {path} sits on {len(groups)} base models ({', '.join(groups)}); `use_vllm=True` serves one. "
+            "Load it without vLLM."
+        )
+    bases = load_saved_bases(
+        path,
+        spec,
+        load_in_4bit=load_in_4bit,
+        quantization_config=quantization_config,
+        dtype=dtype,
+        device_map=device_map,
+        base_model=base_model,
+        base_models=base_models,
+    )
+    first, others = bases[0], bases[1:]
+    scheduler = resolve_scheduler(scheduler or spec.get("scheduler", "parallel"))
+    engine = None
+    if use_vllm:
+        from ..generation.vllm_serving import SavedTeamEngine
+
+        adapters = list(dict.fromkeys(agent["adapter"] for agent in spec["agents"]))
+        engine = SavedTeamEngine(
+            first.source,
+            {adapter: path / adapter for adapter in adapters},
+            lora_rank=max(config.r for config in first.model.peft_config.values()),
+            dtype=first.model.dtype,  # what the trainer's engine serves in (`TeamVLLMGeneration`)
+            gpu_memory_utilization=vllm_gpu_memory_utilization,
+            max_model_len=vllm_max_model_length,
+            quantization="bitsandbytes" if first.quantized else None,
+        )
+    other_bases = [(base.model, base.tokenizer, base.agents) for base in others]
+    return Team(first.model, first.tokenizer, spec, transition, scheduler, task, engine, captured_decode, other_bases)
