@@ -45,11 +45,11 @@ class RecipeArguments:
     without_tools: bool = field(
         default=False, metadata={"help": "No tools: the tool agent writes its program as text (the comparison arm)."}
     )
-    eval_problems: int = field(default=8, metadata={"help": "Held-out problems for the figures."})
+    eval_problems: int = field(default=16, metadata={"help": "Held-out problems for the figures."})
     warm_start_demonstrations: int = field(
         default=128, metadata={"help": "Written tool-call demonstrations the tool agent learns first (0: none)."}
     )
-    warm_start_epochs: float = field(default=2.0, metadata={"help": "Epochs over the demonstrations."})
+    warm_start_epochs: float = field(default=1.0, metadata={"help": "Epochs over the demonstrations."})
     warm_start_learning_rate: float = field(default=5e-4, metadata={"help": "The warm start's learning rate."})
 
 
@@ -92,7 +92,7 @@ def main() -> None:
         num_generations_eval=1,
         max_completion_length=128,
         max_tool_calling_iterations=2,
-        max_steps=8,
+        max_steps=6,
         learning_rate=5e-4,
         lr_scheduler_type="constant",
         lora_r=16,

@@ -331,6 +331,99 @@ def test_the_math_tool_calls_environment_runs_programs_sandboxed_and_its_reward_
     assert math_tool_calls_reward(["q"], as_text, answer=["7"]) == [1.0]
 
 
+def test_the_math_tool_calls_demonstrations_are_calls_the_loop_parses_of_programs_that_print_the_answer():
+    """The warm start's demonstrations (`recipes/atgrpo_math_tools.py`): the training problems in order, each a
+    `run_python` call that the tool loop's parsing reads back from the rendered conversation, whose program, run in the
+    episode's environment, prints the problem's answer; the text arm's program prints it too."""
+    import json
+    from fractions import Fraction
+
+    from sandbox_helpers import require_bubblewrap
+
+    from trl_marl import default_model_path
+    from trl_marl.generation.tool_templates import parse_tool_calls
+    from trl_marl.tasks.math_tool import TOOL_PROMPT, run_tool
+    from trl_marl.tasks.math_tool_calls import TOOL_CALLS_PROMPT, MathToolCalls, PythonRunner
+
+    require_bubblewrap()
+    task = MathToolCalls()
+    problems = task.dataset("train").select(range(3))
+    calls, texts = task.demonstrations(3), task.demonstrations(3, tools=False)
+    assert [row[1:] for row in calls["prompt"]] == problems["prompt"] == [row[1:] for row in texts["prompt"]]
+    assert {row[0]["content"] for row in calls["prompt"]} == {TOOL_CALLS_PROMPT}
+    assert {row[0]["content"] for row in texts["prompt"]} == {TOOL_PROMPT}
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    template = tool_chat_template(tokenizer)
+    prepare_response_parsing(tokenizer, CHATML_TOOLS)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for demonstration, text, answer in zip(calls, texts, problems["answer"]):
+        tools = json.loads(demonstration["tools"])
+        render = dict(tools=tools, chat_template=template, tokenize=True, return_dict=False)
+        prompt_ids = tokenizer.apply_chat_template(demonstration["prompt"], add_generation_prompt=True, **render)
+        ids = tokenizer.apply_chat_template(demonstration["prompt"] + demonstration["completion"][:1], **render)
+        assert ids[: len(prompt_ids)] == prompt_ids  # the completion continues the prompt the loop generates from
+        completion = ids[len(prompt_ids) :]
+        [call] = parse_tool_calls(tokenizer, completion[: completion.index(end) + 1], prompt_ids, tools)["tool_calls"]
+        assert call["function"]["name"] == "run_python"
+        environment = PythonRunner()
+        environment.reset()
+        result = environment.run_python(**call["function"]["arguments"])
+        assert environment.printed == Fraction(answer) and demonstration["completion"][1]["content"] == result
+        assert demonstration["completion"][2]["content"] == f"Answer: {answer}"
+        assert run_tool(text["completion"][0]["content"])[0] == Fraction(answer)
+
+
+def test_the_recipes_warm_start_trains_only_its_agents_adapter_and_the_team_trains_every_adapter_after(
+    tiny_model_dir, tmp_path
+):
+    """`recipes/atgrpo_math_tools.py`'s warm start: TRL's `SFTTrainer` on the team's own model moves the one agent's
+    adapter and no other; afterwards the team's RL step trains both adapters (the trainer checks before every loss)."""
+    import importlib.util
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    path = Path(__file__).parent.parent / "recipes" / "atgrpo_math_tools.py"
+    spec = importlib.util.spec_from_file_location("atgrpo_math_tools", path)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
+    args = ATGRPOConfig(
+        output_dir=str(tmp_path), agents=["caller", "answerer"], per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=8, max_steps=1, learning_rate=5e-2, seed=3, report_to="none", save_strategy="no",
+        use_cpu=True, bf16=False,
+    )  # fmt: skip
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = ATGRPOTrainer(
+        tiny_model_dir, team_answer_length, args=args, train_dataset=dataset, peft_config=lora,
+        processing_class=tool_tokenizer(tiny_model_dir), tools=[add],
+    )  # fmt: skip
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+    demonstrations = Dataset.from_dict(
+        {
+            "prompt": dataset["prompt"],
+            "completion": [[{"role": "assistant", "content": "", "tool_calls": [call]}]] * len(PROMPTS),
+        }
+    )
+
+    def lora(agent):
+        return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if f".{agent}." in n}
+
+    before = {agent: lora(agent) for agent in ("caller", "answerer")}
+    settings = SimpleNamespace(warm_start_epochs=2.0, warm_start_learning_rate=1e-2)
+    recipe.warm_start(trainer, "caller", demonstrations, settings, args)
+    warm = {agent: lora(agent) for agent in ("caller", "answerer")}
+    assert max((warm["caller"][n] - before["caller"][n]).abs().max().item() for n in warm["caller"]) > 1e-3
+    assert all(torch.equal(warm["answerer"][n], before["answerer"][n]) for n in warm["answerer"])
+    trainer.train()
+    for agent in ("caller", "answerer"):
+        after = lora(agent)
+        assert max((after[n] - warm[agent][n]).abs().max().item() for n in after) > 0, agent
+
+
+def team_answer_length(prompts, completions, **kwargs):
+    return [len(completion["caller"]) / 10.0 + len(completion["answerer"]) / 7.0 for completion in completions]
+
+
 def test_stopping_and_resuming_a_run_with_tools_equals_the_uninterrupted_run(tiny_model_dir, tmp_path):
     """Resuming mid-generation-buffer (steps_per_generation=2, stopped at step 3) restores the buffered tool masks,
     and the later rollouts draw the same tool calls (decided by the sampler's generator) as the uninterrupted run."""
