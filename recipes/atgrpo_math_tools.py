@@ -49,15 +49,16 @@ class RecipeArguments:
     warm_start_demonstrations: int = field(
         default=128, metadata={"help": "Written tool-call demonstrations the tool agent learns first (0: none)."}
     )
-    warm_start_epochs: float = field(default=1.0, metadata={"help": "Epochs over the demonstrations."})
+    warm_start_epochs: float = field(default=2.0, metadata={"help": "Epochs over the demonstrations."})
     warm_start_learning_rate: float = field(default=5e-4, metadata={"help": "The warm start's learning rate."})
 
 
 def warm_start(trainer: ATGRPOTrainer, agent: str, demonstrations, script_args, args) -> None:
-    """Supervised fine-tuning of one agent's adapter with TRL's `SFTTrainer`, on the team's own model: PEFT's
-    `set_adapter` makes that adapter the active one (and the only one with gradients) while the team's router routes
-    nothing; the team's trained adapters take gradients again afterwards. Demonstrations render with the chat template
-    the team renders tools with (`tool_chat_template`), so the warm start sees the prompts the RL steps will."""
+    """Supervised fine-tuning of one agent's adapter with TRL's `SFTTrainer`, on the team's own model (an agent on the
+    trainer's model): PEFT's `set_adapter` makes that adapter the active one (and the only one with gradients) while
+    the team's router routes nothing; `trainer.adapters_changed()` then gives the team's adapters their gradients back
+    and has vLLM, if used, serve the new weights. Demonstrations render with the chat template the team renders tools
+    with (`tool_chat_template`), so the warm start sees the prompts the RL steps will."""
     model = trainer.model
     model.set_adapter(trainer.agent_adapters[trainer.agent_names.index(agent)])
     tokenizer = copy.deepcopy(trainer.processing_class)
@@ -74,10 +75,12 @@ def warm_start(trainer: ATGRPOTrainer, agent: str, demonstrations, script_args, 
         seed=args.seed,
         use_cpu=args.use_cpu,
         bf16=args.bf16,
+        fp16=args.fp16,  # the team's accelerator is already set up: the same mixed precision
         gradient_checkpointing=args.gradient_checkpointing,
+        gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
     )
     SFTTrainer(model=model, args=sft_args, train_dataset=demonstrations, processing_class=tokenizer).train()
-    model.set_requires_grad(list(trainer.trained_adapters), requires_grad=True)
+    trainer.adapters_changed()
 
 
 def main() -> None:
@@ -92,7 +95,7 @@ def main() -> None:
         num_generations_eval=1,
         max_completion_length=128,
         max_tool_calling_iterations=2,
-        max_steps=6,
+        max_steps=4,
         learning_rate=5e-4,
         lr_scheduler_type="constant",
         lora_r=16,

@@ -20,7 +20,9 @@ def modules() -> dict[str, Path]:
 
 def imports(name: str, path: Path, known: set[str]) -> set[str]:
     """The package's modules that `name` imports anywhere: at the top, inside functions and in `if TYPE_CHECKING:`
-    blocks alike (a deferred import is still a dependency). Importing the package a module sits in is not counted."""
+    blocks alike (a deferred import is still a dependency). Importing the folder a module sits in is not counted;
+    importing the package itself (`from trl_marl import X`, `from .. import X` up to it) is: its `__init__`, the front
+    door, sits above every layer."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     imported = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -35,7 +37,7 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
             candidates = [alias.name for alias in node.names]
         else:
             continue
-        imported |= {c for c in candidates if c in known and c != name and not name.startswith(c + ".")}
+        imported |= {c for c in candidates if c in known and c != name and not ("." in c and name.startswith(c + "."))}
     return imported
 
 
@@ -105,7 +107,9 @@ def layer_violations(graph: dict[str, set[str]], order: list[list[str]]) -> list
         if "." not in name:
             continue
         for target in sorted(targets):
-            if "." in target and rank[unit(name)] < rank[unit(target)]:
+            if "." not in target:
+                found.append(f"{name} imports {target} (the package's __init__, above every layer)")
+            elif rank[unit(name)] < rank[unit(target)]:
                 found.append(
                     f"{name} imports {target} (layer {rank[unit(name)] + 1}, {unit(name)}, is below layer "
                     f"{rank[unit(target)] + 1}, {unit(target)})"
@@ -147,6 +151,19 @@ def test_the_layer_rule_names_an_import_that_points_up():
     assert layer_violations(graph, order) == ["p.low.a imports p.mid.b (layer 1, p.low, is below layer 2, p.mid)"]
     graph["p.low.a"] = set()
     assert layer_violations(graph, order) == []
+
+
+def test_an_import_of_the_package_itself_from_inside_it_points_up(tmp_path):
+    (tmp_path / "a.py").write_text("from p import Trainer\n")
+    (tmp_path / "b.py").write_text("def f():\n    from .. import load_team\n")
+    (tmp_path / "c.py").write_text("from . import a\n")
+    known = {"p", "p.low", "p.low.a", "p.low.b", "p.low.c"}
+    graph = {name: imports(name, tmp_path / f"{name[-1]}.py", known) for name in ("p.low.a", "p.low.b", "p.low.c")}
+    assert graph == {"p.low.a": {"p"}, "p.low.b": {"p"}, "p.low.c": {"p.low.a"}}  # its own folder's import: no edge
+    assert layer_violations(graph, [["p.low"]]) == [
+        "p.low.a imports p (the package's __init__, above every layer)",
+        "p.low.b imports p (the package's __init__, above every layer)",
+    ]
 
 
 def test_contributings_layout_table_matches_the_tree():

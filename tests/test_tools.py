@@ -405,18 +405,18 @@ def test_the_recipes_warm_start_trains_only_its_agents_adapter_and_the_team_trai
         }
     )
 
-    def lora(agent):
+    def adapter(agent):
         return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if f".{agent}." in n}
 
-    before = {agent: lora(agent) for agent in ("caller", "answerer")}
+    before = {agent: adapter(agent) for agent in ("caller", "answerer")}
     settings = SimpleNamespace(warm_start_epochs=2.0, warm_start_learning_rate=1e-2)
     recipe.warm_start(trainer, "caller", demonstrations, settings, args)
-    warm = {agent: lora(agent) for agent in ("caller", "answerer")}
+    warm = {agent: adapter(agent) for agent in ("caller", "answerer")}
     assert max((warm["caller"][n] - before["caller"][n]).abs().max().item() for n in warm["caller"]) > 1e-3
     assert all(torch.equal(warm["answerer"][n], before["answerer"][n]) for n in warm["answerer"])
     trainer.train()
     for agent in ("caller", "answerer"):
-        after = lora(agent)
+        after = adapter(agent)
         assert max((after[n] - warm[agent][n]).abs().max().item() for n in after) > 0, agent
 
 

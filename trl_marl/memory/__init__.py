@@ -4,6 +4,9 @@
 `config.json` is needed) and the team from a `MAGRPOConfig` / `ATGRPOConfig`, and returns a `MemoryEstimate`: every
 component in bytes, and `peak = static + max(generation phase, training phase) + overhead`.
 
+May import: every layer below it (the foundation, `sandbox`, `rollouts`, `tasks`, `generation`, `config`, `team`);
+nothing above.
+
 Notation: V vocabulary, h hidden size, I MLP intermediate size, L layers, n_h attention heads, n_kv key/value heads,
 d head dimension, r LoRA rank, N adapters, P prompt tokens, C = `max_completion_length`, B training rows
 (sequences) per micro-batch, S training sequence length, R rows of one `generate` call, P_t its prompt length. Byte

@@ -1,6 +1,8 @@
 """Run model-written code in isolation, under hard limits, and score it from its plain outputs only.
 
 See docs/sandbox.md for the threat model and what each backend guarantees.
+
+May import: nothing of trl_marl but itself (it sits just above the foundation modules, and needs none of them).
 """
 
 from .backends import SandboxUnavailable

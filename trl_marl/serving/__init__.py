@@ -9,6 +9,9 @@ call), `engine.py` (the batching engine), `vllm_engine.py` (the engine on a team
 token's bytes and text for log-probabilities), `app.py` (the ASGI app), `access.py` (who may call it: the API key,
 `Host`, `Origin`, `Content-Type`), `server.py` (the server and its handle). FastAPI and uvicorn come with the `serve`
 extra and are imported only when a server starts.
+
+May import: every layer below it (the foundation, `sandbox`, `rollouts`, `tasks`, `generation`, `config`, `team`,
+`memory`); nothing above: the trainers use it (a trainer serves its own team to agent programs), never the reverse.
 """
 
 from typing import Any

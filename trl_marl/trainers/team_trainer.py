@@ -213,6 +213,14 @@ class TeamTrainer(TeamCheckpoints, GRPOTrainer):
             if frozen:
                 model.set_requires_grad(frozen, requires_grad=False)
 
+    def adapters_changed(self) -> None:
+        """Call after changing the agents' adapters outside the trainer (one agent warm-started with TRL's
+        `SFTTrainer`, weights loaded by hand): trained adapters take gradients again and frozen ones do not (PEFT's
+        `set_adapter` leaves gradients only on the adapter it activates), and the vLLM engine is sent the new weights
+        at its next generation. The captured decode step reads the adapters at every call and needs nothing."""
+        self._set_adapter_trainability([base.model for base in self.bases])
+        self._serve_loaded_adapters()
+
     def _check_adapters_train(self) -> None:
         """Every trained agent's adapter trains, frozen ones do not (`agents.check_adapters_train`): checked before
         every loss, a few hundred flag reads."""
