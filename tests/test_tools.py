@@ -482,3 +482,74 @@ def sampled(tokenizer):
 
 def team_reward(prompts, completions, **kwargs):
     return [len(completion["first"]) / (1 + len(completion["second"])) for completion in completions]
+
+
+def lookup_capital(country: str) -> str:
+    """Look up the capital city of a country.
+
+    Args:
+        country: The country's name.
+    """
+    return {"France": "Paris"}.get(country, "unknown")
+
+
+def lookup_population(city: str, year: int) -> int:
+    """Look up how many people live in a city.
+
+    Args:
+        city: The city's name.
+        year: The census year.
+    """
+    return 2_100_000 if city == "Paris" else 0
+
+
+lookup_capital.__name__ = lookup_population.__name__ = "lookup"  # two tools of the same name, as "a:lookup", "b:lookup"
+
+
+class Atlas(Notebook):
+    """An environment whose method is named like another agent's own tool."""
+
+    def lookup(self, river: str) -> str:
+        """Look up the sea a river flows into.
+
+        Args:
+            river: The river's name.
+        """
+        return "the Channel"
+
+
+@pytest.mark.parametrize(
+    ("agents", "environment_factory", "described"),
+    [
+        (
+            [{"name": "first", "tools": [lookup_capital]}, {"name": "second", "tools": [lookup_population]}],
+            None,
+            ["capital city of a country", "how many people live in a city"],
+        ),
+        (
+            [{"name": "first", "tools": [lookup_capital]}, {"name": "second", "tools": ["lookup"]}],
+            Atlas,
+            ["capital city of a country", "the sea a river flows into"],
+        ),
+    ],
+)
+def test_agents_tools_of_the_same_name_are_each_described_from_their_own(
+    tiny_model_dir, tmp_path, agents, environment_factory, described
+):
+    args = MAGRPOConfig(
+        output_dir=str(tmp_path), agents=agents, per_device_train_batch_size=2, num_generations=2,
+        max_completion_length=16, max_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
+    )  # fmt: skip
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Where?"}]] * 2})
+    tokenizer = tool_tokenizer(tiny_model_dir)
+    trainer = MAGRPOTrainer(
+        tiny_model_dir, lambda completions, **kw: [0.0] * len(completions), args=args, train_dataset=dataset,
+        processing_class=tokenizer, environment_factory=environment_factory,
+    )  # fmt: skip
+    trainer._generate_single_turn = scripted(tokenizer)
+    kept, rollout = [], trainer._rollout
+    trainer._rollout = lambda *a, **k: kept.append(rollout(*a, **k)) or kept[-1]
+    trainer.train()
+    for sample in kept[0].samples:
+        prompt = tokenizer.decode(sample.prompt_ids)
+        assert described[sample.agent] in prompt and described[1 - sample.agent] not in prompt, sample.agent

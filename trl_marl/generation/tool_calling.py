@@ -287,11 +287,13 @@ class ToolCalling:
         self.rows = Counter()  # per agent, rows that could call tools since the last `take_metrics`
 
     def render(self, model_inputs: list, row_tools: list[list[Callable]]) -> list[list[int]]:
-        """Each row's prompt ids, rendered with its own tools (rows with the same tools in one call)."""
+        """Each row's prompt ids, rendered with its own tools. Rows whose tools are the same functions render in one
+        call: an environment's methods bound to different episodes are the same function, while two tools that
+        share a name (two agents' `lookup`, a method named like another agent's tool) are not."""
         prompt_ids: list = [None] * len(model_inputs)
         by_tools: dict[tuple, list[int]] = {}
         for row, tools in enumerate(row_tools):
-            by_tools.setdefault(tuple(tool.__name__ for tool in tools), []).append(row)
+            by_tools.setdefault(tuple(id(getattr(tool, "__func__", tool)) for tool in tools), []).append(row)
         for rows in by_tools.values():
             tools = row_tools[rows[0]] or None  # `or None`: some templates render tool boilerplate for `[]`
             ids, _, _ = self.tokenize(
