@@ -108,8 +108,13 @@ def test_one_agent_with_tools_trains_exactly_as_grpo_trainer_with_the_same_tools
     (trl_initial, trl_final, trl_logs, trl_masks), (_, marl_final, marl_logs, marl_masks) = trl, marl
     assert sorted(sum(trl_masks, [])) != sorted(sum(trl_masks, [1]))  # some tokens were masked: tool results
     assert sorted(sum(marl_masks, [])) == sorted(sum(trl_masks, []))  # the same masked tokens, row order aside
-    for key in ("loss", "reward", "tools/call_frequency", "tools/failure_frequency"):
+    lengths = ("completions/mean_length", "completions/min_length", "completions/max_length", "num_tokens")
+    for key in ("loss", "reward", "tools/call_frequency", "tools/failure_frequency", *lengths):
         assert [entry[key] for entry in marl_logs] == pytest.approx([entry[key] for entry in trl_logs], abs=1e-6), key
+    # TRL counts the model's tokens only (`sum(tool_mask)`), tool results left out
+    assert [entry["agents/solo/completion_length"] for entry in marl_logs] == [
+        entry["completions/mean_length"] for entry in trl_logs
+    ]
     assert trl_logs[0]["tools/call_frequency"] > 0
     as_trl = {name.replace(".solo.", ".default."): value for name, value in marl_final.items()}
     moved = max((trl_final[n] - trl_initial[n]).abs().max().item() for n in trl_final)

@@ -41,7 +41,8 @@ def log_rollout_metrics(
 ) -> None:
     """Team metrics over all joint actions of the batch, the same per turn (`turns/<t>/...`), per agent
     (`agents/<name>/...`) and TRL's completion-length metrics, all over every process, into `metrics` (TRL's
-    `_metrics[mode]`); a training rollout's tokens count into `state.num_input_tokens_seen`. `eos_and_pad[a]`: the
+    `_metrics[mode]`); a training rollout's tokens count into `state.num_input_tokens_seen`. A completion's length is
+    its model's tokens, as TRL counts them: tool results' tokens (`Sample.tool_mask` 0) are left out. `eos_and_pad[a]`: the
     tokens that end agent a's completions (its base's EOS and padding)."""
     rewards_per_func = rollout.batch_rewards_per_func
     rewards = team_rewards(rewards_per_func, reward_weights)
@@ -61,7 +62,7 @@ def log_rollout_metrics(
             s.turn,
             s.agent,
             len(s.prompt_ids),
-            len(s.completion_ids),
+            len(s.completion_ids) if s.tool_mask is None else sum(s.tool_mask),  # the model's tokens, as TRL
             s.completion_ids[-1] not in eos_and_pad[s.agent],
             s.advantage,
         )
