@@ -508,7 +508,9 @@ def lookup_population(city: str, year: int) -> int:
     return 2_100_000 if city == "Paris" else 0
 
 
-lookup_capital.__name__ = lookup_population.__name__ = "lookup"  # two tools of the same name, as "a:lookup", "b:lookup"
+lookup_capital.__name__ = lookup_population.__name__ = (
+    "lookup"  # two tools of the same name, as "a:lookup", "b:lookup"
+)
 
 
 class Atlas(Notebook):
@@ -558,3 +560,31 @@ def test_agents_tools_of_the_same_name_are_each_described_from_their_own(
     for sample in kept[0].samples:
         prompt = tokenizer.decode(sample.prompt_ids)
         assert described[sample.agent] in prompt and described[1 - sample.agent] not in prompt, sample.agent
+
+
+def test_a_tool_round_past_the_prompt_room_goes_on_as_in_grpo_trainer(tiny_model_dir, tmp_path):
+    """A real prompt must leave `max_completion_length` positions free; a round of the tool loop only keeps within the
+    completion budget and the model's positions (TRL's rule): with 512 positions, a 236-token prompt and
+    `max_completion_length=256`, the call's result takes the sequence past 256 tokens and the row goes on."""
+    args = MAGRPOConfig(
+        output_dir=str(tmp_path), agents=["solo"], per_device_train_batch_size=2, num_generations=2,
+        max_completion_length=256, max_steps=1, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
+    )  # fmt: skip
+    prompt = [{"role": "user", "content": "Add 2 and 3." + " Please" * 19}]
+    tokenizer = tool_tokenizer(tiny_model_dir)
+    assert (
+        len(tokenizer.apply_chat_template(prompt, tools=[add], add_generation_prompt=True, return_dict=False)) == 236
+    )
+    dataset = Dataset.from_dict({"prompt": [prompt] * 2})
+    trainer = MAGRPOTrainer(
+        tiny_model_dir, team_answer_reward, args=args, train_dataset=dataset, processing_class=tokenizer, tools=[add]
+    )
+    trainer._generate_single_turn = scripted(tokenizer)
+    kept, rollout = [], trainer._rollout
+    trainer._rollout = lambda *a, **k: kept.append(rollout(*a, **k)) or kept[-1]
+    trainer.train()
+    went_on = [s for s in kept[0].samples if 0 in s.tool_mask]
+    assert went_on, "no row called the tool"
+    for sample in went_on:
+        assert len(sample.prompt_ids) == 236 and len(sample.prompt_ids) + sample.tool_mask.index(0) > 512 - 256
+        assert sample.tool_mask[-1] == 1 and "The sum is" in tokenizer.decode(sample.completion_ids)

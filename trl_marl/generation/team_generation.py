@@ -83,15 +83,17 @@ class TeamGeneration:
         texts = self.processing_class.batch_decode(completion_ids, skip_special_tokens=True)
         return [list(ids) for ids in prompt_ids], completion_ids, texts
 
-    def _routed_call(self, model_inputs, agent_index, num_generations, prompt_ids=None):
+    def _routed_call(self, model_inputs, agent_index, num_generations, prompt_ids=None, check_lengths=True):
         """One routed call: the prompts tokenized (TRL's `_tokenize_prompts`, unless `prompt_ids` are given), checked
-        and generated. `(prompt ids, completion ids, log-probs or None)`."""
+        (`check_lengths`: real prompts; a round of the tool loop keeps to TRL's rule instead, `ToolLoop.run`) and
+        generated. `(prompt ids, completion ids, log-probs or None)`."""
         self.route(agent_index)
         try:
             images, multimodal_fields = None, {}
             if prompt_ids is None:
                 prompt_ids, images, multimodal_fields = self.tokenize(model_inputs)
-            self.check_prompt_lengths(prompt_ids, agent_index)
+            if check_lengths:
+                self.check_prompt_lengths(prompt_ids, agent_index)
             completion_ids, logprobs = self.generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations
             )
@@ -123,7 +125,8 @@ class TeamGeneration:
         with_tools = [row for row in rows if row.tools]
 
         def more(sequences, agents):  # a round of the loop: one routed call over the rows that go on
-            _, more_ids, more_logprobs = self._routed_call(None, agents, 1, sequences)
+            # a sequence is no prompt: the loop kept it within the completion budget and the model's positions
+            _, more_ids, more_logprobs = self._routed_call(None, agents, 1, sequences, check_lengths=False)
             return more_ids, more_logprobs
 
         stats = tools.loop(more).run(with_tools)
