@@ -42,8 +42,8 @@ def log_rollout_metrics(
     """Team metrics over all joint actions of the batch, the same per turn (`turns/<t>/...`), per agent
     (`agents/<name>/...`) and TRL's completion-length metrics, all over every process, into `metrics` (TRL's
     `_metrics[mode]`); a training rollout's tokens count into `state.num_input_tokens_seen`. A completion's length is
-    its model's tokens, as TRL counts them: tool results' tokens (`Sample.tool_mask` 0) are left out. `eos_and_pad[a]`: the
-    tokens that end agent a's completions (its base's EOS and padding)."""
+    its model's tokens, as TRL counts them: tool results' tokens (`Sample.tool_mask` 0) are left out.
+    `eos_and_pad[a]`: the tokens that end agent a's completions (its base's EOS and padding)."""
     rewards_per_func = rollout.batch_rewards_per_func
     rewards = team_rewards(rewards_per_func, reward_weights)
     for i, name in enumerate(reward_func_names):
