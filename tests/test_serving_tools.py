@@ -5,6 +5,7 @@ llguidance, streamed tool-call deltas, the Responses API, and the agent framewor
 SDK, LangGraph) on a real server."""
 
 import asyncio
+import dataclasses
 import json
 from typing import Literal
 
@@ -392,3 +393,101 @@ def test_a_grammars_bitmask_unpacks_to_the_same_allowed_tokens_on_the_host_and_o
     ).bool()
     assert torch.equal(unpacked_on_host(bitmask, 150), expected)
     assert torch.equal(unpacked_on_device(bitmask, 150), expected)  # what a GPU runs, here on the CPU
+
+
+# -- what the model wrote, read back the same way whole and streamed
+
+
+@pytest.fixture
+def written(server, monkeypatch):
+    """`written(text)`: from now on, every row the server generates writes exactly `text` (a grammar of that one
+    string on the real model, then its end-of-sequence token), whatever the request's own rules; what the answer is
+    read back as (content, tool calls, stream deltas) is then the server's doing alone."""
+    import llguidance
+
+    from trl_marl.serving.grammars import CompiledGrammar
+    from trl_marl.serving.prompts import PromptRenderer
+
+    def write(text: str) -> None:
+        rows_of = PromptRenderer.rows_of
+        grammar = CompiledGrammar(server.engine.grammars_of(0), llguidance.LLMatcher.grammar_from_lark(
+            f"start: {json.dumps(text)}\n"))  # fmt: skip
+
+        def scripted(renderer, parsed, agent):
+            rendered = rows_of(renderer, parsed, agent)
+            rendered.rows[:] = [dataclasses.replace(row, grammar=grammar, max_new_tokens=400) for row in rendered.rows]
+            return rendered
+
+        monkeypatch.setattr(PromptRenderer, "rows_of", scripted)
+
+    return write
+
+
+MALFORMED = "<tool_call>\nnot json\n</tool_call>"
+
+
+def hermes_call(city: str) -> str:
+    return f'<tool_call>\n{{"name": "weather", "arguments": {{"city": "{city}"}}}}\n</tool_call>'
+
+
+def streamed_message(client, **settings) -> tuple[str, list[dict], str]:
+    """A streamed chat answer put together: its content, its tool calls (by index: id, name, arguments) and its
+    finish reason."""
+    content, calls, finish_reason = "", {}, None
+    for chunk in tool_chat(client, stream=True, **settings):
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or ():
+            call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = delta.id or call["id"]
+            call["name"] += (delta.function.name or "") if delta.function else ""
+            call["arguments"] += (delta.function.arguments or "") if delta.function else ""
+        finish_reason = choice.finish_reason or finish_reason
+    return content, [calls[index] for index in sorted(calls)], finish_reason
+
+
+def test_parallel_tool_calls_false_gives_at_most_one_call_on_auto_whole_streamed_and_as_responses(client, written):
+    written(f"{hermes_call('Paris')}\n{hermes_call('Rome')}")
+    settings = dict(tools=[WEATHER], parallel_tool_calls=False, temperature=0)
+    message = tool_chat(client, **settings).choices[0].message
+    assert [(call.function.name, call.function.arguments) for call in message.tool_calls] == [
+        ("weather", '{"city": "Paris"}')
+    ]
+    _, calls, finish_reason = streamed_message(client, **settings)
+    assert [(call["name"], call["arguments"]) for call in calls] == [("weather", '{"city": "Paris"}')]
+    assert finish_reason == "tool_calls"
+    tool = {"type": "function", "name": "weather", "parameters": CITY}
+    response = client.responses.create(model="planner", input="Weather?", tools=[tool], parallel_tool_calls=False)
+    assert [(item.type, item.arguments) for item in response.output] == [("function_call", '{"city": "Paris"}')]
+    events = client.responses.create(
+        model="planner", input="Weather?", tools=[tool], parallel_tool_calls=False, stream=True
+    )
+    done = [event.item for event in events if event.type == "response.output_item.done"]
+    assert [(item.type, item.arguments) for item in done] == [("function_call", '{"city": "Paris"}')]
+    # with parallel calls (the default), both
+    assert len(tool_chat(client, tools=[WEATHER], temperature=0).choices[0].message.tool_calls) == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [
+        (f"Let me look.\n{hermes_call('Paris')}\nDone, it is sunny.", "Let me look.\n\nDone, it is sunny."),
+        (f"\n{hermes_call('Paris')}\n{hermes_call('Rome')}\n", None),
+        (f"  Sure.\n{hermes_call('Rome')}", "Sure."),
+        ("  No tool needed.  ", "No tool needed."),
+        (f"{MALFORMED} then {hermes_call('Rome')} after", f"{MALFORMED} then  after"),  # as written
+    ],
+)
+def test_streamed_content_equals_the_unstreamed_messages_around_and_after_the_calls(client, written, text, content):
+    written(text)
+    message = tool_chat(client, tools=[WEATHER], temperature=0).choices[0].message
+    assert message.content == content
+    streamed_content, calls, _ = streamed_message(client, tools=[WEATHER], temperature=0)
+    assert streamed_content == (content or "")
+    assert [call["arguments"] for call in calls] == [call.function.arguments for call in message.tool_calls or ()]
+    tool = {"type": "function", "name": "weather", "parameters": CITY}
+    response = client.responses.create(model="planner", input="Weather?", tools=[tool])
+    events = list(client.responses.create(model="planner", input="Weather?", tools=[tool], stream=True))
+    deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert deltas == "".join(part.text for item in response.output if item.type == "message" for part in item.content)
+    assert deltas == (content or "")

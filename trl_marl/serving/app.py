@@ -329,15 +329,11 @@ def build_app(engine: BatchingEngine, settings: ServingSettings, tokenizing: Thr
                 stream.tokens_sent = end
             finish_reason = row.finish_reason
             call_deltas = []
-            if calls is not None:  # the content up to the calls, and each call once it is whole
+            if calls is not None:  # the content around the calls, and each call once it is whole
                 written[index] += text
-                text = calls[index].content_delta(written[index])
-                call_deltas = calls[index].call_deltas(row.completion_ids, written[index], final=done)
-                if done:
-                    content, _ = reader.message(row.completion_ids, row.request.prompt_ids, row.text)
-                    text += calls[index].final_content(content)
-                    if calls[index].calls_sent and finish_reason == "stop":
-                        finish_reason = "tool_calls"
+                text, call_deltas = calls[index].deltas(row.completion_ids, row.text if done else written[index], done)
+                if done and calls[index].calls_sent and finish_reason == "stop":
+                    finish_reason = "tool_calls"
             if text or logprobs is not None:
                 yield ("text", index, text, logprobs)
             for delta in call_deltas:

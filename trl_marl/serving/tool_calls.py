@@ -1,15 +1,23 @@
 """An answer read back as OpenAI's assistant message: its content and its `tool_calls`, whole or as stream deltas.
 
-The answer's tokens are parsed by the base's response template (transformers' `parse_response`, through TRL's
-`parse_response`, which falls back to the plain text when a call is malformed: `trl_marl.generation.tool_templates`).
-A call becomes `{"id": "call_...", "type": "function", "function": {"name", "arguments": <JSON text>}}`, the message's
-`content` is the text around the calls (None when there is none, as OpenAI gives it), and the choice's
-`finish_reason` is "tool_calls" when the answer ended after calling tools.
+A call is parsed by the base's response template (transformers' `parse_response`, through TRL's `parse_response`:
+`trl_marl.generation.tool_templates`) and becomes `{"id": "call_...", "type": "function", "function": {"name",
+"arguments": <JSON text>}}`; the choice's `finish_reason` is "tool_calls" when the answer ended after calling tools.
+With `parallel_tool_calls: false` the answer holds at most one call: the first the model wrote.
 
-A stream sends the content as it is written, holding back what could be the opening of a tool call (the response
-template's marker, `<tool_call>` for Hermes-style templates); each call goes out once it is complete (its closing
-marker written and the answer so far parsing with it): a first delta with its index, id, type and name, then its
-arguments. A template whose marker is unknown holds the content back until the answer ends.
+For Hermes-style calls (`<tool_call>\\n{...}\\n</tool_call>`: trl_marl's ChatML tool template, Qwen's), the answer is
+cut into its calls and the text around them here, the same way whole and streamed (`read_answer`):
+
+- each closed `<tool_call>...</tool_call>` block that parses as one call is that call; one that does not (malformed)
+  stays in the content as written; an unfinished block (the answer ended inside it: `max_tokens`) is left out;
+- the content is the rest of the text, blocks taken out, with the whitespace at its two ends removed; None when the
+  answer holds calls and no other text, as OpenAI gives it.
+
+A stream sends that content as it is written, holding back what may still change: a tail that could open a call, and
+trailing whitespace (sent once text follows it); each call goes out once its block is closed, as a first delta with its
+index, id, type and name, then one with its arguments. A streamed answer's content and calls are the unstreamed one's.
+For another template's calls, the whole answer is parsed at once (TRL falls back to the plain text when a call is
+malformed) and a stream sends its content and calls when the answer ends.
 """
 
 import json
@@ -17,6 +25,8 @@ import secrets
 
 from ..generation.tool_templates import parse_tool_calls
 from .tool_requests import OutputRules
+
+HERMES_OPENING, HERMES_CLOSING = "<tool_call>", "</tool_call>"
 
 
 def call_id() -> str:
@@ -42,7 +52,7 @@ class AnswerReader:
         self.tokenizer, self.rules = tokenizer, rules
         template = getattr(tokenizer, "response_template", None) or {}
         self.opening = template.get("fields", {}).get("tool_calls", {}).get("open")  # e.g. "<tool_call>"
-        self.closing = "</tool_call>" if self.opening == "<tool_call>" else None
+        self.hermes = self.opening == HERMES_OPENING
 
     @property
     def reads_tool_calls(self) -> bool:
@@ -53,74 +63,87 @@ class AnswerReader:
         no tools are read)."""
         if not self.reads_tool_calls:
             return text, []
-        parsed = parse_tool_calls(self.tokenizer, completion_ids, prompt_ids, list(self.rules.tools))
-        calls = openai_tool_calls(parsed)
-        closing = self.closing and text.rfind(self.closing)
-        if not calls and closing and closing > 0:  # cut short (`max_tokens`) inside a call: the calls before it
-            whole = text[: closing + len(self.closing)]
-            ids = self.tokenizer(whole, add_special_tokens=False)["input_ids"]
-            parsed = parse_tool_calls(self.tokenizer, ids, prompt_ids, list(self.rules.tools))
-            calls = openai_tool_calls(parsed)
-        content = parsed.get("content") or ""
+        if self.hermes:
+            content, calls = self.read_answer(text, prompt_ids, final=True)
+        else:
+            parsed = parse_tool_calls(self.tokenizer, completion_ids, prompt_ids, list(self.rules.tools))
+            content, calls = (parsed.get("content") or "").strip(), self.allowed(openai_tool_calls(parsed))
         return (content or None) if calls else content, calls
+
+    def allowed(self, calls: list) -> list:
+        """The calls an answer may hold: the first alone without `parallel_tool_calls`."""
+        return calls if self.rules.parallel_tool_calls else calls[:1]
+
+    def read_answer(
+        self, text: str, prompt_ids: list[int], final: bool, parsed_blocks: dict | None = None
+    ) -> tuple[str, list[dict]]:
+        """The content and calls of a Hermes-style answer's `text` (the module's rules). Before the answer is `final`,
+        the content leaves out what may still change: an unfinished block, a tail that could open one, its trailing
+        whitespace. `parsed_blocks` keeps each block's call (or None) between calls, so a stream parses a block once
+        and its call keeps its id."""
+        parsed_blocks = {} if parsed_blocks is None else parsed_blocks
+        pieces, calls, start = [], [], 0
+        while True:
+            opening = text.find(HERMES_OPENING, start)
+            closing = text.find(HERMES_CLOSING, opening) if opening >= 0 else -1
+            if closing < 0:  # no more closed blocks: the rest is text, up to an unfinished block
+                rest = text[start:] if opening < 0 else text[start:opening]
+                if opening < 0 and not final:
+                    rest = rest[: len(rest) - held_back(rest, HERMES_OPENING)]
+                pieces.append(rest)
+                break
+            block = text[opening : closing + len(HERMES_CLOSING)]
+            if (opening, block) not in parsed_blocks:
+                parsed_blocks[opening, block] = self.block_call(block, prompt_ids)
+            call = parsed_blocks[opening, block]
+            pieces.append(text[start:opening] if call is not None else text[start : closing + len(HERMES_CLOSING)])
+            if call is not None:
+                calls.append(call)
+            start = closing + len(HERMES_CLOSING)
+        # whitespace at the ends is not content; before the end, trailing whitespace waits for the text after it
+        return "".join(pieces).strip(), self.allowed(calls)
+
+    def block_call(self, block: str, prompt_ids: list[int]) -> dict | None:
+        """The call a closed `<tool_call>...</tool_call>` block holds, or None when it does not parse as one."""
+        ids = self.tokenizer(block, add_special_tokens=False)["input_ids"]
+        calls = openai_tool_calls(parse_tool_calls(self.tokenizer, ids, prompt_ids, list(self.rules.tools)))
+        return calls[0] if len(calls) == 1 else None
 
     def stream(self, prompt_ids: list[int]) -> "ToolCallStream":
         return ToolCallStream(self, prompt_ids)
 
 
 class ToolCallStream:
-    """One streamed choice's content and tool-call deltas, from its text and tokens as they grow."""
+    """One streamed choice's content and tool-call deltas, from its text as it grows."""
 
     def __init__(self, reader: AnswerReader, prompt_ids: list[int]):
         self.reader, self.prompt_ids = reader, prompt_ids
         self.content_sent = ""  # the content sent so far
         self.calls_sent: list[dict] = []
-        self.in_calls = False  # the opening marker was written: what follows is calls
+        self._parsed_blocks: dict = {}
 
-    def content_delta(self, text: str) -> str:
-        """The content to send now, of the answer's text so far: up to the first call, holding back a tail that may
-        open one (all of it when the marker is unknown)."""
-        opening = self.reader.opening
-        if opening is None:
-            return ""
-        cut = text.find(opening)
-        if cut >= 0:
-            self.in_calls = True
-            text = text[:cut].rstrip("\n")
-        else:
-            text = text[: len(text) - held_back(text, opening)]
-        if not text.startswith(self.content_sent):
-            return ""
-        delta, self.content_sent = text[len(self.content_sent) :], text
-        return delta
-
-    def call_deltas(self, completion_ids: list[int], text: str, final: bool) -> list[dict]:
-        """The tool-call deltas to send now: each call completed since the last ones (every call once the answer is
-        `final`), as a name delta and an arguments delta."""
-        if not self.in_calls and not final:
-            return []
-        closing_marks = text.count(self.reader.closing) if self.reader.closing else 0
-        if not final and closing_marks <= len(self.calls_sent):
-            return []
-        content, calls = self.reader.message(completion_ids, self.prompt_ids, text)
-        ready = calls if final else calls[:closing_marks]
-        deltas = []
-        for index in range(len(self.calls_sent), len(ready)):
-            call = ready[index]
+    def deltas(self, completion_ids: list[int], text: str, final: bool) -> tuple[str, list[dict]]:
+        """The content to send now and the tool-call deltas (a name delta and an arguments delta per call) of the
+        answer's `text` so far; once it is `final`, the rest of the message's content and calls."""
+        reader = self.reader
+        if reader.hermes:
+            content, calls = reader.read_answer(text, self.prompt_ids, final, self._parsed_blocks)
+        elif final:
+            content, calls = reader.message(completion_ids, self.prompt_ids, text)
+            content = content or ""
+        else:  # another template's calls are read from the whole answer
+            return "", []
+        delta = ""
+        if content.startswith(self.content_sent):
+            delta, self.content_sent = content[len(self.content_sent) :], content
+        call_deltas = []
+        for index in range(len(self.calls_sent), len(calls)):
+            call = calls[index]
             head = {"index": index, "id": call["id"], "type": "function"}
-            deltas.append({**head, "function": {"name": call["function"]["name"], "arguments": ""}})
-            deltas.append({"index": index, "function": {"arguments": call["function"]["arguments"]}})
+            call_deltas.append({**head, "function": {"name": call["function"]["name"], "arguments": ""}})
+            call_deltas.append({"index": index, "function": {"arguments": call["function"]["arguments"]}})
             self.calls_sent.append(call)
-        return deltas
-
-    def final_content(self, content: str | None) -> str:
-        """The rest of the final content not yet sent (held back, or all of it for an unknown marker); none once a
-        call was sent (the text after it is the calls')."""
-        content = content or ""
-        if not self.calls_sent and content.startswith(self.content_sent):
-            rest, self.content_sent = content[len(self.content_sent) :], content
-            return rest
-        return ""
+        return delta, call_deltas
 
 
 def held_back(text: str, marker: str) -> int:
