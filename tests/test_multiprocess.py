@@ -50,6 +50,26 @@ def test_two_processes_train_trees_of_different_sizes(tiny_model_dir, tmp_path):
         assert report["trained_rows"] == report["generated_rows"]  # one micro-batch per generation
 
 
+def test_a_process_holding_no_tool_row_joins_the_token_count_of_one_that_does(tiny_model_dir, tmp_path):
+    """A round-robin team's tool agent acts at the second turn, which only process 0's episodes reach: process 1 holds
+    no row of an agent with tools, yet both join the count of loss tokens (tool results left out) that `dapo` divides
+    by, and it is the sum of both processes' (process 1 once skipped the collective: mismatched, the run failed)."""
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed next to this Python")
+    script = Path(__file__).parent / "scripts" / "two_process_tools.py"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    command = [torchrun, "--nproc_per_node", "2", str(script), tiny_model_dir, str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / f"report-{r}.json").read_text())["steps"] for r in (0, 1))
+    assert len(rank0) == len(rank1) == 2
+    for mine, theirs in zip(rank0, rank1):
+        assert mine["tool_rows"] > 0 and theirs["tool_rows"] == 0
+        total = mine["loss_tokens"] + theirs["loss_tokens"]
+        assert mine["num_items_in_batch"] == theirs["num_items_in_batch"] == total
+
+
 def test_two_processes_compute_the_advantages_of_one_process_and_end_with_identical_adapters(tiny_model_dir, tmp_path):
     script = Path(__file__).parent / "scripts" / "equivalence_train.py"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}

@@ -383,8 +383,9 @@ class TeamTrainer(TeamCheckpoints, GRPOTrainer):
         others = [other.model.get_base_model() for other in self.bases[1:]]
         loadings = [other.loading for other in self.bases[1:]]
         return trained_team_spec(
-            base, self.args, self.agent_adapters, self.rollout_settings, self.task, others, self.agent_base, loadings
-        )
+            base, self.args, self.agent_adapters, self.rollout_settings, self.task, others, self.agent_base, loadings,
+            team_tools=self._team_tools,
+        )  # fmt: skip
 
     def _team_card(self, spec: dict, folder, model_name=None, dataset_name=None, tags=None):
         lora = self.accelerator.unwrap_model(self.model).peft_config[self.adapter_names[0]]
@@ -451,7 +452,9 @@ class TeamTrainer(TeamCheckpoints, GRPOTrainer):
         output = self._pad_samples(
             [s.prompt_ids for s in samples], [s.completion_ids for s in samples], no_loss, [s.agent for s in samples]
         )
-        if any(s.tool_mask is not None for s in samples):  # tool results' tokens out of the loss, as TRL masks them
+        # Tool results' tokens out of the loss, as TRL masks them. Every process of a trainer with tools joins the
+        # count, rows of tools or not (a process may hold none this step: a later turn's agent, an early end).
+        if self._team_tools is not None:
             output["tool_mask"] = tool_masks(samples, self.pad_to_multiple_of, device)
             loss_tokens = (output["completion_mask"] * output["tool_mask"]).sum()
             output["num_items_in_batch"] = self.accelerator.gather(loss_tokens).sum()
