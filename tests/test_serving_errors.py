@@ -380,3 +380,68 @@ def test_a_tool_calls_arguments_nested_past_parsing_are_a_400_naming_them(server
 def test_an_empty_prompt_among_several_is_named_by_its_place(server):
     response = post(server, "/completions", {**COMPLETION, "prompt": ["Hi.", ""]})
     assert response.status_code == 400 and error_of(response)["param"] == "prompt[1]"
+
+
+def weather_call(call_id: str, city: str = "Paris") -> dict:
+    arguments = f'{{"city": "{city}"}}'
+    return {"id": call_id, "type": "function", "function": {"name": "weather", "arguments": arguments}}
+
+
+ASKED = {"role": "user", "content": "Weather in Paris and Rome?"}
+CALLED = {"role": "assistant", "content": None, "tool_calls": [weather_call("call_a"), weather_call("call_b", "Rome")]}
+
+
+def result(call_id: str) -> dict:
+    return {"role": "tool", "tool_call_id": call_id, "content": "sunny"}
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "says"),
+    [
+        ([ASKED, CALLED, result("call_a"), result("call_b"), result("call_x")], "messages[4]", "call_x"),
+        ([ASKED, CALLED, result("call_a"), result("call_x")], "messages[3]", "call_x"),
+        ([ASKED, result("call_a")], "messages[1]", "no tool call"),
+        ([ASKED, CALLED, result("call_a"), result("call_a"), result("call_b")], "messages[3]", "second time"),
+        ([ASKED, CALLED, result("call_a"), ASKED], "messages[1].tool_calls[1]", "call_b"),
+        ([ASKED, CALLED, result("call_a")], "messages[1].tool_calls[1]", "call_b"),
+        ([ASKED, CALLED, result("call_a"), result("call_b"), ASKED, result("call_b")], "messages[5]", "no tool call"),
+        (
+            [ASKED, {"role": "assistant", "tool_calls": [weather_call("call_a"), weather_call("call_a")]}],
+            "messages[1].tool_calls[1].id",
+            "call_a",
+        ),
+        (
+            [
+                ASKED,
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"type": "function", "function": CALLED["tool_calls"][0]["function"]}],
+                },
+                result("call_a"),
+            ],
+            "messages[1].tool_calls[0].id",
+            "id",
+        ),  # fmt: skip
+    ],
+)
+def test_a_history_whose_tool_results_and_calls_do_not_match_is_a_400_naming_the_message(
+    server, messages, param, says
+):
+    response = post(server, "/chat/completions", {**CHAT, "messages": messages})
+    error = error_of(response)
+    assert response.status_code == 400
+    assert error["param"] == param and f"`{param}`" in error["message"] and says in error["message"]
+
+
+def test_a_responses_function_call_output_answering_no_call_is_a_400_naming_the_input_item(server):
+    items = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_a", "name": "weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_a", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "call_x", "output": "rain"},
+    ]
+    response = post(server, "/responses", {"model": "planner", "input": items, "max_output_tokens": 2})
+    error = error_of(response)
+    assert response.status_code == 400 and error["param"] == "input[3]" and "call_x" in error["message"]
+    unanswered = post(server, "/responses", {"model": "planner", "input": items[:2], "max_output_tokens": 2})
+    assert unanswered.status_code == 400 and error_of(unanswered)["param"] == "input[1]"

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import APIError, invalid, short, unsupported
-from .tool_requests import OutputRules, assistant_tool_calls, name_tool_results, read_output_rules
+from .tool_requests import (
+    OutputRules,
+    assistant_tool_calls,
+    check_tool_exchanges,
+    name_tool_results,
+    read_output_rules,
+)
 
 # The keys a message of each role may carry besides `role`, `content` and `name`.
 MESSAGE_TOOL_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id",)}
@@ -77,7 +83,9 @@ class GenerationRequest:
 def read_chat_request(body: Any) -> GenerationRequest:
     """A `/v1/chat/completions` body, checked. Raises `APIError` (400) naming the field."""
     body = present_fields(body, CHAT_FIELDS)
-    request = read_common(body, "chat", messages(body.get("messages")))
+    conversation = messages(body.get("messages"))
+    check_tool_exchanges(conversation)
+    request = read_common(body, "chat", conversation)
     max_tokens, max_completion_tokens = body.get("max_tokens"), body.get("max_completion_tokens")
     if max_tokens is not None and max_completion_tokens is not None and max_tokens != max_completion_tokens:
         raise invalid(

@@ -25,7 +25,7 @@ from typing import Any
 
 from .errors import APIError, invalid, short, unsupported
 from .requests import GenerationRequest, number, positive_int
-from .tool_requests import read_output_rules
+from .tool_requests import check_tool_exchanges, read_output_rules
 
 RESPONSES_FIELDS = (
     "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "temperature", "top_p",
@@ -149,7 +149,8 @@ def chat_response_format(text: Any) -> dict:
 
 def conversation(value: Any, instructions: Any) -> list[dict]:
     """`instructions` and `input` as chat messages (`tool_calls` and `tool` messages as `requests.messages` makes
-    them), each `function_call` item joined to the assistant message it follows."""
+    them), each `function_call` item joined to the assistant message it follows. A history whose calls and results do
+    not match is refused naming the input item (`tool_requests.check_tool_exchanges`)."""
     from .requests import messages
 
     if instructions is not None and not isinstance(instructions, str):
@@ -158,6 +159,8 @@ def conversation(value: Any, instructions: Any) -> list[dict]:
     if not isinstance(items, list) or not items:
         raise invalid("input", f"`input` must be a string or a non-empty list of items, got {short(value)}.")
     chat: list[dict] = [{"role": "system", "content": instructions}] if instructions else []
+    origins = ["instructions"] if instructions else []  # the input item each chat message comes from
+    call_origins = {}  # (chat message, call) -> the `function_call` item it comes from
     for index, item in enumerate(items):
         where = f"input[{index}]"
         if not isinstance(item, dict):
@@ -168,28 +171,34 @@ def conversation(value: Any, instructions: Any) -> list[dict]:
             if isinstance(content, list):
                 content = [text_part(part, f"{where}.content[{position}]") for position, part in enumerate(content)]
             chat.append({"role": item.get("role"), "content": content})
+            origins.append(where)
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function"}
             call["function"] = {"name": item.get("name"), "arguments": item.get("arguments", "{}")}
             previous = chat[-1] if chat else None
-            if previous is not None and previous["role"] == "assistant" and "tool_calls" in previous:
-                previous["tool_calls"].append(call)
-            elif previous is not None and previous["role"] == "assistant" and not previous.get("tool_calls"):
-                previous["tool_calls"] = [call]
+            if previous is not None and previous["role"] == "assistant":
+                previous["tool_calls"] = [*(previous.get("tool_calls") or []), call]
             else:
                 chat.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                origins.append(where)
+            call_origins[len(chat) - 1, len(chat[-1]["tool_calls"]) - 1] = where
         elif kind == "function_call_output":
             output = item.get("output")
             if isinstance(output, list):
                 output = "".join(text_part(part, f"{where}.output")["text"] for part in output)
             chat.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+            origins.append(where)
         else:
             raise unsupported(f"{where}.type", f"`{where}` is a {kind!r} item; this server takes messages, "
                               "function calls and their outputs.")  # fmt: skip
     try:
-        return messages(chat)
+        turns = messages(chat)
     except APIError as error:  # named by its chat message, whose place differs from the input item's
         raise invalid("input", f"An input item cannot be served ({error.param}): {error.message}") from None
+    check_tool_exchanges(
+        turns, lambda message, call: origins[message] if call is None else call_origins[message, call]
+    )
+    return turns
 
 
 def text_part(part: Any, where: str) -> dict:

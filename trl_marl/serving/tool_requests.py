@@ -17,6 +17,7 @@ What each asks for (docs/serving.md, "Tools and structured output"):
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,11 +181,61 @@ def assistant_tool_calls(value: Any, where: str) -> list[dict]:
                 raise invalid(f"{at}.function.arguments", f"`{at}.function.arguments` is not JSON.") from None
         if not isinstance(arguments, dict):
             raise invalid(f"{at}.function.arguments", f"`{at}.function.arguments` must be a JSON object.")
-        entry = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
-        if isinstance(call.get("id"), str):
-            entry["id"] = call["id"]
-        calls.append(entry)
+        call_id = call.get("id")
+        if not isinstance(call_id, str) or not call_id:
+            raise invalid(f"{at}.id", f"`{at}.id` must be a string: the id that the call's tool message answers.")
+        if any(earlier["id"] == call_id for earlier in calls):
+            raise invalid(f"{at}.id", f"`{at}.id` is `{call_id}`, the id of another call of the same message.")
+        calls.append(
+            {"type": "function", "function": {"name": function["name"], "arguments": arguments}, "id": call_id}
+        )
     return calls
+
+
+def check_tool_exchanges(conversation: list[dict], where: Callable[[int, int | None], str] | None = None) -> None:
+    """Refuse (400 naming the message) a history whose tool results and calls cannot be right, as OpenAI refuses it:
+    a `tool` message answers one of the calls of the assistant message it follows (the `tool` messages between them
+    answering its other calls), each call once, and every call is answered before the next message of another role.
+    `where(message, call)` names message `message` (its call `call`, when not None) in the error; by default
+    `messages[i]` and `messages[i].tool_calls[j]`."""
+    if where is None:
+
+        def where(message: int, call: int | None) -> str:
+            return f"messages[{message}]" + ("" if call is None else f".tool_calls[{call}]")
+
+    asking, waiting, answered = None, [], set()  # the assistant message being answered, its calls not yet answered
+    for index, message in enumerate([*conversation, {"role": "end"}]):  # at the end, no call may still wait
+        if message["role"] == "tool":
+            name, call_id = where(index, None), message["tool_call_id"]
+            if asking is None:
+                raise invalid(
+                    name,
+                    f"`{name}` is a tool result with no tool call before it to answer: a tool result comes right "
+                    "after the assistant message whose call it answers.",
+                )
+            if call_id in answered:
+                raise invalid(name, f"`{name}` answers the tool call `{call_id}` again: each call has one result.")
+            if call_id not in waiting:
+                calls = ", ".join(f"`{call['id']}`" for call in conversation[asking]["tool_calls"])
+                raise invalid(
+                    name,
+                    f"`{name}` answers the tool call `{call_id}`, which is none of the calls it follows ({calls}): "
+                    "give the id of the call it answers.",
+                )
+            waiting.remove(call_id)
+            answered.add(call_id)
+            continue
+        if waiting:
+            call_ids = [call["id"] for call in conversation[asking]["tool_calls"]]
+            name = where(asking, call_ids.index(waiting[0]))
+            raise invalid(
+                name,
+                f"`{name}` (`{waiting[0]}`) is a tool call that no tool result answers: each call of an assistant "
+                "message is answered by a tool message right after it, before the next message.",
+            )
+        asking, answered = None, set()
+        if message.get("tool_calls"):
+            asking, waiting = index, [call["id"] for call in message["tool_calls"]]
 
 
 def name_tool_results(conversation: list[dict]) -> list[dict]:
@@ -193,8 +244,7 @@ def name_tool_results(conversation: list[dict]) -> list[dict]:
     names = {}
     for message in conversation:
         for call in message.get("tool_calls", ()):
-            if "id" in call:
-                names[call["id"]] = call["function"]["name"]
+            names[call["id"]] = call["function"]["name"]
         if message["role"] == "tool" and "name" not in message and message.get("tool_call_id") in names:
             message["name"] = names[message["tool_call_id"]]
     return conversation
