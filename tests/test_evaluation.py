@@ -3,12 +3,18 @@
 import json
 import subprocess
 import sys
+from fractions import Fraction
 
 import pytest
+from datasets import Dataset
+from test_tools import Notebook, add, scripted_writer
+from transformers import AutoTokenizer
 
-from trl_marl import MAGRPOConfig, MAGRPOTrainer
+from trl_marl import MAGRPOConfig, MAGRPOTrainer, Task
 from trl_marl.cli import main
 from trl_marl.cli.evaluation import evaluate_task
+from trl_marl.tasks.math_tool import TOOL, TOOL_PROMPT, math_prompt
+from trl_marl.tasks.math_tool_calls import TOOL_CALLS_PROMPT, MathToolCalls, PythonRunner
 
 SMALL = dict(max_completion_length=4, use_cpu=True, seed=0)
 
@@ -149,3 +155,118 @@ def test_evaluate_task_takes_where_a_teams_base_is_and_says_so_when_it_cannot_fi
     assert "--base_model" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"`model` \(.*\) is the base model of a baseline.*pass `base_model=`"):
         evaluate_task("reach_target", team=elsewhere, model=tiny_model_dir, limit=1, use_cpu=True)
+
+
+# ------------------------------------------------------------------ a team with tools: evaluated as it trained
+
+
+def words_written(prompts, completions, environments, **kwargs):
+    return [float(len(environment.notes)) for environment in environments]
+
+
+class NotesTask(Task):
+    """Two agents and the Notebook environment of tests/test_tools.py, whose `write` tool the episode shares."""
+
+    name = "notes"
+    agents = [{"name": "writer", "system_prompt": "Write."}, {"name": "reader", "system_prompt": "Read."}]
+    reward_funcs = [words_written]
+    environment_factory = Notebook
+
+    def dataset(self, split="train"):
+        return Dataset.from_dict({"prompt": [[{"role": "user", "content": "Take notes."}]] * 2})
+
+
+def scripted_evaluation(monkeypatch, script):
+    """`evaluate` with generation scripted by `script(tokenizer)` (a `_generate_single_turn`); the rollouts it played
+    are kept in the list returned."""
+    kept, evaluate = [], MAGRPOTrainer.evaluate
+
+    def scripted(trainer, *args, **kwargs):
+        trainer._generate_single_turn = script(trainer.processing_class)
+        rollout = trainer._rollout
+        trainer._rollout = lambda *a, **k: kept.append(rollout(*a, **k)) or kept[-1]
+        return evaluate(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(MAGRPOTrainer, "evaluate", scripted)
+    return kept
+
+
+def test_evaluation_gives_each_agent_exactly_the_tools_it_trained_with(tiny_model_dir, tmp_path, monkeypatch):
+    args = MAGRPOConfig(
+        output_dir=str(tmp_path), agents=[{"name": "writer"}, {"name": "reader", "tools": []}],
+        per_device_train_batch_size=2, num_generations=2, report_to="none", save_strategy="no", **SMALL,
+    )  # fmt: skip
+    MAGRPOTrainer(tiny_model_dir, args=args, task=NotesTask(), tools=[add]).save_model(str(tmp_path / "team"))
+    kept = scripted_evaluation(monkeypatch, scripted_writer)
+    evaluate_task(NotesTask(), team=tmp_path / "team", limit=2, **{**SMALL, "max_completion_length": 64})
+    samples = [sample for rollout in kept for sample in rollout.samples]
+    prompts = {agent: [sample.prompt_ids for sample in samples if sample.agent == agent] for agent in (0, 1)}
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for agent, tools in ((0, ['"name": "add"', '"name": "write"']), (1, ['"name": "add"'])):
+        for ids in prompts[agent]:
+            rendered = tokenizer.decode(ids)
+            assert [tool for tool in ('"name": "add"', '"name": "write"') if tool in rendered] == tools
+    # every episode's notebook holds the writer's word only: the reader's call (the script writes one) never ran
+    notes = [len(joint_action.environment.notes) for rollout in kept for joint_action in rollout.joint_actions]
+    assert notes and set(notes) == {1}
+
+
+class SevenProblems(MathToolCalls):
+    """math_tool_calls on problems whose answer is 7."""
+
+    def dataset(self, split="train"):
+        return Dataset.from_dict({"prompt": [math_prompt("What is 3 + 4?")] * 2, "answer": ["7"] * 2})
+
+
+def solves_seven(tokenizer):
+    """The tool agent writes a program printing 7 as text (it makes no call), the reasoner answers 7."""
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    said = {TOOL_PROMPT[:40]: "```python\nprint(7)\n```", TOOL_CALLS_PROMPT[:40]: "```python\nprint(7)\n```"}
+
+    def generate(prompt_ids, *args, **kwargs):
+        rendered = [tokenizer.decode(ids) for ids in prompt_ids]
+        texts = [next((text for key, text in said.items() if key in prompt), "Answer: 7") for prompt in rendered]
+        return [tokenizer(text, add_special_tokens=False)["input_ids"] + [eos] for text in texts], None
+
+    return generate
+
+
+def test_a_team_trained_without_an_environment_is_evaluated_without_one(tiny_model_dir, tmp_path, monkeypatch):
+    """recipes/atgrpo_math_tools.py --without_tools: no tools, no environment, the tool agent's program in its text;
+    a correct program and answer score 1.0 there, as in training (with an unused `PythonRunner` it would score 0.5)."""
+    from trl_marl.tasks import math_tool
+
+    monkeypatch.setattr(math_tool, "run_tool", lambda text: (Fraction(7) if "print(7)" in text else None, "ran"))
+    task = SevenProblems()
+    task.environment_factory = None  # as the recipe's comparison arm
+    agents = [
+        {**agent, "tools": [], **({"system_prompt": TOOL_PROMPT} if agent["name"] == TOOL else {})}
+        for agent in task.agents
+    ]
+    args = MAGRPOConfig.for_task(
+        task, output_dir=str(tmp_path), agents=agents, per_device_train_batch_size=2, num_generations=2,
+        report_to="none", save_strategy="no", **SMALL,
+    )  # fmt: skip
+    MAGRPOTrainer(tiny_model_dir, args=args, task=task).save_model(str(tmp_path / "team"))
+    kept = scripted_evaluation(monkeypatch, solves_seven)
+    metrics = evaluate_task(SevenProblems(), team=tmp_path / "team", limit=2, **SMALL)
+    assert kept and all(ja.environment is None for rollout in kept for ja in rollout.joint_actions)
+    assert metrics["reward"] == 1.0
+
+
+def test_the_math_tool_calls_team_is_evaluated_with_run_python_for_its_tool_agent_alone(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    task = SevenProblems()
+    args = MAGRPOConfig.for_task(
+        task, output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, report_to="none",
+        save_strategy="no", **SMALL,
+    )  # fmt: skip
+    MAGRPOTrainer(tiny_model_dir, args=args, task=task).save_model(str(tmp_path / "team"))
+    kept = scripted_evaluation(monkeypatch, solves_seven)
+    evaluate_task(SevenProblems(), team=tmp_path / "team", limit=2, **SMALL)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    samples = [sample for rollout in kept for sample in rollout.samples]
+    offered = {("run_python" in tokenizer.decode(sample.prompt_ids), sample.agent) for sample in samples}
+    assert offered == {(True, 0), (False, 1)}  # the tool agent is offered run_python; the reasoner, nothing
+    assert all(isinstance(ja.environment, PythonRunner) for rollout in kept for ja in rollout.joint_actions)

@@ -20,7 +20,7 @@ from trl_marl.tasks.coding.coop_coding import coding_feedback
 from trl_marl.tasks.math_tool import math_feedback
 from trl_marl.tasks.toy import word_count_feedback
 from trl_marl.team.importable import import_by_name
-from trl_marl.team.saved import saved_base_loading
+from trl_marl.team.saved_bases import saved_base_loading
 
 AGENTS = [{"name": "planner", "system_prompt": "Plan briefly."}, {"name": "checker", "system_prompt": "Check."}]
 NEW_PROMPT = [{"role": "user", "content": "Suggest a name for a cat."}]

@@ -2,6 +2,8 @@
 team, each agent with its own tools, one environment per episode shared by its agents, and every fork of an episode
 (a MAGRPO tree's joint actions, AT-GRPO's candidates) on its own copy."""
 
+import json
+
 import pytest
 import torch
 from datasets import Dataset
@@ -143,9 +145,9 @@ class Notebook:
         return float(len(self.notes))
 
 
-def scripted_writer(tokenizer):
-    """Every row without a tool result calls `write` with a word of its own (`w0`, `w1`, ... in call order); after a
-    result, it answers."""
+def scripted_writer(tokenizer, tool="write"):
+    """Every row without a tool result calls `write` (or `tool`) with a word of its own (`w0`, `w1`, ... in call
+    order); after a result, it answers."""
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     counter = iter(range(10_000))
 
@@ -155,7 +157,7 @@ def scripted_writer(tokenizer):
             if "<tool_response>" in tokenizer.decode(ids[-30:]):
                 completions.append(tokenizer("Done.", add_special_tokens=False)["input_ids"] + [eos])
             else:
-                call = f'<tool_call>\n{{"name": "write", "arguments": {{"word": "w{next(counter)}"}}}}\n</tool_call>'
+                call = f'<tool_call>\n{{"name": "{tool}", "arguments": {{"word": "w{next(counter)}"}}}}\n</tool_call>'
                 completions.append(tokenizer(call, add_special_tokens=False)["input_ids"] + [eos])
         return completions, None
 
@@ -588,3 +590,114 @@ def test_a_tool_round_past_the_prompt_room_goes_on_as_in_grpo_trainer(tiny_model
     for sample in went_on:
         assert len(sample.prompt_ids) == 236 and len(sample.prompt_ids) + sample.tool_mask.index(0) > 512 - 256
         assert sample.tool_mask[-1] == 1 and "The sum is" in tokenizer.decode(sample.completion_ids)
+
+
+# ------------------------------------------------------------------ a saved team plays with the tools it trained with
+
+
+def scripted_team(team, script):
+    """The loaded `team`'s base generating as `script` (a `_generate_single_turn`) says; the prompts it was given, as
+    text, are kept in the list returned."""
+    tokenizer, prompts = team.tokenizer, []
+
+    def generate(input_ids, attention_mask, pad_token_id, **kwargs):
+        rows = [[t for t, m in zip(ids, mask) if m] for ids, mask in zip(input_ids.tolist(), attention_mask.tolist())]
+        prompts.extend(tokenizer.decode(ids) for ids in rows)
+        completions, _ = script(rows)
+        width = max(len(ids) for ids in completions)
+        tail = [ids + [pad_token_id] * (width - len(ids)) for ids in completions]
+        return torch.cat([input_ids, torch.tensor(tail, dtype=input_ids.dtype)], dim=1)
+
+    team.bases[0].model.generate = generate
+    return prompts
+
+
+def save_notebook_team(model_dir, folder, agents, **trainer_kwargs):
+    """An untrained team of `agents` saved to `folder` by a trainer given `trainer_kwargs` (tools, environment); its
+    team.json."""
+    args = MAGRPOConfig(
+        output_dir=str(folder), agents=agents, per_device_train_batch_size=2, num_generations=2,
+        max_completion_length=64, report_to="none", save_strategy="no", use_cpu=True, bf16=False,
+    )  # fmt: skip
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Take notes."}]] * 2})
+    trainer = MAGRPOTrainer(model_dir, team_answer_reward_any, args=args, train_dataset=dataset, **trainer_kwargs)
+    trainer.save_model(str(folder))
+    return json.loads((folder / "team.json").read_text())
+
+
+def test_a_played_team_calls_the_tools_it_trained_with_in_its_episodes_environment(tiny_model_dir, tmp_path):
+    from trl_marl import load_team
+
+    agents = [{"name": "caller"}, {"name": "reader", "tools": []}]
+    spec = save_notebook_team(tiny_model_dir, tmp_path / "team", agents, environment_factory=Notebook)
+    assert spec["environment_factory"] == "test_tools:Notebook" and spec["tools"] == []
+    assert [agent.get("tools") for agent in spec["agents"]] == [None, []]
+    team = load_team(tmp_path / "team", captured_decode=False)
+    prompts = scripted_team(team, scripted_writer(team.tokenizer))
+    episode = team.run([{"role": "user", "content": "Take notes."}])
+    # the caller was offered `write`, called it in the episode's notebook, and answered after its result; the reader,
+    # trained without tools, was offered none and its call (the script writes one) never ran
+    assert episode.final["caller"] == "Done."
+    assert episode.environment.notes == ["w0"]
+    assert ['"name": "write"' in prompt for prompt in prompts] == [True, False, True]
+
+
+def test_a_team_whose_tool_cannot_be_imported_says_which_tool_and_to_pass_it_again(tiny_model_dir, tmp_path):
+    from trl_marl import load_team
+
+    looked_up = []
+
+    def look_up(word: str) -> str:
+        """Look a word up.
+
+        Args:
+            word: The word.
+        """
+        looked_up.append(word)
+        return word
+
+    spec = save_notebook_team(tiny_model_dir, tmp_path / "team", ["solver", "checker"], tools=[look_up])
+    assert spec["tools"] == [{"name": "look_up", "importable": False}]
+    with pytest.raises(ValueError, match=r"every agent \(the trainer's `tools=`\) with the tool 'look_up', which has "
+                       r"no importable name.*load_team\(\.\.\., tools=\[look_up\]\)"):  # fmt: skip
+        load_team(tmp_path / "team", captured_decode=False)
+    team = load_team(tmp_path / "team", captured_decode=False, tools=[look_up])
+    prompts = scripted_team(team, scripted_writer(team.tokenizer, tool="look_up"))
+    team.run([{"role": "user", "content": "Take notes."}])
+    assert ['"name": "look_up"' in prompt for prompt in prompts] == [True] * 4  # two agents, each after its result
+    assert looked_up == ["w0", "w1"]
+
+
+def test_a_team_whose_environment_cannot_be_imported_says_to_pass_it_again(tiny_model_dir, tmp_path):
+    from trl_marl import load_team
+    from trl_marl.cli.evaluation import evaluate_task
+
+    class LocalNotebook(Notebook):
+        pass
+
+    spec = save_notebook_team(tiny_model_dir, tmp_path / "team", ["solo"], environment_factory=LocalNotebook)
+    assert spec["environment_factory"] == {"name": "LocalNotebook", "importable": False}
+    for load in (load_team, lambda team: evaluate_task("reach_target", team=team)):
+        with pytest.raises(ValueError, match=r"environment factory 'LocalNotebook'.*environment_factory="):
+            load(tmp_path / "team")
+    assert load_team(tmp_path / "team", environment_factory=LocalNotebook).environment_factory is LocalNotebook
+
+
+def test_a_team_file_from_before_tools_were_recorded_keeps_its_agents_tools_and_takes_its_tasks_environment(
+    tiny_model_dir, tmp_path, caplog
+):
+    from trl_marl.tasks.math_tool_calls import MathToolCalls, PythonRunner
+    from trl_marl.team.saved_tools import saved_tools
+
+    args = MAGRPOConfig.for_task(
+        "math_tool_calls", output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2,
+        report_to="none", save_strategy="no", use_cpu=True, bf16=False,
+    )  # fmt: skip
+    MAGRPOTrainer(tiny_model_dir, args=args, task="math_tool_calls").save_model(str(tmp_path / "team"))
+    spec = json.loads((tmp_path / "team" / "team.json").read_text())
+    old = {key: value for key, value in spec.items() if key not in ("tools", "environment_factory")}
+    trained = saved_tools(old, "team", MathToolCalls())
+    assert trained.environment_factory is PythonRunner and "does not record its environment" in caplog.text
+    assert (trained.tools, trained.agent_tools) == ([], [["run_python"], []])
+    assert saved_tools(spec, "team", MathToolCalls()).environment_factory is PythonRunner
+    assert saved_tools({**spec, "environment_factory": "none"}, "team", MathToolCalls()).environment_factory is None

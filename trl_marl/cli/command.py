@@ -81,7 +81,8 @@ def evaluate(arguments) -> int:
 
     from ..tasks import resolve_task
     from ..team.hub import resolve_team_folder
-    from ..team.saved import find_bases, read_team_file
+    from ..team.saved import read_team_file
+    from ..team.saved_bases import find_bases
     from .evaluation import evaluate_task
 
     baseline = arguments.baseline or ("team" if arguments.team else "parallel")

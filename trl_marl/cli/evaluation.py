@@ -17,9 +17,11 @@ clipping, advantages, epoch and token count: `metrics.TRAINING_METRICS`).
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import tempfile
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..agents import BASE_KEYS
@@ -61,6 +63,8 @@ def evaluate_task(
     base_models: dict[str, str] | None = None,
     load_in_4bit: bool | None = None,
     dtype: str | None = None,
+    tools: Sequence[Callable] | None = None,
+    environment_factory: Callable | None = None,
     **config: Any,
 ) -> dict[str, float]:
     """Evaluate on `task`'s `split` (its first `limit` rows). `team` (for ``baseline="team"``): a saved team folder
@@ -74,7 +78,10 @@ def evaluate_task(
     `vllm_max_model_length` generates through vLLM as training does, the engine closed afterwards). A team is
     evaluated with the generation settings its team.json records (`team_settings`) except those `config` sets, on
     its bases loaded as `load_team` loads them (`team.load_saved_bases`: each base at the precision its agents
-    recorded, each adapter from its own saved config).
+    recorded, each adapter from its own saved config), and with exactly the tools and environment it trained with
+    (`team.saved_tools`: the trainer's `tools=`, each agent's own `tools`, the environment factory, or none when it
+    trained without one, even on a task that has one); `tools` and `environment_factory` stand in for recorded ones
+    that team.json could not name by import path (a lambda, a local function), as `load_team`'s do.
 
     `algorithm="magrpo"` scores MAGRPO's tree of joint actions (two samples per agent and node): the mean team reward
     over them. `algorithm="at_grpo"` plays each problem as one AT-GRPO episode with a single candidate per agent and
@@ -83,7 +90,9 @@ def evaluate_task(
     `episodes/success_rate` is added for tasks that define success."""
     from ..team.default_model import default_model_path
     from ..team.hub import resolve_team_folder
-    from ..team.saved import load_saved_bases, read_team_file
+    from ..team.saved import read_team_file
+    from ..team.saved_bases import load_saved_bases
+    from ..team.saved_tools import saved_tools
     from .train import algorithm_classes
 
     if baseline not in BASELINES:
@@ -105,6 +114,11 @@ def evaluate_task(
             "`base_model` / `base_models` say where a saved team's bases are (baseline='team'); a baseline's base "
             "model is `model=`."
         )
+    if baseline != "team" and (tools or environment_factory is not None):
+        raise ValueError(
+            "`tools` / `environment_factory` stand in for a saved team's tools (baseline='team'); a baseline plays "
+            "with its task's agents and environment."
+        )
     if baseline != "team" and (load_in_4bit is not None or dtype is not None):
         raise ValueError(
             "`load_in_4bit` / `dtype` say how a saved team's bases load (baseline='team'); a baseline's base model "
@@ -119,10 +133,17 @@ def evaluate_task(
     settings["per_device_eval_batch_size"] = 2
     reward_funcs = list(task.reward_funcs)
     other_bases = None  # a team's bases after the first, loaded, by their recorded names
+    trainer_tools = {}  # a team's: the trainer's `tools=` and environment factory it trained with
     if baseline == "team":
         team = resolve_team_folder(team)  # a folder, or the Hub id of a pushed team
         spec = read_team_file(team)
-        settings.update(team_settings(spec))
+        trained = saved_tools(spec, str(team), task, tools, environment_factory)  # before any model loads
+        settings.update(team_settings(spec, trained.agent_tools))
+        trainer_tools = {"tools": trained.tools or None, "environment_factory": trained.environment_factory}
+        if trained.environment_factory is None and getattr(task, "environment_factory", None) is not None:
+            # trained without an environment: the trainer must not take the task's either
+            task = copy.copy(task)
+            task.environment_factory = None
         # Every base loaded as `load_team` loads it (precision, each adapter from its own saved config), then handed to
         # the trainer as it is: the first as its model, the others for their agents' recorded `model` names.
         first, *others = load_saved_bases(
@@ -148,6 +169,7 @@ def evaluate_task(
             eval_dataset=dataset,
             task=task,  # its transition, and its environment state if it keeps one
             base_models=other_bases,
+            **trainer_tools,
         )
         try:
             metrics = trainer.evaluate()
@@ -158,20 +180,24 @@ def evaluate_task(
     return {key: value for key, value in metrics.items() if not is_training_metric(key)}
 
 
-def team_settings(spec: dict) -> dict[str, Any]:
-    """The config fields a saved team is evaluated with, from its `team.json` (`spec`): its agents and their roles,
+def team_settings(spec: dict, agent_tools: Sequence[list | None] | None = None) -> dict[str, Any]:
+    """The config fields a saved team is evaluated with, from its `team.json` (`spec`): its agents, their roles and
+    their own tools (`agent_tools`, each agent's as `team.saved_tools` rebuilt them; else as team.json names them),
     adapter mode and turns, and how it generated in training (`team.GENERATION_FIELDS`: completion length, sampling,
-    chat template arguments). `evaluate_task`'s `config` overrides any of them; a field that an older team.json lacks
-    keeps the config's default."""
+    chat template arguments, tool-calling rounds). `evaluate_task`'s `config` overrides any of them; a field that an
+    older team.json lacks keeps the config's default."""
     from ..team.saved import GENERATION_FIELDS
 
+    if agent_tools is None:
+        agent_tools = [agent.get("tools") for agent in spec["agents"]]
     agents = [
         {
             "name": agent["name"],
             "system_prompt": agent["system_prompt"],
             **{k: agent[k] for k in BASE_KEYS if k in agent},
+            **({"tools": list(tools)} if tools is not None else {}),
         }
-        for agent in spec["agents"]
+        for agent, tools in zip(spec["agents"], agent_tools)
     ]
     recorded = {name: spec[name] for name in GENERATION_FIELDS if name in spec}
     return {"agents": agents, "adapter_mode": spec["adapter_mode"], "num_turns": spec["num_turns"], **recorded}

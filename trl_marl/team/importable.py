@@ -1,4 +1,5 @@
-"""Functions named by import path in `team.json` (the transition), so that another process can rebuild them."""
+"""Functions named by import path in `team.json` (the transition, the tools, the environment factory), so that another
+process can rebuild them."""
 
 import importlib
 import importlib.util

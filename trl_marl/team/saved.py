@@ -30,32 +30,34 @@ from typing import Any
 
 import torch
 from peft import PeftModel
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers import BitsAndBytesConfig
 
-from ..agents import agent_prompt, keep_4bit_weights_trainable
+from ..agents import agent_prompt
 from ..config import ATGRPOConfig
 from ..generation.captured_decode import captured_decoder
 from ..generation.routing import AdapterRouter
 from ..generation.team_generation import left_padded
-from ..precision import four_bit_config
+from ..generation.tool_calling import ToolLoop, ToolRow, episode_environments
 from ..registry import PluginError
 from ..rollouts.magrpo_rollout import TreeRollout
 from ..rollouts.rollout import RolloutSettings, default_transition
 from ..rollouts.scheduling import Prompt, resolve_scheduler
 from ..tasks import resolve_task
 from .base_generation import tokenize_text_prompts
-from .bases import loadable, saved_adapters_model, spec_bases
+from .bases import spec_bases
 from .default_model import is_default_model
-from .hub import LOCAL_BASES_FILE, TEAM_FILE, local_base_path, portable_base_name, resolve_team_folder
+from .hub import TEAM_FILE, portable_base_name, resolve_team_folder
 from .importable import import_by_name, importable_name
+from .saved_bases import load_saved_bases
+from .saved_tools import SavedTools, agent_tools_record, saved_tool_calling, saved_tools, tools_record
 
 logger = logging.getLogger("trl_marl")
 
 TEAM_FORMAT = "trl_marl.team/1"
 # How the team sampled in training and in the trainer's evaluation (config fields of these names), recorded in
-# team.json so that `trl-marl evaluate` samples the same way by default.
+# team.json so that `trl-marl evaluate` samples the same way by default (and runs as many tool-calling rounds).
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-GENERATION_FIELDS = ("max_completion_length", *SAMPLING_FIELDS, "chat_template_kwargs")
+GENERATION_FIELDS = ("max_completion_length", *SAMPLING_FIELDS, "chat_template_kwargs", "max_tool_calling_iterations")
 
 
 def base_model_name(model: Any) -> str:
@@ -77,24 +79,24 @@ def local_base_paths(models: Sequence[Any]) -> dict[str, str]:
     return paths
 
 
-def _tool_names(agent: dict) -> dict:
-    """An agent's `tools` as team.json records them: names (a function as its importable name), for the record: a
-    served team is given its tools by its clients."""
-    if not agent.get("tools"):
-        return {}
-    return {"tools": [tool if isinstance(tool, str) else importable_name(tool) for tool in agent["tools"]]}
-
-
 def team_spec(
-    args: Any, adapters: list[str], base_model: str, transition: Callable, scheduler: Any, task: Any = None
+    args: Any,
+    adapters: list[str],
+    base_model: str,
+    transition: Callable,
+    scheduler: Any,
+    task: Any = None,
+    tools: Sequence[Callable] | None = None,
+    environment_factory: Callable | None = None,
 ) -> dict:
-    """The contents of `team.json` for a trainer's configuration."""
+    """The contents of `team.json` for a trainer's configuration, with the trainer's `tools=` and the environment
+    factory its episodes used (`saved_tools.tools_record`)."""
     return {
         "format": TEAM_FORMAT,
         "algorithm": "AT-GRPO" if isinstance(args, ATGRPOConfig) else "MAGRPO",
         "base_model": base_model,
         "agents": [
-            {**agent, **_tool_names(agent), "adapter": adapter} for agent, adapter in zip(args.agents, adapters)
+            {**agent, **agent_tools_record(agent), "adapter": adapter} for agent, adapter in zip(args.agents, adapters)
         ],
         "adapter_mode": args.adapter_mode,
         "num_turns": args.num_turns,
@@ -107,6 +109,8 @@ def team_spec(
         "max_completion_length": args.max_completion_length,
         **{name: getattr(args, name) for name in SAMPLING_FIELDS},
         "chat_template_kwargs": dict(args.chat_template_kwargs or {}),
+        "max_tool_calling_iterations": args.max_tool_calling_iterations,
+        **tools_record(tools, environment_factory),
     }
 
 
@@ -119,12 +123,14 @@ def write_team_file(folder: str | os.PathLike, spec: dict) -> None:
 @dataclass
 class TeamRun:
     """One episode: per turn, what each acting agent was shown (its role included) and what it answered; every
-    agent's latest answer (what the team reward scores) and the task's final environment state (None without one)."""
+    agent's latest answer (what the team reward scores), the task's final environment state (None without one) and
+    the episode's environment (`environment_factory=` in training) as its tool calls left it (None without one)."""
 
     observations: list[dict[str, Prompt]]
     turns: list[dict[str, str]]
     latest: dict[str, str] | None = None
     state: Any = None
+    environment: Any = None
 
     @property
     def final(self) -> dict[str, str]:
@@ -148,7 +154,9 @@ class Team:
     base after the first): `run(prompt)` plays one episode (greedy by default), every agent's rows of a turn in one
     generation call per base, each through its own adapter: transformers' routed `generate` (through the captured
     decode step where `captured_decode` chooses it, `trl_marl.generation.captured_decode`), or with `engine` (a
-    `SavedTeamEngine`, `load_team(..., use_vllm=True)`) one vLLM call with one LoRA request per row."""
+    `SavedTeamEngine`, `load_team(..., use_vllm=True)`) one vLLM call with one LoRA request per row. A team that
+    trained with tools (`tools`, `saved_tools.SavedTools`) plays with them as it trained: each agent's prompts render
+    its tools, its calls run in TRL's tool loop (`tool_calling.ToolLoop`), one environment per episode."""
 
     def __init__(
         self,
@@ -161,6 +169,7 @@ class Team:
         engine: Any = None,
         captured_decode: bool | str | None = None,
         other_bases: list[tuple] = (),
+        tools: SavedTools | None = None,
     ):
         self.model, self.tokenizer, self.spec, self.transition = model, tokenizer, spec, transition
         self.scheduler = scheduler
@@ -183,6 +192,13 @@ class Team:
         # Every agent is given its role as training gave it: as a conversation when its base's tokenizer has a chat
         # template (the first base's decides, as in the trainer's rollouts).
         self._use_chat_template = getattr(tokenizer, "chat_template", None) is not None
+        self.tool_calling, self.environment_factory = None, None
+        if tools is not None and tools.calls_tools:
+            if other_bases:  # as the trainers refuse it (`tool_calling.check_tool_settings`)
+                raise ValueError("Tools are not supported on a team of several base models.")
+            self.environment_factory = tools.environment_factory
+            positions = getattr(model.config, "max_position_embeddings", None)
+            self.tool_calling = saved_tool_calling(tools, spec, tokenizer, positions)
 
     def _base(self, model, tokenizer, agents: list[int], engine, captured_decode) -> BasePart:
         adapters = list(dict.fromkeys(self._adapters[agent] for agent in agents))
@@ -231,11 +247,16 @@ class Team:
             agent_input=lambda agent, task: agent_prompt(
                 self.agents[agent]["system_prompt"], task, self._use_chat_template
             ),
+            environment=episode_environments(self.environment_factory) if self.environment_factory else None,
         )
+
+        def generate(inputs, agent_index, environments=None):
+            return self._generate(inputs, agent_index, max_new_tokens, do_sample, environments)
+
         rollout = TreeRollout(settings, num_generations=1).run(
             [dict(row) for row in rows],
             first_copy=0,
-            generate=lambda inputs, agent_index: self._generate(inputs, agent_index, max_new_tokens, do_sample),
+            generate=generate,
             score=lambda joint_actions: torch.full((len(joint_actions), 1), math.nan),
         )
         # With one generation per node each row is one path: a joint action continues its parent's (`branch.parent`),
@@ -249,16 +270,20 @@ class Team:
             row = sample.node[2] if sample.turn == 0 else row_of[sample.node[2]]
             observations[row][sample.turn][self.agent_names[sample.agent]] = sample.model_input
         runs = [
-            TeamRun(seen, [dict(ja.said) for ja in path], dict(path[-1].completions), path[-1].state)
+            TeamRun(
+                seen, [dict(ja.said) for ja in path], dict(path[-1].completions), path[-1].state, path[-1].environment
+            )
             for seen, path in zip(observations, paths)
         ]
         return runs
 
     @torch.no_grad()
-    def _generate(self, model_inputs: list, agent_index: list[int], max_new_tokens: int, do_sample: bool):
+    def _generate(
+        self, model_inputs: list, agent_index: list[int], max_new_tokens: int, do_sample: bool, environments=None
+    ):
         """Per row: prompt ids, completion ids and text, each base's rows in one call, back in row order."""
         if len(self.bases) == 1:
-            return self._generate_on(self.bases[0], model_inputs, agent_index, max_new_tokens, do_sample)
+            return self._generate_on(self.bases[0], model_inputs, agent_index, max_new_tokens, do_sample, environments)
         results = [None] * len(agent_index)
         for index, base in enumerate(self.bases):
             rows = [row for row, agent in enumerate(agent_index) if self.agent_base[agent] == index]
@@ -270,12 +295,52 @@ class Team:
         prompt_ids, completion_ids, texts = (list(column) for column in zip(*results))
         return prompt_ids, completion_ids, texts
 
-    def _generate_on(self, base: BasePart, model_inputs: list, agent_index: list[int], max_new_tokens, do_sample):
-        tokenizer, model = base.tokenizer, base.model
+    def _generate_on(
+        self, base: BasePart, model_inputs: list, agent_index: list[int], max_new_tokens, do_sample, environments=None
+    ):
+        if self.tool_calling is not None:
+            return self._generate_with_tools(base, model_inputs, agent_index, max_new_tokens, do_sample, environments)
         # rendered as TRL's `_tokenize_prompts` does (conversations through the chat template)
         prompt_ids, _, _ = tokenize_text_prompts(
-            tokenizer, self.spec.get("chat_template_kwargs", {}), None, model_inputs
+            base.tokenizer, self.spec.get("chat_template_kwargs", {}), None, model_inputs
         )
+        prompt_ids = [list(ids) for ids in prompt_ids]
+        completion_ids = self._completions(base, prompt_ids, agent_index, max_new_tokens, do_sample)
+        return prompt_ids, completion_ids, base.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+
+    def _generate_with_tools(self, base: BasePart, model_inputs, agent_index, max_new_tokens, do_sample, environments):
+        """As the trainer's rows (`TeamGeneration.generate`): each row rendered with its agent's tools (its episode's
+        environment's methods bound to it), its calls run and the row going on after their results, round after round,
+        every row that goes on in one call (`tool_calling.ToolLoop`); an answer is its last assistant message's."""
+        tools = self.tool_calling
+        environments = environments or [None] * len(agent_index)
+        row_tools = [tools.team.of(agent, environment) for agent, environment in zip(agent_index, environments)]
+        prompt_ids = tools.render(model_inputs, row_tools)
+        completion_ids = self._completions(base, prompt_ids, agent_index, max_new_tokens, do_sample)
+        rows = [
+            ToolRow(agent, list(conversation), list(ids), list(completion), tools_of_row)
+            for agent, conversation, ids, completion, tools_of_row in zip(
+                agent_index, model_inputs, prompt_ids, completion_ids, row_tools
+            )
+        ]
+
+        def more(sequences, agents):  # a round of the loop: one call over the rows that go on
+            return self._completions(base, sequences, agents, max_new_tokens, do_sample), None
+
+        loop = ToolLoop(
+            tools.parse, tools.suffix_ids, more, tools.max_iterations, max_new_tokens, tools.max_model_length
+        )
+        loop.run([row for row in rows if row.tools])
+        texts = [
+            row.answer if row.tools else base.tokenizer.decode(row.completion_ids, skip_special_tokens=True)
+            for row in rows
+        ]
+        return prompt_ids, [row.completion_ids for row in rows], texts
+
+    def _completions(self, base: BasePart, prompt_ids: list[list[int]], agent_index, max_new_tokens, do_sample):
+        """Each row's completion ids (through its end-of-sequence token) after its prompt ids, each row through its
+        agent's adapter: one vLLM call, or one routed `generate` call on `base`."""
+        tokenizer, model = base.tokenizer, base.model
         width = max(len(ids) for ids in prompt_ids)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         adapters = [self._adapters[a] for a in agent_index]
@@ -306,8 +371,7 @@ class Team:
         for row in rows:
             end = next((i + 1 for i, token in enumerate(row) if token in eos_set), len(row))
             completion_ids.append(row[:end])
-        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        return [list(ids) for ids in prompt_ids], completion_ids, texts
+        return completion_ids
 
     def stop_token_ids(self, agent: int) -> list[int]:
         """The tokens that end the completions of `agent` (its index): its base's end-of-sequence tokens, from the
@@ -344,133 +408,6 @@ def read_team_file(path: str | os.PathLike) -> dict:
     return spec
 
 
-@dataclass
-class SavedBase:
-    """One base of a saved team, loaded: its name in `team.json`, where it was loaded from, its `PeftModel` (its
-    agents' adapters), its tokenizer, its agents (indices) and whether it was quantized."""
-
-    name: str
-    source: str
-    model: PeftModel
-    tokenizer: Any
-    agents: list[int]
-    quantized: bool = False
-
-
-def load_saved_bases(
-    path: Path,
-    spec: dict,
-    *,
-    load_in_4bit: bool | None = None,
-    quantization_config: BitsAndBytesConfig | None = None,
-    dtype: str | torch.dtype | None = None,
-    device_map: Any = None,
-    base_model: str | None = None,
-    base_models: dict[str, str] | None = None,
-) -> list[SavedBase]:
-    """Each base of the saved team in `path` (`spec`: its team.json), the first agent's first: found (`find_bases`),
-    loaded once (`saved_base_loading`: the caller's precision, else the one its agents recorded) with its agents'
-    adapters, each from its own saved config (`bases.saved_adapters_model`), and its tokenizer (the first base's
-    at the folder's top, another's beside its adapters). What `load_team` and `evaluate_task` load a team with."""
-    groups = spec_bases(spec)
-    sources = find_bases(path, spec, base_model, base_models)
-    bases = []
-    for index, ((name, agents), source) in enumerate(zip(groups.items(), sources)):
-        recorded = spec["agents"][agents[0]]  # agents on one base trained with one loading (`plan_bases`)
-        quantization, base_dtype = saved_base_loading(recorded, load_in_4bit, quantization_config, dtype)
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=base_dtype, quantization_config=quantization, device_map=device_map
-        )
-        adapters = list(dict.fromkeys(spec["agents"][agent]["adapter"] for agent in agents))
-        model = saved_adapters_model(model, path, adapters)
-        keep_4bit_weights_trainable(model)  # the 4-bit kernel training used, so greedy episodes replay exactly
-        saved = path if index == 0 else path / adapters[0]
-        tokenizer = AutoTokenizer.from_pretrained(saved if (saved / "tokenizer_config.json").is_file() else source)
-        bases.append(SavedBase(name, source, model, tokenizer, agents, quantization is not None))
-    return bases
-
-
-def saved_base_loading(
-    agent: dict, load_in_4bit: bool | None, quantization_config: BitsAndBytesConfig | None, dtype
-) -> tuple[BitsAndBytesConfig | None, Any]:
-    """A saved base's quantization config and dtype. The caller's `quantization_config` / `load_in_4bit` and `dtype`,
-    when given, apply to every base; else the base loads as its agent (`agent`, its team.json entry) recorded its own
-    model's loading (`load_in_4bit`, `dtype`), as the trainer loaded it; else unquantized in the checkpoint's dtype."""
-    if quantization_config is None:
-        four_bit = agent.get("load_in_4bit", False) if load_in_4bit is None else load_in_4bit
-        quantization_config = four_bit_config() if four_bit else None
-    return quantization_config, agent.get("dtype", "auto") if dtype is None else dtype
-
-
-def find_bases(
-    path: Path, spec: dict, base_model: str | None = None, base_models: dict[str, str] | None = None
-) -> list[str]:
-    """Where each base of the saved team (`spec_bases`, the first agent's first) loads from here: as the caller says
-    (`base_model` for the first, `base_models` by recorded name), else the local folder the saving machine kept it in
-    (`hub.local_base_path`), else its recorded name (a Hub id, the embedded default model, or `./<folder>` in the
-    working directory; a warning names both when the kept folder is gone and the working directory's is loaded
-    instead).
-
-    Raises:
-        ValueError: `base_models` names no base of the team.
-        FileNotFoundError: some bases cannot be found; the message names each, its agents, the kept path it tried,
-            and the `base_model=` / `base_models=` to pass to `load_team` or `evaluate_task`.
-    """
-    groups = spec_bases(spec)
-    base_models = dict(base_models or {})
-    unknown = [name for name in base_models if name not in groups]
-    if unknown:
-        raise ValueError(
-            f"`base_models` names {unknown}, but the team in {path} sits on {list(groups)} (the names its team.json "
-            "records). Key each model by one of those."
-        )
-    sources, missing = [], []
-    for index, (name, agents) in enumerate(groups.items()):
-        who = ", ".join(f"'{spec['agents'][agent]['name']}'" for agent in agents)
-        given = base_model if index == 0 and base_model else base_models.get(name)
-        kept = None if given else local_base_path(path, name)
-        kept_here = kept is not None and os.path.isdir(kept)
-        source = loadable(given or (kept if kept_here else name))
-        in_working_directory = not given and not kept_here and name.startswith("./") and os.path.isdir(name)
-        if kept is not None and in_working_directory:
-            logger.warning(
-                f"The team in {path} kept its base {name!r} (the base of {who}) at {kept} ({LOCAL_BASES_FILE}), which "
-                f"does not exist any more; loading {os.path.abspath(name)} from the working directory instead. Pass "
-                f"base_model= / base_models={{{name!r}: ...}} to load_team or evaluate_task to choose the base."
-            )
-        try:
-            AutoConfig.from_pretrained(source)  # config.json alone: found before any weights load
-        except (OSError, ValueError) as error:
-            reason = " ".join(str(error).split())[:160].rstrip(".")
-            if given:
-                where = f"not at {source!r} ({reason})"
-            elif kept_here:
-                where = f"the kept path {kept!r} ({LOCAL_BASES_FILE}) holds no model ({reason})"
-            elif name.startswith("./"):  # a local base, recorded by its folder's name
-                tried = f"the kept path {kept!r} ({LOCAL_BASES_FILE}) does not exist, and " if kept else ""
-                found = f"holds no model ({reason})" if in_working_directory else "does not exist"
-                where = f"{tried}the working directory's {name!r} ({os.path.abspath(name)}) {found}"
-            else:
-                where = f"not found ({reason})"
-            missing.append((index, name, f"{name!r} (the base of {who}): {where}"))
-        sources.append(source)
-    if missing:
-        placeholder = {name: f"'/path/to/{Path(name).name}'" for _, name, _ in missing}
-        first = [f"base_model={placeholder[name]}" for index, name, _ in missing if index == 0]
-        others = [f"{name!r}: {placeholder[name]}" for index, name, _ in missing if index > 0]
-        say = [*first, *([f"base_models={{{', '.join(others)}}}"] if others else [])]
-        keywords = " and ".join(keyword.split("=")[0] + "=" for keyword in say)
-        raise FileNotFoundError(
-            f"The team in {path} sits on base models that cannot be found here: "
-            f"{'; '.join(text for _, _, text in missing)}. team.json names a base by its Hub id, or a local one by "
-            "its folder's name ('./<folder>'), which the machine that saved the team finds, or a working directory "
-            "holding that folder. Say where each is on this machine (a folder or a Hub id): "
-            f"load_team({', '.join([repr(str(path)), *say])}), or the same {keywords} to evaluate_task "
-            "(trl-marl evaluate: --base_model, --base_models NAME=PATH)."
-        )
-    return sources
-
-
 def load_team(
     path: str | os.PathLike,
     *,
@@ -486,10 +423,12 @@ def load_team(
     vllm_gpu_memory_utilization: float = 0.3,
     vllm_max_model_length: int | None = None,
     captured_decode: bool | str | None = None,
+    tools: Sequence[Callable] | None = None,
+    environment_factory: Callable | None = None,
 ) -> Team:
     """Rebuild a team saved by a trainer's `save_model`: each base model once (one for most teams; agents that trained
     on their own `model` get theirs, `team.json` names it), each agent's adapter on its base, built from its own saved
-    config.
+    config, and the tools and environment it trained with (`saved_tools`), with which it plays.
 
     Args:
         path: the saved folder (`output_dir` or a `checkpoint-N` folder), or the Hub repo id of a pushed team
@@ -515,10 +454,16 @@ def load_team(
         captured_decode: without vLLM, generate through the captured decode step
             (`trl_marl.generation.captured_decode`): None chooses by device (CUDA graphs on CUDA), True forces it,
             "cuda-graphs" or "compiled" names the mechanism, False is eager `generate`.
+        tools: functions standing in for the recorded tools of the same name (`__name__`): needed for a tool that
+            team.json could not name by import path (a lambda or a local function), or that does not import here.
+        environment_factory: stands in for the recorded environment factory; needed when it could not be recorded
+            by import path, or does not import here.
 
     Raises:
         FileNotFoundError: a base cannot be found (`find_bases`); the message says what to pass.
-        ValueError: an adapter's saved weights do not match its saved config (`bases.load_base_adapters`).
+        ValueError: an adapter's saved weights do not match its saved config (`bases.load_base_adapters`); a tool or
+            the environment factory the team trained with cannot be rebuilt here (the message names it, its agent,
+            and what to pass).
     """
     path = resolve_team_folder(path)
     spec = read_team_file(path)
@@ -553,6 +498,7 @@ def load_team(
                     f"The team in {path} names its transition {spec['transition']!r}, which cannot be imported here "
                     f"({error}): pass `transition=` to load_team."
                 ) from error
+    trained_tools = saved_tools(spec, str(path), task, tools, environment_factory)  # before any model loads
     groups = spec_bases(spec)
     if use_vllm and len(groups) > 1:
         raise ValueError(
@@ -586,4 +532,15 @@ def load_team(
             quantization="bitsandbytes" if first.quantized else None,
         )
     other_bases = [(base.model, base.tokenizer, base.agents) for base in others]
-    return Team(first.model, first.tokenizer, spec, transition, scheduler, task, engine, captured_decode, other_bases)
+    return Team(
+        first.model,
+        first.tokenizer,
+        spec,
+        transition,
+        scheduler,
+        task,
+        engine,
+        captured_decode,
+        other_bases,
+        tools=trained_tools,
+    )

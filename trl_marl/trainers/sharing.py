@@ -51,15 +51,21 @@ def trained_team_spec(
     other_bases: list | None = None,
     agent_base: list[int] | None = None,
     base_loadings: list[dict] | None = None,
+    team_tools: tuple | None = None,
 ) -> dict:
     """`team.json`'s content for a trainer's team: its config, adapters, base model (a Hub cache snapshot by its repo
-    id), and the transition and scheduler its rollouts used. With agents on several bases (`other_bases`, the loaded
+    id), the transition and scheduler its rollouts used, and its `team_tools` (the trainer's `tools=` and the
+    environment factory its episodes used; None: neither). With agents on several bases (`other_bases`, the loaded
     models after the first; `agent_base`, each agent's base index; `base_loadings`, how each of them loaded:
     `bases.loading_of`, kept in `BasePlan.loading` when it loads) each agent on another base records its `model`
     by the same rule and its base's `load_in_4bit` and `dtype`, set by the agent or followed from the trainer's; the
     agents on the first base record none."""
     used = rollout_settings
-    spec = team_spec(args, agent_adapters, recorded_name(base_model), used.transition, used.scheduler, task)
+    tools, environment_factory = team_tools or (None, None)
+    spec = team_spec(
+        args, agent_adapters, recorded_name(base_model), used.transition, used.scheduler, task, tools,
+        environment_factory,
+    )  # fmt: skip
     for agent, base in zip(spec["agents"], agent_base or [0] * len(spec["agents"])):
         if base == 0:
             for key in BASE_KEYS:
