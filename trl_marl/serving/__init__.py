@@ -2,7 +2,10 @@
 rows of concurrent requests generated together in routed calls (docs/serving.md).
 
 Files: `requests.py` (the OpenAI request bodies, checked), `errors.py` (errors in OpenAI's format),
-`tool_requests.py` (a chat request's tools, tool choice and response format, checked), `responses.py` (response bodies,
+`tool_requests.py` (a chat request's tools, tool choice and response format, checked), `grammars.py` (constrained
+decoding with llguidance), `json_schemas.py` (the schemas it enforces, prepared: open objects closed, each tool's
+`$ref`s re-rooted, the keyword it cannot enforce found), `tool_calls.py` (answers read back as content and tool
+calls, whole or streamed), `responses.py` (response bodies,
 stream events, log-probabilities), `rows.py` (what the engine is asked and gives back per row), `completion_text.py`
 (a row's text decoded as its tokens come), `step_hooks.py` (each row's sampling and stopping inside a `generate`
 call), `engine.py` (the batching engine), `vllm_engine.py` (the engine on a team loaded with vLLM), `tokens.py` (each

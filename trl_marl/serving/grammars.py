@@ -16,21 +16,29 @@ Qwen's own templates): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool
 `parallel_tool_calls`) several, each call's `name` one of the offered tools and its `arguments` valid against that
 tool's `parameters`. JSON is written as the chat templates write it (`json.dumps`' separators, no free whitespace),
 so a model cannot spend its tokens on spaces.
+
+The schemas are enforced as `json_schemas.py` prepares them: a tool's open objects closed (and a strict response
+format's), and a tool's `$ref`s re-rooted under the one schema of all the calls. A schema llguidance cannot enforce is
+a 400 naming the field and its keyword (`BaseGrammars.unservable`), never a position in the grammar built here.
 """
 
 import json
+import re
 from collections import OrderedDict
 
 import numpy as np
 import torch
 
-from .errors import invalid
+from .errors import APIError, invalid
+from .json_schemas import closed_objects, holds_references, rerooted, unservable_keyword
 from .tool_requests import OutputRules
 
 # JSON as `json.dumps` writes it: ", " between items, ": " after keys, no other whitespace.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>\n", "\n</tool_call>"
 CACHED_GRAMMARS = 64
+GRAMMAR_POSITION = re.compile(r"^at \d+\(\d+\): ")  # where llguidance's error is in the Lark text: not the caller's
+GRAMMAR_EXCERPT = re.compile(r"^\s*\d+ \| ")
 
 
 def require_llguidance():
@@ -49,16 +57,40 @@ def styled(schema: dict) -> dict:
     return {**schema, "x-guidance": {**JSON_STYLE, **schema.get("x-guidance", {})}}
 
 
-def tool_call_schema(tool: dict) -> dict:
-    """The JSON of one call of `tool` in the Hermes format: `{"name": <its name>, "arguments": <its parameters>}`."""
-    function = tool["function"]
-    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+def tool_call_schema(name: str, arguments: dict) -> dict:
+    """The JSON of one call of the tool `name` in the Hermes format: `{"name": <its name>, "arguments": ...}`."""
     return {
         "type": "object",
-        "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+        "properties": {"name": {"const": name}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+def tool_parameters(tool: dict) -> dict:
+    """The schema a call's arguments follow: the tool's `parameters` (no arguments when it has none), its open
+    objects closed (`json_schemas.closed_objects`)."""
+    return closed_objects(tool["function"].get("parameters") or {"type": "object", "properties": {}})
+
+
+def calls_schema(tools: list[dict]) -> dict:
+    """The JSON of one call of any of `tools`. A tool whose parameters hold `$ref`s is kept whole under
+    `$defs/<its name>`, its references re-rooted there (`json_schemas.rerooted`)."""
+    definitions, calls = {}, []
+    for tool in tools:
+        name, parameters = tool["function"]["name"], tool_parameters(tool)
+        if holds_references(parameters):
+            definitions[name] = rerooted(parameters, f"#/$defs/{name}")
+            parameters = {"$ref": f"#/$defs/{name}"}
+        calls.append(tool_call_schema(name, parameters))
+    return {"anyOf": calls, **({"$defs": definitions} if definitions else {})}
+
+
+def answer_schema(response_format: dict) -> dict:
+    """The schema of a JSON answer: `{"type": "object"}` for `json_object`; a `json_schema`'s schema, its open objects
+    closed when it is `strict` (as OpenAI's strict mode takes every object as closed), else as given."""
+    schema = response_format.get("schema", {"type": "object"})
+    return closed_objects(schema) if response_format.get("strict") else schema
 
 
 def lark_grammar(rules: OutputRules) -> str:
@@ -66,16 +98,14 @@ def lark_grammar(rules: OutputRules) -> str:
     (`response_format`), or either (tools on "auto" with a JSON `response_format`)."""
     lines = []
     if rules.tool_choice in ("required", "function", "auto") and rules.tools:
-        schema = {"anyOf": [tool_call_schema(tool) for tool in rules.offered_tools()]}
         opening, closing = json.dumps(TOOL_CALL_OPEN), json.dumps(TOOL_CALL_CLOSE)
         lines.append(f"call: {opening} call_json {closing}")
-        lines.append(f"call_json: %json {json.dumps(styled(schema))}")
+        lines.append(f"call_json: %json {json.dumps(styled(calls_schema(rules.offered_tools())))}")
         several = rules.parallel_tool_calls and rules.tool_choice != "function"  # a named function: one call
         lines.append('calls: call ("\\n" call)*' if several else "calls: call")
     answer = None
     if rules.response_format is not None:
-        schema = rules.response_format.get("schema", {"type": "object"})
-        lines.append(f"answer: %json {json.dumps(styled(schema))}")
+        lines.append(f"answer: %json {json.dumps(styled(answer_schema(rules.response_format)))}")
         answer = "answer"
     if rules.tool_choice in ("required", "function"):
         start = "calls"
@@ -84,6 +114,20 @@ def lark_grammar(rules: OutputRules) -> str:
     else:
         start = answer
     return "\n".join([f"start: {start}", *lines]) + "\n"
+
+
+def grammar_schemas(rules: OutputRules) -> list[tuple[str, str, dict]]:
+    """The schemas a grammar of `rules` enforces, each `(the request's field, what it is, the schema as enforced)`."""
+    schemas = []
+    if rules.tool_choice in ("required", "function", "auto") and rules.tools:
+        for tool in rules.offered_tools():
+            where = f"tools[{rules.tools.index(tool)}].function.parameters"
+            schemas.append((where, f"the tool `{tool['function']['name']}`", tool_parameters(tool)))
+    if rules.response_format is not None:
+        schemas.append(
+            ("response_format.json_schema.schema", "the response format", answer_schema(rules.response_format))
+        )
+    return schemas
 
 
 class BaseGrammars:
@@ -114,14 +158,46 @@ class BaseGrammars:
             self._compiled.move_to_end(lark)
             return self._compiled[lark]
         grammar = llguidance.LLMatcher.grammar_from_lark(lark)
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
-        if failed:
-            reason = messages[0].splitlines()[0] if messages[0] else "llguidance refused it"
-            raise invalid(param, f"`{param}` cannot be enforced: {reason}")
+        reason = self.refusal(grammar)
+        if reason is not None:
+            raise self.unservable(rules, param, reason)
         compiled = self._compiled[lark] = CompiledGrammar(self, grammar)
         while len(self._compiled) > CACHED_GRAMMARS:
             self._compiled.popitem(last=False)
         return compiled
+
+    def refusal(self, grammar: str) -> str | None:
+        """Why llguidance cannot enforce `grammar` (its first line, without the grammar position), or None."""
+        import llguidance
+
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if not failed:
+            return None
+        lines = []  # its message, up to the Lark excerpt it quotes (the server's grammar, not the caller's schema)
+        for line in (messages[0] if messages else "").splitlines():
+            if GRAMMAR_EXCERPT.match(line):
+                break
+            if line.strip(" ^"):  # not a line of carets under a quoted regex
+                lines.append(line.strip())
+        reason = GRAMMAR_POSITION.sub("", " ".join(lines)).removeprefix("failed to compile JSON schema: ")
+        return reason.rstrip(".") or "llguidance refused it"
+
+    def unservable(self, rules: OutputRules, param: str, reason: str) -> APIError:
+        """The 400 of a grammar llguidance refused: naming the schema it cannot enforce (a tool's `parameters`, the
+        response format's schema) and its keyword (`json_schemas.unservable_keyword`), else `param`."""
+        import llguidance
+
+        def refusal_of(schema: dict) -> str | None:
+            return self.refusal(llguidance.LLMatcher.grammar_from_lark(f"start: %json {json.dumps(styled(schema))}\n"))
+
+        for where, what, schema in grammar_schemas(rules):
+            schema_reason = refusal_of(schema)
+            if schema_reason is None:
+                continue
+            keyword = unservable_keyword(schema, lambda candidate: refusal_of(candidate) is None)
+            where = f"{where}.{keyword}" if keyword else where
+            return invalid(where, f"`{where}` ({what}) cannot be enforced: {schema_reason}. Change or remove it.")
+        return invalid(param, f"`{param}` cannot be enforced: {reason}")
 
 
 class CompiledGrammar:
