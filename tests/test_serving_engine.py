@@ -45,7 +45,7 @@ def save_tiny_team(model_dir: str, folder, agents=AGENTS) -> str:
             if "lora_B" in name:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
     trainer.save_model()
-    assert json.loads((folder / "team.json").read_text())["agents"][0]["name"] == "planner"
+    assert json.loads((folder / "team.json").read_text())["agents"][0]["name"] == agents[0]["name"]
     return str(folder)
 
 

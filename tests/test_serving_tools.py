@@ -18,8 +18,9 @@ httpx = pytest.importorskip("httpx", reason="the serving tests send raw requests
 jsonschema = pytest.importorskip("jsonschema", reason="answers are validated against their schema with jsonschema")
 
 import test_serving  # noqa: E402
-from test_serving_engine import agent_prompt_ids  # noqa: E402
+from test_serving_engine import agent_prompt_ids, save_tiny_team  # noqa: E402
 
+from trl_marl import serve_team  # noqa: E402
 from trl_marl.generation.tool_templates import CHATML_TOOLS, CHATML_TOOLS_TEMPLATE  # noqa: E402
 from trl_marl.serving.engine import BatchingEngine  # noqa: E402
 from trl_marl.serving.rows import RowRequest  # noqa: E402
@@ -491,3 +492,59 @@ def test_streamed_content_equals_the_unstreamed_messages_around_and_after_the_ca
     deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
     assert deltas == "".join(part.text for item in response.output if item.type == "message" for part in item.content)
     assert deltas == (content or "")
+
+
+# -- the programs guide's Agents SDK episode (docs/programs.md, "The OpenAI Agents SDK")
+
+
+@pytest.fixture(scope="module")
+def writer_critic_dir(tiny_model_dir, tmp_path_factory) -> str:
+    agents = [{"name": "writer", "system_prompt": "Report."}, {"name": "critic", "system_prompt": "Check."}]
+    return save_tiny_team(tiny_model_dir, tmp_path_factory.mktemp("writer-critic"), agents)
+
+
+def documented_episode():
+    """The Agents SDK episode function of docs/programs.md, defined as the guide writes it."""
+    agents_sdk()
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "docs" / "programs.md").read_text()
+    blocks = [block.split("```", 1)[0] for block in text.split("```python\n")[1:]]
+    (block,) = [block for block in blocks if "OpenAIProvider(openai_client=client)" in block]
+    namespace = {}
+    exec(compile(block, "docs/programs.md", "exec"), namespace)
+    return namespace["weather_report"]
+
+
+def counting_client(base_url: str, sent: list) -> "openai.AsyncOpenAI":
+    async def count(request):
+        sent.append(request.url.path)
+
+    http_client = httpx.AsyncClient(event_hooks={"request": [count]})
+    return openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, http_client=http_client)
+
+
+def test_the_programs_guides_agents_sdk_episode_sends_every_call_through_its_own_episodes_client(writer_critic_dir):
+    episode = documented_episode()
+    sent = [[], []]
+    with serve_team(writer_critic_dir, max_tokens=150) as served:
+
+        async def two_episodes_at_once():
+            clients = [counting_client(served.base_url, calls) for calls in sent]
+            row = {"prompt": "Is it warm in Paris?"}
+            return await asyncio.gather(*(episode(client, row) for client in clients))
+
+        outcomes = asyncio.run(two_episodes_at_once())
+    assert all(outcome in (0.0, 1.0) for outcome in outcomes)
+    assert sent == [["/v1/responses", "/v1/responses"]] * 2  # the writer's call, then the critic's, each its own
+
+
+def test_an_agents_sdk_run_whose_responses_answer_is_cut_by_the_length_limit_raises_as_the_guide_says(
+    writer_critic_dir,
+):
+    sdk = agents_sdk()
+    episode = documented_episode()
+    with serve_team(writer_critic_dir, max_tokens=4) as served:  # shorter than any call
+        client = openai.AsyncOpenAI(base_url=served.base_url, api_key="unused", max_retries=0)
+        with pytest.raises(sdk.exceptions.ModelBehaviorError, match="incomplete"):
+            asyncio.run(episode(client, {"prompt": "Is it warm in Paris?"}))
