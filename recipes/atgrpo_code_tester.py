@@ -27,6 +27,7 @@ import torch
 from trl import TrlParser
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, default_model_path
+from trl_marl.memory import peak_memory
 from trl_marl.tasks import task_defaults
 from trl_marl.tasks.coding.code_tester import CodeTester
 
@@ -89,6 +90,9 @@ def main() -> None:
     minutes = (time.perf_counter() - start) / 60
     results = {"task": task.name, "before": before, "after": after, "steps": trainer.state.global_step,
                "minutes": minutes, "team": args.output_dir}  # fmt: skip
+    peak = peak_memory()  # the run's peak: host RSS on the CPU, torch's peaks on a GPU
+    results.update(peak.as_dict())
+    print(peak.describe())
     with open(os.path.join(args.output_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
     print(f"Team saved in {args.output_dir}; results.json written ({minutes:.1f} min)")

@@ -32,6 +32,7 @@ from trl import SFTConfig, SFTTrainer, TrlParser
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, default_model_path
 from trl_marl.generation.tool_templates import tool_chat_template
+from trl_marl.memory import peak_memory
 from trl_marl.tasks import task_defaults
 from trl_marl.tasks.math_tool import TOOL, TOOL_PROMPT
 from trl_marl.tasks.math_tool_calls import MathToolCalls
@@ -154,6 +155,9 @@ def main() -> None:
     }
     print(f"Held-out team reward after {trainer.state.global_step} steps: {after['eval_reward']:.3f}")
     print(json.dumps(results, indent=2))
+    peak = peak_memory()  # the run's peak: host RSS on the CPU, torch's peaks on a GPU
+    results.update(peak.as_dict())
+    print(peak.describe())
     with open(os.path.join(args.output_dir, "results.json"), "w") as file:
         json.dump(results, file, indent=2)
 

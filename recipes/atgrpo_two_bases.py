@@ -26,6 +26,7 @@ from trl import TrlParser
 
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, default_model_path
 from trl_marl.agents import normalize_agents
+from trl_marl.memory import peak_memory
 from trl_marl.precision import four_bit_config
 from trl_marl.tasks import task_defaults
 from trl_marl.tasks.coding.code_tester import CodeTester
@@ -94,6 +95,9 @@ def main() -> None:
         "median_step_seconds": statistics.median(step_times) if step_times else None,
         "team": args.output_dir,
     }
+    peak = peak_memory()  # the run's peak: host RSS on the CPU, torch's peaks on a GPU
+    results.update(peak.as_dict())
+    print(peak.describe())
     with open(os.path.join(args.output_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
     print(f"Team reward on {script_args.eval_problems} held-out problems: {before} before, {after} after training")

@@ -25,6 +25,7 @@ import torch
 from trl import TrlParser
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, default_model_path, load_team
+from trl_marl.memory import peak_memory
 from trl_marl.tasks.toy import (  # the `describe_word` task
     DESCRIBE_AGENTS,
     WORDS,
@@ -116,6 +117,9 @@ def main() -> None:
         "team": args.output_dir,
         "episode": {"word": new_word, "turns": episode.turns},
     }
+    peak = peak_memory()  # the run's peak: host RSS on the CPU, torch's peaks on a GPU
+    results.update(peak.as_dict())
+    print(peak.describe())
     with open(os.path.join(args.output_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
     print(

@@ -21,6 +21,7 @@ import torch
 from trl import TrlParser
 
 from trl_marl import MAGRPOConfig, MAGRPOTrainer, default_model_path
+from trl_marl.memory import peak_memory
 from trl_marl.tasks.toy import EXPLAIN_AGENTS, explain_ratio_reward, question_dataset  # the `explain` task
 
 AGENTS = EXPLAIN_AGENTS
@@ -95,6 +96,9 @@ def train_and_report(trainer: MAGRPOTrainer, output_dir: str, eval_size: int) ->
         "minutes": minutes,
         "adapters": adapters,
     }
+    peak = peak_memory()  # the run's peak: host RSS on the CPU, torch's peaks on a GPU
+    results.update(peak.as_dict())
+    print(peak.describe())
     with open(os.path.join(output_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
     print(f"Team reward after {trainer.state.global_step} steps: {after:.3f} (before: {before:.3f})")

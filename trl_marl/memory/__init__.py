@@ -66,6 +66,7 @@ from .generation import (
     routed_lora_weight_bytes,
 )
 from .geometry import GenerateCall, largest_call_rows, rollout_geometry, visible_answers, vllm_max_num_seqs
+from .measured import PeakMemory, peak_memory, peak_resident_bytes
 from .shape import (
     ATTENTION_LINEARS,
     MLP_LINEARS,
@@ -122,6 +123,9 @@ from .weights import (
 
 __all__ = [
     "ALLOCATOR_SLACK",
+    "PeakMemory",
+    "peak_memory",
+    "peak_resident_bytes",
     "ATTENTION_LINEARS",
     "ByteWidths",
     "CPU_LOGPROB_BACKWARD_TILES",
