@@ -6,9 +6,8 @@ import sys
 
 import pytest
 
-from trl_marl.memory import PeakMemory, peak_memory, peak_resident_bytes
+from trl_marl.memory import PeakMemory, peak_memory
 from trl_marl.memory.measured import GIB
-
 
 HIGH_WATER = """
 import json, torch

@@ -1,7 +1,7 @@
 """Measured memory: the peak a run reached, as the recipes print it at the end (the planner predicts it beforehand).
 
-On the CPU the peak is the process's resident set size (`getrusage`'s `ru_maxrss`: every byte of host memory it
-touched, weights, activations and the allocator's free lists included). On an accelerator it is what torch's caching
+On the CPU the peak is the process's resident set size (its high-water mark: every byte of host memory it held at
+once, weights, activations and the allocator's free lists included). On an accelerator it is what torch's caching
 allocator handed out (`torch.accelerator.max_memory_allocated`) and held (`max_memory_reserved`) at most, beside the
 host's resident set.
 """
@@ -44,9 +44,14 @@ class PeakMemory:
 
 
 def peak_resident_bytes() -> int:
-    """This process's peak resident set size so far (Linux reports `ru_maxrss` in KiB, macOS in bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    """This process's peak resident set size so far: the kernel's high-water mark (`VmHWM`) on Linux, where
+    `ru_maxrss` would start from the RSS of the process that forked it; `ru_maxrss` elsewhere (bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
 
 
 def peak_memory() -> PeakMemory:
