@@ -61,14 +61,20 @@ def dataset_config(tmp_path, model_dir, **extra) -> str:
     return str(path)
 
 
-@pytest.fixture
-def no_model_load(monkeypatch):
+def refuse_model_loads(monkeypatch):
     """Any model load fails the test: the error must come before it."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
     monkeypatch.setattr("trl_marl.team.bases.create_model_from_path", refuse)
+    monkeypatch.setattr("trl_marl.team.saved_bases.load_saved_bases", refuse)  # a saved team's bases
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Any model load fails the test: the error must come before it."""
+    refuse_model_loads(monkeypatch)
 
 
 def one_line_error(capsys, arguments) -> str:
@@ -311,6 +317,37 @@ def test_evaluate_names_a_missing_team_or_a_baseline_that_does_not_go_with_it(tm
     message = one_line_error(capsys, ["evaluate", "explain", "--split", "test"])  # a task has train and eval only
     assert message.startswith("trl-marl evaluate: argument --split: invalid choice: 'test' (choose from ")
     assert message.replace("'", "").endswith("(choose from train, eval)")  # newer argparse quotes them
+
+
+def test_evaluating_a_team_whose_tool_cannot_be_rebuilt_says_to_use_evaluate_task_before_any_model_loads(
+    tiny_model_dir, tmp_path, capsys, monkeypatch
+):
+    def look_up(word: str) -> str:
+        """Look a word up.
+
+        Args:
+            word: The word.
+        """
+        return word
+
+    args = MAGRPOConfig(
+        output_dir=str(tmp_path), agents=["solo"], per_device_train_batch_size=2, num_generations=2,
+        report_to="none", save_strategy="no", use_cpu=True, bf16=False,
+    )  # fmt: skip
+    dataset = Dataset.from_dict({"prompt": ["Hi."]})
+    MAGRPOTrainer(tiny_model_dir, lambda completions, **kw: [0.0] * len(completions), args=args,
+                  train_dataset=dataset, tools=[look_up]).save_model(str(tmp_path / "team"))  # fmt: skip
+    refuse_model_loads(monkeypatch)  # the team is saved: from here on, any model load fails the test
+    capsys.readouterr()  # what saving printed
+    message = one_line_error(capsys, ["evaluate", "explain", "--team", str(tmp_path / "team")])
+    assert message.startswith(
+        f"trl-marl evaluate: The team in {tmp_path / 'team'} trained every agent (the trainer's `tools=`) with the "
+        "tool 'look_up', which has no importable name"
+    )
+    assert message.endswith(
+        "pass it again from Python (the command cannot pass a function or class): "
+        "trl_marl.cli.evaluation.evaluate_task(..., tools=[look_up])."
+    )
 
 
 @pytest.mark.slow

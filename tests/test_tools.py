@@ -658,9 +658,10 @@ def test_a_team_whose_tool_cannot_be_imported_says_which_tool_and_to_pass_it_aga
 
     spec = save_notebook_team(tiny_model_dir, tmp_path / "team", ["solver", "checker"], tools=[look_up])
     assert spec["tools"] == [{"name": "look_up", "importable": False}]
+    team = load_team(tmp_path / "team", captured_decode=False)  # loads: only playing needs the tools
     with pytest.raises(ValueError, match=r"every agent \(the trainer's `tools=`\) with the tool 'look_up', which has "
                        r"no importable name.*load_team\(\.\.\., tools=\[look_up\]\)"):  # fmt: skip
-        load_team(tmp_path / "team", captured_decode=False)
+        team.run([{"role": "user", "content": "Take notes."}])
     team = load_team(tmp_path / "team", captured_decode=False, tools=[look_up])
     prompts = scripted_team(team, scripted_writer(team.tokenizer, tool="look_up"))
     team.run([{"role": "user", "content": "Take notes."}])
@@ -677,9 +678,15 @@ def test_a_team_whose_environment_cannot_be_imported_says_to_pass_it_again(tiny_
 
     spec = save_notebook_team(tiny_model_dir, tmp_path / "team", ["solo"], environment_factory=LocalNotebook)
     assert spec["environment_factory"] == {"name": "LocalNotebook", "importable": False}
-    for load in (load_team, lambda team: evaluate_task("reach_target", team=team)):
-        with pytest.raises(ValueError, match=r"environment factory 'LocalNotebook'.*environment_factory="):
-            load(tmp_path / "team")
+    playing = (
+        lambda team: load_team(team).run([{"role": "user", "content": "Take notes."}]),
+        lambda team: evaluate_task("reach_target", team=team),
+    )
+    for play in playing:
+        with pytest.raises(
+            ValueError, match=r"environment factory 'LocalNotebook'.*environment_factory=LocalNotebook"
+        ):
+            play(tmp_path / "team")
     assert load_team(tmp_path / "team", environment_factory=LocalNotebook).environment_factory is LocalNotebook
 
 
@@ -701,3 +708,186 @@ def test_a_team_file_from_before_tools_were_recorded_keeps_its_agents_tools_and_
     assert (trained.tools, trained.agent_tools) == ([], [["run_python"], []])
     assert saved_tools(spec, "team", MathToolCalls()).environment_factory is PythonRunner
     assert saved_tools({**spec, "environment_factory": "none"}, "team", MathToolCalls()).environment_factory is None
+
+
+class CountedNotebook(Notebook):
+    """A notebook that counts the instances made of it."""
+
+    made = 0
+
+    def __init__(self):
+        CountedNotebook.made += 1
+
+
+@pytest.mark.parametrize("recorded", [None, "gone_package.tools:look_up"], ids=["unimportable", "gone module"])
+def test_a_team_whose_tool_cannot_be_rebuilt_here_is_served_without_it_and_refuses_to_play_naming_it(
+    tiny_model_dir, tmp_path, recorded
+):
+    """Serving never needs the training tools (clients send their own): a tool that cannot be rebuilt here (no
+    importable name, or a module not installed) does not stop a team from being served, nor is its environment made;
+    playing the team still needs it and names it."""
+    pytest.importorskip("fastapi", reason="serving needs the `serve` extra (FastAPI, uvicorn)")
+    pytest.importorskip("uvicorn", reason="serving needs the `serve` extra (FastAPI, uvicorn)")
+    httpx = pytest.importorskip("httpx", reason="the served team is read with httpx")
+    from trl_marl import load_team, serve_team
+
+    def look_up(word: str) -> str:
+        """Look a word up.
+
+        Args:
+            word: The word.
+        """
+        return word
+
+    folder = tmp_path / "team"
+    spec = save_notebook_team(
+        tiny_model_dir, folder, ["solver", "checker"], tools=[look_up], environment_factory=CountedNotebook
+    )
+    if recorded is not None:
+        (folder / "team.json").write_text(json.dumps({**spec, "tools": [recorded]}))
+    made = CountedNotebook.made
+    with serve_team(folder) as server:
+        models = httpx.get(f"{server.base_url}/models").json()
+        chat = {"model": "checker", "messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2}
+        answer = httpx.post(f"{server.base_url}/chat/completions", json=chat, timeout=60).json()
+    assert [model["id"] for model in models["data"]] == ["solver", "checker"]
+    assert answer["usage"]["completion_tokens"] == 2
+    assert CountedNotebook.made == made  # the served team never made its environment
+    named = r"every agent \(the trainer's `tools=`\) with the tool '(gone_package\.tools:)?look_up'"
+    with pytest.raises(ValueError, match=named + r".*load_team\(\.\.\., tools=\[look_up\]\)"):
+        load_team(folder, captured_decode=False).run([{"role": "user", "content": "Take notes."}])
+
+
+class Glossary:
+    """Tools as static methods of a class."""
+
+    @staticmethod
+    def look_up(word: str) -> str:
+        """Look a word up in the glossary.
+
+        Args:
+            word: The word.
+        """
+        return f"glossary says {word}"
+
+
+TRAINING_SCRIPT = '''
+def look_up(word: str) -> str:
+    """Look a word up in the script.
+
+    Args:
+        word: The word.
+    """
+    return f"script says {word}"
+
+
+if __name__ == "__main__":
+    raise SystemExit("the script's training ran when its tool was rebuilt")
+'''
+
+
+@pytest.mark.parametrize("defined_in", ["a script", "a class"])
+def test_a_tool_recorded_by_its_scripts_path_or_a_dotted_name_is_rebuilt_and_called(
+    tiny_model_dir, tmp_path, defined_in
+):
+    """A function of a script run as `python train.py` is recorded as `/path/train.py:look_up` (`importable_name`), a
+    static method as `module:Class.method`: a played team rebuilds both and calls them."""
+    from trl_marl import load_team
+
+    folder = tmp_path / "team"
+    spec = save_notebook_team(tiny_model_dir, folder, ["solo"], tools=[Glossary.look_up])
+    assert spec["tools"] == ["test_tools:Glossary.look_up"]
+    said = "glossary says w0"
+    script = tmp_path / "train.py"
+    if defined_in == "a script":
+        script.write_text(TRAINING_SCRIPT)
+        (folder / "team.json").write_text(json.dumps({**spec, "tools": [f"{script}:look_up"]}))
+        said = "script says w0"
+    team = load_team(folder, captured_decode=False)
+    prompts = scripted_team(team, scripted_writer(team.tokenizer, tool="look_up"))
+    assert team.run([{"role": "user", "content": "Take notes."}]).final["solo"] == "Done."
+    assert [said in prompt for prompt in prompts] == [False, True]  # the tool's result, after its call
+    if defined_in == "a script":  # a script that is gone says so (installing nothing brings it back)
+        script.unlink()
+        with pytest.raises(
+            ValueError, match=rf"'{script}:look_up'.*no script at {script}.*tools=\[look_up\]"
+        ) as error:
+            load_team(folder, captured_decode=False).run([{"role": "user", "content": "Take notes."}])
+        assert "install" not in str(error.value).lower()
+
+
+def test_a_team_played_on_vllm_keeps_its_tool_rounds_within_vllm_max_model_length(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """With `use_vllm=True`, a round whose tool results would take the sequence to `vllm_max_model_length` ends the
+    row with its call, as in training (`position_limit`), not only at the model's positions. vLLM stood in for."""
+    from trl_marl import load_team
+
+    folder = tmp_path / "team"
+    save_notebook_team(tiny_model_dir, folder, ["solo"], environment_factory=Notebook)
+    tokenizer, calls = AutoTokenizer.from_pretrained(folder), []
+
+    class ScriptedEngine:  # `SavedTeamEngine`'s interface, generating as `scripted_writer` says
+        def __init__(self, base_model, adapter_folders, lora_rank, dtype, **settings):
+            self.max_model_len, self.script = settings["max_model_len"], scripted_writer(tokenizer)
+
+        def generate(self, prompt_ids, adapters, max_new_tokens, do_sample, stop_token_ids, generation_config=None):
+            calls.append([len(ids) for ids in prompt_ids])
+            return self.script(prompt_ids)[0]
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr("trl_marl.generation.vllm_serving.SavedTeamEngine", ScriptedEngine)
+    prompt = [{"role": "user", "content": "Take notes."}]
+    episode = load_team(folder, use_vllm=True).run(prompt)
+    assert episode.final["solo"] == "Done." and len(calls) == 2  # the model's 512 positions leave room for a round
+    round_length = calls[1][0]  # the prompt, the call and its result
+    calls.clear()
+    team = load_team(folder, use_vllm=True, vllm_max_model_length=round_length)
+    episode = team.run(prompt)
+    assert team.engine.max_model_len == round_length
+    assert len(calls) == 1 and episode.final["solo"] != "Done."  # the result dropped: the row ended with its call
+    assert episode.environment.notes == ["w0"]
+
+
+def look_up(word: str) -> str:
+    """Look a word up in the importable dictionary.
+
+    Args:
+        word: The word.
+    """
+    return f"importable says {word}"
+
+
+def test_a_tool_given_again_stands_in_only_for_the_recorded_tools_that_cannot_be_rebuilt(tiny_model_dir, tmp_path):
+    """`tools=[look_up]` stands in for the first agent's local `look_up` (no importable name), never for the second
+    agent's `test_tools:look_up`, which imports here; given for that one alone, it is refused."""
+    from trl_marl import load_team
+
+    def local_look_up(word: str) -> str:
+        """Look a word up in the local dictionary.
+
+        Args:
+            word: The word.
+        """
+        return f"local says {word}"
+
+    local_look_up.__name__ = "look_up"
+    folder = tmp_path / "team"
+    agents = [{"name": "first", "tools": [look_up]}, {"name": "second", "tools": [look_up]}]
+    spec = save_notebook_team(tiny_model_dir, folder, agents)
+    assert [agent["tools"] for agent in spec["agents"]] == [["test_tools:look_up"]] * 2
+    # the first agent's tool as team.json records a local function (a trainer's arguments holding one cannot be saved)
+    spec["agents"][0]["tools"] = [{"name": "look_up", "importable": False}]
+    (folder / "team.json").write_text(json.dumps(spec))
+    team = load_team(folder, captured_decode=False, tools=[local_look_up])
+    prompts = scripted_team(team, scripted_writer(team.tokenizer, tool="look_up"))
+    team.run([{"role": "user", "content": "Take notes."}])
+    assert ["local says w0" in prompt for prompt in prompts] == [False, False, True, False]
+    assert ["importable says w1" in prompt for prompt in prompts] == [False, False, False, True]
+    (folder / "team.json").write_text(json.dumps({**spec, "agents": [spec["agents"][1]]}))
+    with pytest.raises(
+        ValueError, match=r"`tools` gives \['look_up'\].*\['test_tools:look_up'\] import here and are kept"
+    ):
+        load_team(folder, captured_decode=False, tools=[local_look_up]).run([{"role": "user", "content": "Hi."}])

@@ -31,9 +31,9 @@
                                                   a saved team behind an OpenAI-compatible endpoint (each agent a
                                                   model); prints its base URL; needs the `serve` extra
 
-A mistake the command can see (an unknown flag, key or plugin, no data, a dataset without a `prompt` column) ends it
-with one line on stderr and exit status 2, before any model loads where it can be known then; `--debug` (or
-`TRL_MARL_DEBUG=1`) shows the traceback instead.
+A mistake the command can see (an unknown flag, key or plugin, no data, a dataset without a `prompt` column, a team
+whose tools cannot be rebuilt here) ends it with one line on stderr and exit status 2, before any model loads where it
+can be known then; `--debug` (or `TRL_MARL_DEBUG=1`) shows the traceback instead.
 """
 
 import argparse
@@ -83,6 +83,7 @@ def evaluate(arguments) -> int:
     from ..team.hub import resolve_team_folder
     from ..team.saved import read_team_file
     from ..team.saved_bases import find_bases
+    from ..team.saved_tools import UnrebuiltTool
     from .evaluation import evaluate_task
 
     baseline = arguments.baseline or ("team" if arguments.team else "parallel")
@@ -118,22 +119,29 @@ def evaluate(arguments) -> int:
     generation = {name: getattr(arguments, name) for name in GENERATION_FLAGS if getattr(arguments, name) is not None}
     if team is None:
         generation.setdefault("max_completion_length", BASELINE_COMPLETION_LENGTH)
-    metrics = evaluate_task(
-        task,
-        baseline,
-        team=team,
-        model=arguments.model,
-        base_model=arguments.base_model,
-        base_models=base_models or None,
-        load_in_4bit=arguments.load_in_4bit or None,
-        dtype=arguments.dtype,
-        split=arguments.split,
-        limit=arguments.limit,
-        algorithm=arguments.algorithm,
-        use_cpu=not torch.cuda.is_available(),
-        **generation,
-        **vllm_settings(arguments),
-    )
+    try:
+        metrics = evaluate_task(
+            task,
+            baseline,
+            team=team,
+            model=arguments.model,
+            base_model=arguments.base_model,
+            base_models=base_models or None,
+            load_in_4bit=arguments.load_in_4bit or None,
+            dtype=arguments.dtype,
+            split=arguments.split,
+            limit=arguments.limit,
+            algorithm=arguments.algorithm,
+            use_cpu=not torch.cuda.is_available(),
+            **generation,
+            **vllm_settings(arguments),
+        )
+    except UnrebuiltTool as error:  # raised before any model loads
+        passing = (
+            "pass it again from Python (the command cannot pass a function or class): "
+            f"trl_marl.cli.evaluation.evaluate_task(..., {error.keyword}={error.value})"
+        )
+        raise UsageError(f"trl-marl evaluate: {error.telling(passing)}") from None
     print(json.dumps({"task": arguments.task, "baseline": baseline, **metrics}, indent=2))
     return 0
 

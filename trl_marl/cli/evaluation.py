@@ -80,8 +80,11 @@ def evaluate_task(
     its bases loaded as `load_team` loads them (`team.load_saved_bases`: each base at the precision its agents
     recorded, each adapter from its own saved config), and with exactly the tools and environment it trained with
     (`team.saved_tools`: the trainer's `tools=`, each agent's own `tools`, the environment factory, or none when it
-    trained without one, even on a task that has one); `tools` and `environment_factory` stand in for recorded ones
-    that team.json could not name by import path (a lambda, a local function), as `load_team`'s do.
+    trained without one, even on a task that has one); a function in `tools` stands in for the recorded tools of its
+    `__name__` that cannot be rebuilt here (no importable name: a lambda, a local function; or a name that does not
+    import here), never for one that imports, and `environment_factory` for the recorded factory, as `load_team`'s
+    do. A tool or factory that cannot be rebuilt is a `team.saved_tools.UnrebuiltTool` (a ValueError naming it, its
+    agent and what to pass), raised before any model loads.
 
     `algorithm="magrpo"` scores MAGRPO's tree of joint actions (two samples per agent and node): the mean team reward
     over them. `algorithm="at_grpo"` plays each problem as one AT-GRPO episode with a single candidate per agent and

@@ -43,9 +43,13 @@ MOVED_MODULES = {
 
 
 def import_by_name(name: str) -> Callable:
-    """The object named `"module:qualname"` or `"/path/script.py:qualname"` (a module in `MOVED_MODULES` is looked up
-    where it is now)."""
-    module_name, _, qualname = name.rpartition(":")
+    """The object named `"module:qualname"` (`qualname` may be dotted: `"module:Class.method"`),
+    `"/path/script.py:qualname"` (the script run as a module: its `if __name__ == "__main__":` block is left out) or,
+    as TRL names tools, `"package.module.function"` (a module in `MOVED_MODULES` is looked up where it is now). Raises
+    what importing raises: ImportError, AttributeError, or any error of the module's own code."""
+    module_name, separator, qualname = name.rpartition(":")
+    if not separator:
+        module_name, _, qualname = name.rpartition(".")
     module_name = MOVED_MODULES.get(module_name, module_name)
     if module_name.endswith(".py"):
         spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)

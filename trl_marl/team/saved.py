@@ -19,6 +19,7 @@ Trainer's uploads of the team leave out; the checkpoint folders that `hub_strate
 `"all_checkpoints"` uploads go whole, that file included.
 """
 
+import functools
 import json
 import logging
 import math
@@ -36,8 +37,8 @@ from ..agents import agent_prompt
 from ..config import ATGRPOConfig
 from ..generation.captured_decode import captured_decoder
 from ..generation.routing import AdapterRouter
-from ..generation.team_generation import left_padded
-from ..generation.tool_calling import ToolLoop, ToolRow, episode_environments
+from ..generation.team_generation import left_padded, position_limit
+from ..generation.tool_calling import ToolCalling, ToolLoop, ToolRow, episode_environments
 from ..registry import PluginError
 from ..rollouts.magrpo_rollout import TreeRollout
 from ..rollouts.rollout import RolloutSettings, default_transition
@@ -155,8 +156,12 @@ class Team:
     generation call per base, each through its own adapter: transformers' routed `generate` (through the captured
     decode step where `captured_decode` chooses it, `trl_marl.generation.captured_decode`), or with `engine` (a
     `SavedTeamEngine`, `load_team(..., use_vllm=True)`) one vLLM call with one LoRA request per row. A team that
-    trained with tools (`tools`, `saved_tools.SavedTools`) plays with them as it trained: each agent's prompts render
-    its tools, its calls run in TRL's tool loop (`tool_calling.ToolLoop`), one environment per episode."""
+    trained with tools plays with them as it trained: each agent's prompts render its tools, its calls run in TRL's
+    tool loop (`tool_calling.ToolLoop`), one environment per episode, no sequence reaching `max_model_length` (the
+    first base's positions when None; `load_team` gives vLLM's `vllm_max_model_length` when smaller, as training).
+    `tools` rebuilds them (`load_team` gives `saved_tools.saved_tools` with its arguments): called when the team first
+    plays (`run`, `play`), never by serving, whose clients send their own tools, so a team is served on a machine
+    that cannot rebuild them, and its environment is never made there."""
 
     def __init__(
         self,
@@ -169,7 +174,8 @@ class Team:
         engine: Any = None,
         captured_decode: bool | str | None = None,
         other_bases: list[tuple] = (),
-        tools: SavedTools | None = None,
+        tools: Callable[[], SavedTools] | None = None,
+        max_model_length: int | None = None,
     ):
         self.model, self.tokenizer, self.spec, self.transition = model, tokenizer, spec, transition
         self.scheduler = scheduler
@@ -192,13 +198,36 @@ class Team:
         # Every agent is given its role as training gave it: as a conversation when its base's tokenizer has a chat
         # template (the first base's decides, as in the trainer's rollouts).
         self._use_chat_template = getattr(tokenizer, "chat_template", None) is not None
-        self.tool_calling, self.environment_factory = None, None
-        if tools is not None and tools.calls_tools:
-            if other_bases:  # as the trainers refuse it (`tool_calling.check_tool_settings`)
+        if max_model_length is None:
+            max_model_length = getattr(model.config, "max_position_embeddings", None)
+        self.max_model_length = max_model_length
+        self._rebuild_tools = tools
+        self._tool_calling, self._environment_factory = None, None
+
+    @property
+    def tool_calling(self) -> ToolCalling | None:
+        """The team's tools as it trained with them (None without any), rebuilt when first asked for."""
+        self._rebuild_trained_tools()
+        return self._tool_calling
+
+    @property
+    def environment_factory(self) -> Callable | None:
+        """The factory of each episode's environment (None without one), rebuilt when first asked for."""
+        self._rebuild_trained_tools()
+        return self._environment_factory
+
+    def _rebuild_trained_tools(self) -> None:
+        """Rebuild the tools and environment the team trained with, once. Raises what `saved_tools.saved_tools`
+        raises (an `UnrebuiltTool` naming a tool or factory that cannot be rebuilt here and what to pass)."""
+        if self._rebuild_tools is None:
+            return
+        tools = self._rebuild_tools()
+        if tools.calls_tools:
+            if len(self.bases) > 1:  # as the trainers refuse it (`tool_calling.check_tool_settings`)
                 raise ValueError("Tools are not supported on a team of several base models.")
-            self.environment_factory = tools.environment_factory
-            positions = getattr(model.config, "max_position_embeddings", None)
-            self.tool_calling = saved_tool_calling(tools, spec, tokenizer, positions)
+            self._tool_calling = saved_tool_calling(tools, self.spec, self.tokenizer, self.max_model_length)
+            self._environment_factory = tools.environment_factory
+        self._rebuild_tools = None
 
     def _base(self, model, tokenizer, agents: list[int], engine, captured_decode) -> BasePart:
         adapters = list(dict.fromkeys(self._adapters[agent] for agent in agents))
@@ -428,7 +457,8 @@ def load_team(
 ) -> Team:
     """Rebuild a team saved by a trainer's `save_model`: each base model once (one for most teams; agents that trained
     on their own `model` get theirs, `team.json` names it), each agent's adapter on its base, built from its own saved
-    config, and the tools and environment it trained with (`saved_tools`), with which it plays.
+    config. The tools and environment it trained with (`saved_tools`), with which it plays, are rebuilt when it first
+    plays (`Team.run`, `Team.play`): serving it (`serve_team`, `trl-marl serve`) never needs them.
 
     Args:
         path: the saved folder (`output_dir` or a `checkpoint-N` folder), or the Hub repo id of a pushed team
@@ -449,21 +479,25 @@ def load_team(
             a LoRA, in the loaded model's dtype (NF4 through vLLM's bitsandbytes on a 4-bit base); `Team.close()`
             frees it. `vllm_gpu_memory_utilization` (vLLM's share of the GPU's memory, of the machine's RAM on the
             CPU; 0.3 by default, as in training: vLLM's own 0.92 leaves a shared machine nothing) and
-            `vllm_max_model_length` (the model's when None) are passed to it as in training. With `do_sample=True`,
-            `torch.manual_seed` makes `run` sample the same tokens again, as with `generate`.
+            `vllm_max_model_length` (the model's when None) are passed to it as in training; a tool-calling round
+            keeps within it, as in training. With `do_sample=True`, `torch.manual_seed` makes `run` sample the same
+            tokens again, as with `generate`.
         captured_decode: without vLLM, generate through the captured decode step
             (`trl_marl.generation.captured_decode`): None chooses by device (CUDA graphs on CUDA), True forces it,
             "cuda-graphs" or "compiled" names the mechanism, False is eager `generate`.
-        tools: functions standing in for the recorded tools of the same name (`__name__`): needed for a tool that
-            team.json could not name by import path (a lambda or a local function), or that does not import here.
+        tools: functions given again, each standing in for the recorded tools of its `__name__` that cannot be
+            rebuilt here: a tool team.json could not name by import path (a lambda or a local function), or whose
+            name does not import here. A recorded tool that imports here is never replaced: when every tool a
+            function is given for imports, playing the team is an error saying so.
         environment_factory: stands in for the recorded environment factory; needed when it could not be recorded
             by import path, or does not import here.
 
     Raises:
         FileNotFoundError: a base cannot be found (`find_bases`); the message says what to pass.
-        ValueError: an adapter's saved weights do not match its saved config (`bases.load_base_adapters`); a tool or
-            the environment factory the team trained with cannot be rebuilt here (the message names it, its agent,
-            and what to pass).
+        ValueError: an adapter's saved weights do not match its saved config (`bases.load_base_adapters`). When the
+            team first plays, `run` and `play` raise `saved_tools.UnrebuiltTool` (a ValueError) for a tool or the
+            environment factory it trained with that cannot be rebuilt here (the message names it, its agent, and
+            what to pass), and ValueError for a function in `tools` that stands in for none.
     """
     path = resolve_team_folder(path)
     spec = read_team_file(path)
@@ -498,7 +532,6 @@ def load_team(
                     f"The team in {path} names its transition {spec['transition']!r}, which cannot be imported here "
                     f"({error}): pass `transition=` to load_team."
                 ) from error
-    trained_tools = saved_tools(spec, str(path), task, tools, environment_factory)  # before any model loads
     groups = spec_bases(spec)
     if use_vllm and len(groups) > 1:
         raise ValueError(
@@ -542,5 +575,6 @@ def load_team(
         engine,
         captured_decode,
         other_bases,
-        tools=trained_tools,
+        tools=functools.partial(saved_tools, spec, str(path), task, tools, environment_factory),
+        max_model_length=position_limit(first.model.config, vllm_max_model_length if use_vllm else None)[0],
     )

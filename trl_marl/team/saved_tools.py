@@ -9,10 +9,15 @@
 - each agent's own `tools` entry as it was given: functions by importable name, the environment's methods by their
   names (`[]`: none; no entry: all of the environment's).
 
-A function or class without an importable name (a lambda, a function or class defined inside a function, one typed
-into an interactive session) is recorded as `{"name": <its __name__>, "importable": false}`: rebuilding it is an error
-naming it (and its agent) that says to pass it again (`tools=[...]`, `environment_factory=` of `load_team` and
-`evaluate_task`).
+Names are rebuilt with `importable.import_by_name`, which reads what `importable_name` writes: `"module:function"`, a
+dotted attribute (`"module:Class.method"`), a script's path (`"/path/train.py:function"`, for a script run as
+`python train.py`: the script runs again as a module, its `if __name__ == "__main__":` block left out), a module that
+moved, and TRL's `"package.module.function"`. A function or class without an importable name (a lambda, a function or
+class defined inside a function, one typed into an interactive session) is recorded as `{"name": <its __name__>,
+"importable": false}`. Rebuilding one of those, or a name that does not import here, is an `UnrebuiltTool` error naming
+it (and its agent) that says to pass it again (`tools=[...]`, `environment_factory=` of `load_team` and
+`evaluate_task`). A function given again stands in only for such recorded tools of its `__name__`, never for one that
+imports here.
 
 A `team.json` written before these fields (no `environment_factory`) keeps loading: its agents' recorded `tools` are
 kept, no trainer `tools=` (it did not record them), and its task's environment when the task has one (what evaluation
@@ -26,16 +31,11 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from ..generation.tool_calling import (
-    TeamTools,
-    ToolCalling,
-    is_importable,
-    prepare_tool_tokenizer,
-    resolve_tool,
-)
+from ..generation.tool_calling import TeamTools, ToolCalling, is_importable, prepare_tool_tokenizer
 from .base_generation import tokenize_text_prompts
 from .importable import import_by_name, importable_name
 
@@ -83,6 +83,49 @@ class SavedTools:
         return bool(self.tools or self.environment_factory or any(self.agent_tools))
 
 
+class UnrebuiltTool(ValueError):
+    """A tool or environment factory a saved team trained with that cannot be rebuilt here.
+
+    Attributes:
+        problem: what it is and why it cannot be rebuilt ("The team in ... trained agent 'a' with the tool 'f', ...").
+        keyword, value: what to pass again (`tools`, `[f]`; `environment_factory`, `MyEnvironment`).
+        remedy: what else would rebuild it here ("install what it needs here"), or None.
+    """
+
+    def __init__(self, problem: str, keyword: str, value: str, remedy: str | None = None):
+        self.problem, self.keyword, self.value, self.remedy = problem, keyword, value, remedy
+        passed = f"{keyword}={value}"
+        super().__init__(self.telling(f"pass it again: load_team(..., {passed}) or evaluate_task(..., {passed})"))
+
+    def telling(self, passing: str) -> str:
+        """The message, `passing` saying how to pass it again where the error is shown."""
+        return f"{self.problem}: {self.remedy + ', or ' if self.remedy else ''}{passing}."
+
+
+def _imported(name: str, problem: str, keyword: str, value: str) -> Callable:
+    """What team.json names `name` (`import_by_name`), imported here. Raises `UnrebuiltTool` (`problem` says what it
+    is) when it does not import: any error its module raises, since importing runs the module's (or script's) code,
+    a script's `sys.exit` at its top level included."""
+    try:
+        found = import_by_name(name)
+        if not callable(found):
+            raise TypeError(f"{name} is a {type(found).__name__}, not a function or class")
+    except (Exception, SystemExit) as error:
+        script = name.rpartition(":")[0]
+        if not script.endswith(".py"):
+            remedy = "install what it needs here"
+        else:
+            remedy = "fix the script" if Path(script).is_file() else "put the script back at that path"
+        reason = f"{type(error).__name__}: {error}"
+        raise UnrebuiltTool(f"{problem}, which cannot be imported here ({reason})", keyword, value, remedy) from error
+    return found
+
+
+def short_name(name: str) -> str:
+    """A recorded tool's `__name__`: the last part of its importable name (`"pkg.tools:Search.run"` → `"run"`)."""
+    return name.rpartition(":")[2].rpartition(".")[2]
+
+
 def saved_tools(
     spec: dict,
     where: str,
@@ -94,40 +137,44 @@ def saved_tools(
 
     Args:
         task: the team's task, when loadable: its environment for a team.json that did not record one.
-        tools: functions given again, standing in for the recorded tools of the same name (`__name__`), in the
-            trainer's `tools` and in every agent's: needed for those team.json could not name by import path.
+        tools: functions given again, each standing in for the recorded tools of its `__name__` (in the trainer's
+            `tools` and in every agent's) that cannot be rebuilt here: those team.json could not name by import path,
+            and those whose name does not import here. A recorded tool that imports is never replaced.
         environment_factory: given again, it stands in for the recorded one.
 
     Raises:
-        ValueError: a recorded tool or factory has no importable name and is not given again, or its name does not
-            import here; a given tool replaces none of the recorded ones. The message names the agent and the tool.
+        UnrebuiltTool (a ValueError): a recorded tool or factory has no importable name, or its name does not import
+            here, and is not given again. The message names the agent and the tool.
+        ValueError: a given tool stands in for none of the recorded ones.
     """
     given = {tool.__name__: tool for tool in tools or []}
-    used = set()
+    used, importing = set(), {}  # stand-ins used; the recorded names that imported, by `__name__`
 
     def rebuild(tool, whose: str) -> Callable | str:
-        name = tool.get("name") if isinstance(tool, dict) else tool
-        if isinstance(name, str) and (isinstance(tool, dict) or is_importable(name)):
-            short = name.rpartition(":")[2].rpartition(".")[2]
-            if short in given:
-                used.add(short)
-                return given[short]
-        if tool is None or isinstance(tool, dict):
-            shown = f"the tool {name!r}" if name else "a tool"
-            raise ValueError(
-                f"The team in {where} trained {whose} with {shown}, which has no importable name (a lambda or a local "
-                f"function), so team.json could not record where it is: pass it again, "
-                f"load_team(..., tools=[{name or '...'}]) or evaluate_task(..., tools=[{name or '...'}])."
-            )
-        if not is_importable(tool):
+        if isinstance(tool, str) and not is_importable(tool):
             return tool  # an environment method, by name
+        if not isinstance(tool, str):  # recorded without an importable name
+            name = (tool or {}).get("name")
+            if name in given:
+                used.add(name)
+                return given[name]
+            shown = f"the tool {name!r}" if name else "a tool"
+            raise UnrebuiltTool(
+                f"The team in {where} trained {whose} with {shown}, which has no importable name (a lambda or a local "
+                "function), so team.json could not record where it is",
+                "tools",
+                f"[{name or '...'}]",
+            )
+        short, problem = short_name(tool), f"The team in {where} trained {whose} with the tool {tool!r}"
         try:
-            return resolve_tool(tool, f"The team in {where} ({whose})")
-        except ValueError as error:
-            raise ValueError(
-                f"{error} Install what it needs here, or pass the function again: load_team(..., tools=[...]) or "
-                "evaluate_task(..., tools=[...])."
-            ) from None
+            found = _imported(tool, problem, "tools", f"[{short}]")
+        except UnrebuiltTool:
+            if short not in given:
+                raise
+            used.add(short)
+            return given[short]
+        importing.setdefault(short, []).append(tool)
+        return found
 
     trainer_tools = [rebuild(tool, "every agent (the trainer's `tools=`)") for tool in spec.get("tools", [])]
     agent_tools = [
@@ -136,9 +183,17 @@ def saved_tools(
     ]
     unused = sorted(set(given) - used)
     if unused:
+        kept = sorted({name for short in unused for name in importing.get(short, [])})
+        recorded = (
+            f"{kept} import here and are kept"
+            if kept
+            else f"it trained with {spec.get('tools', [])} (the trainer's) and "
+            f"{[agent.get('tools') for agent in spec['agents']]} (the agents')"
+        )
         raise ValueError(
-            f"`tools` gives {unused}, but the team in {where} trained with no tool of that name (the trainer's: "
-            f"{spec.get('tools', [])}; the agents': {[agent.get('tools') for agent in spec['agents']]})."
+            f"`tools` gives {unused}, but a function given again stands in only for a recorded tool of its name that "
+            f"cannot be rebuilt here (no importable name, or a name that does not import), and the team in {where} "
+            f"has none of that name: {recorded}."
         )
     if environment_factory is None:
         environment_factory = _saved_environment_factory(spec, where, task)
@@ -159,20 +214,15 @@ def _saved_environment_factory(spec: dict, where: str, task: Any) -> Callable | 
     if recorded == NO_ENVIRONMENT:
         return None
     if isinstance(recorded, dict):
-        raise ValueError(
+        raise UnrebuiltTool(
             f"The team in {where} trained with the environment factory {recorded.get('name')!r}, which has no "
             "importable name (a lambda, or a class or function defined inside a function), so team.json could not "
-            "record where it is: pass it again, load_team(..., environment_factory=...) or "
-            "evaluate_task(..., environment_factory=...)."
+            "record where it is",
+            "environment_factory",
+            recorded.get("name") or "...",
         )
-    try:
-        return import_by_name(recorded)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(
-            f"The team in {where} names its environment factory {recorded!r}, which cannot be imported here "
-            f"({error}): install what it needs, or pass it again: load_team(..., environment_factory=...) or "
-            "evaluate_task(..., environment_factory=...)."
-        ) from error
+    problem = f"The team in {where} trained with the environment factory {recorded!r}"
+    return _imported(recorded, problem, "environment_factory", short_name(recorded))
 
 
 def saved_tool_calling(saved: SavedTools, spec: dict, tokenizer, max_model_length: int | None) -> ToolCalling:
