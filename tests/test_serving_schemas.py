@@ -211,3 +211,131 @@ def test_a_schema_the_grammar_cannot_enforce_is_a_400_naming_the_tool_and_the_ke
     )
     error = response.json()["error"]
     assert response.status_code == 400 and error["param"] == "response_format.json_schema.schema.properties.shape.$ref"
+
+
+# -- objects completed through `$ref`, and `oneOf` / `not`, whose closing would change what the schema allows
+
+FLAG = {"type": "boolean"}
+BASE = {"type": "object", "properties": {"a": FLAG}, "required": ["a"]}
+# `Base`'s keys are completed in place by the other `allOf` branch / by the `properties` beside the `$ref`
+BASE_AND_B = {"$defs": {"Base": BASE}, "allOf": [{"$ref": "#/$defs/Base"},
+              {"type": "object", "properties": {"b": FLAG}, "required": ["b"]}]}  # fmt: skip
+REF_BESIDE_B = {"$defs": {"Base": BASE}, "type": "object", "$ref": "#/$defs/Base", "properties": {"b": FLAG},
+                "required": ["b"]}  # fmt: skip
+# through a chain of definitions: `Base` reached from an `allOf` branch by way of `Middle`
+CHAINED = {"$defs": {"Base": BASE, "Middle": {"$ref": "#/$defs/Base"}}, "allOf": [{"$ref": "#/$defs/Middle"},
+           {"type": "object", "properties": {"b": FLAG}, "required": ["b"]}]}  # fmt: skip
+COMPLETED_THROUGH_REFS = [BASE_AND_B, REF_BESIDE_B, CHAINED]
+
+
+def optional_b(schema: dict) -> dict:
+    """`schema` with `b` no longer required (`a` still is)."""
+    text = json.dumps(schema).replace('"required": ["b"]', '"required": []')
+    return json.loads(text)
+
+
+@pytest.mark.parametrize("parameters", COMPLETED_THROUGH_REFS)
+def test_a_definition_completed_in_place_through_a_ref_is_served_and_every_call_validates(client, parameters):
+    reply = client.chat.completions.create(
+        model="planner", messages=QUESTION, tools=[tool("go", parameters)], tool_choice="required", n=8,
+        parallel_tool_calls=False, temperature=1.0, seed=0, max_tokens=MAX_TOKENS,
+    )  # fmt: skip
+    whole = [choice.message.tool_calls[0] for choice in reply.choices if choice.finish_reason == "tool_calls"]
+    # the composed object itself stays open (its keys come from two subschemas), so some answers write other keys
+    # until `max_tokens`; every call that came back whole follows the schema as given
+    assert len(whole) >= 4 and all(choice.finish_reason in ("tool_calls", "length") for choice in reply.choices)
+    for call in whole:
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, parameters)
+        assert {"a", "b"} <= set(arguments)
+
+
+@pytest.mark.parametrize("parameters", COMPLETED_THROUGH_REFS)
+def test_a_key_that_a_sibling_of_a_ref_lists_can_be_written_when_it_is_optional(server, parameters):
+    rules = {"tools": [tool("go", optional_b(parameters))], "tool_choice": "required"}
+    assert accepts(server, rules, call_text('{"a": true, "b": false}'))
+    assert accepts(server, rules, call_text('{"a": true}'))
+
+
+def test_closing_leaves_open_the_definitions_a_ref_completes_in_place_and_closes_those_a_value_refers_to():
+    from trl_marl.serving.json_schemas import closed_objects
+
+    for schema in COMPLETED_THROUGH_REFS:
+        closed = closed_objects(schema)
+        assert "additionalProperties" not in closed["$defs"]["Base"]
+        assert all("additionalProperties" not in branch for branch in closed.get("allOf", ()))
+    assert "additionalProperties" not in closed_objects(REF_BESIDE_B)
+    # a definition a property's value refers to (pydantic's nested model) is closed, even behind an Optional's anyOf
+    closed = closed_objects(Trip.model_json_schema())
+    assert closed["$defs"]["Spot"]["additionalProperties"] is False and closed["additionalProperties"] is False
+    closed = closed_objects(Step.model_json_schema())  # `Step` refers to itself from a value: still closed
+    assert closed["$defs"]["Step"]["additionalProperties"] is False
+    # the same definition reached from a value and from an `allOf` branch: left open
+    both = {**BASE_AND_B, "properties": {"inner": {"$ref": "#/$defs/Base"}}}
+    assert "additionalProperties" not in closed_objects(both)["$defs"]["Base"]
+
+
+ONE_OF = {  # `{"a": 1}` is valid under both open branches, so the schema refuses it
+    "type": "object",
+    "oneOf": [
+        {"type": "object", "properties": {"a": {"const": 1}}, "required": ["a"]},
+        {"type": "object", "properties": {"b": {"type": "integer"}}},
+    ],
+}
+NOT = {  # refuses an `a` holding `x: 1`, whatever else `a` holds
+    "type": "object",
+    "properties": {"a": {"type": "object"}},
+    "not": {"properties": {"a": {"type": "object", "properties": {"x": {"const": 1}}, "required": ["x"]}},
+            "required": ["a"]},
+}  # fmt: skip
+IF = {  # an `a` holding `x: 1` must also hold `y`
+    "type": "object",
+    "properties": {"a": {"type": "object"}},
+    "if": {"properties": {"a": {"type": "object", "properties": {"x": {"const": 1}}, "required": ["x"]}},
+           "required": ["a"]},
+    "then": {"properties": {"a": {"required": ["y"]}}},
+}  # fmt: skip
+
+
+class Cat(BaseModel):
+    kind: Literal["cat"]
+    lives: int
+
+
+class Dog(BaseModel):
+    kind: Literal["dog"]
+    good: bool
+
+
+class Pet(BaseModel):  # a discriminated union: pydantic writes a `oneOf` of `$ref`s and a `discriminator`
+    pet: Cat | Dog = Field(discriminator="kind")
+
+
+@pytest.mark.parametrize(
+    ("schema", "instances"),
+    [
+        (ONE_OF, [{"a": 1}, {"b": 2}, {"a": 1, "b": 2}, {"a": 2}]),
+        (NOT, [{"a": {"x": 1}}, {"a": {"x": 1, "z": 0}}, {"a": {"x": 2}}, {"a": {}}]),
+        (IF, [{"a": {"x": 1}}, {"a": {"x": 1, "y": 0}}, {"a": {"x": 1, "z": 0}}, {"a": {"x": 2}}]),
+        (Pet.model_json_schema(), [{"pet": {"kind": "cat", "lives": 9}}, {"pet": {"kind": "dog", "good": True}},
+                                   {"pet": {"kind": "cat", "lives": 9, "good": True}}]),
+        (BASE_AND_B, [{"a": True, "b": True}, {"a": True}, {"a": True, "b": True, "c": 0}]),
+    ],
+)  # fmt: skip
+def test_every_instance_a_closed_schema_accepts_the_schema_accepts(schema, instances):
+    from trl_marl.serving.json_schemas import closed_objects
+
+    closed = closed_objects(schema)
+    for instance in instances:
+        if jsonschema.Draft202012Validator(closed).is_valid(instance):
+            assert jsonschema.Draft202012Validator(schema).is_valid(instance), instance
+
+
+def test_one_of_branches_are_left_as_written_unless_a_required_constant_tells_them_apart():
+    from trl_marl.serving.json_schemas import closed_objects
+
+    assert closed_objects(ONE_OF)["oneOf"] == ONE_OF["oneOf"]
+    assert closed_objects(NOT)["not"] == NOT["not"] and closed_objects(IF)["if"] == IF["if"]
+    closed = closed_objects(Pet.model_json_schema())  # `kind` tells Cat from Dog: at most one branch holds
+    assert closed["$defs"]["Cat"]["additionalProperties"] is False
+    assert closed["$defs"]["Dog"]["additionalProperties"] is False

@@ -403,20 +403,23 @@ def test_a_grammars_bitmask_unpacks_to_the_same_allowed_tokens_on_the_host_and_o
 def written(server, monkeypatch):
     """`written(text)`: from now on, every row the server generates writes exactly `text` (a grammar of that one
     string on the real model, then its end-of-sequence token), whatever the request's own rules; what the answer is
-    read back as (content, tool calls, stream deltas) is then the server's doing alone."""
+    read back as (content, tool calls, stream deltas) is then the server's doing alone. `max_new_tokens` cuts it
+    there (finish reason "length")."""
     import llguidance
 
     from trl_marl.serving.grammars import CompiledGrammar
     from trl_marl.serving.prompts import PromptRenderer
 
-    def write(text: str) -> None:
+    def write(text: str, max_new_tokens: int = 400) -> None:
         rows_of = PromptRenderer.rows_of
         grammar = CompiledGrammar(server.engine.grammars_of(0), llguidance.LLMatcher.grammar_from_lark(
             f"start: {json.dumps(text)}\n"))  # fmt: skip
 
         def scripted(renderer, parsed, agent):
             rendered = rows_of(renderer, parsed, agent)
-            rendered.rows[:] = [dataclasses.replace(row, grammar=grammar, max_new_tokens=400) for row in rendered.rows]
+            rendered.rows[:] = [
+                dataclasses.replace(row, grammar=grammar, max_new_tokens=max_new_tokens) for row in rendered.rows
+            ]
             return rendered
 
         monkeypatch.setattr(PromptRenderer, "rows_of", scripted)
@@ -492,6 +495,120 @@ def test_streamed_content_equals_the_unstreamed_messages_around_and_after_the_ca
     deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
     assert deltas == "".join(part.text for item in response.output if item.type == "message" for part in item.content)
     assert deltas == (content or "")
+
+
+RESPONSES_WEATHER = {"type": "function", **WEATHER["function"]}  # the same tool, as the Responses API gives it
+
+
+def output_items(items) -> list[tuple]:
+    """A response's output items as what they say (their ids aside): a message's status and text, a call's status,
+    name and arguments."""
+    return [
+        (item.type, item.status, item.content[0].text)
+        if item.type == "message"
+        else (item.type, item.status, item.name, item.arguments)
+        for item in items
+    ]
+
+
+def responses_both_ways(client, **settings) -> tuple:
+    """The same Responses request answered unstreamed (the response) and streamed (the stream's events, the last of
+    them `response.completed` or `response.incomplete`, holding the streamed response)."""
+    settings = {"model": "planner", "input": "Weather?", "tools": [RESPONSES_WEATHER], **settings}
+    response = client.responses.create(**settings)
+    events = list(client.responses.create(stream=True, **settings))
+    return response, events
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"Hello{hermes_call('Paris')}\n\nWorld",
+        f"{hermes_call('Paris')}\nDone, it is sunny.",
+        f"Before {hermes_call('Paris')} between {hermes_call('Rome')} after",
+        f"{hermes_call('Paris')}\n{hermes_call('Rome')}",
+        "No tool needed.",
+    ],
+)
+def test_a_streamed_responses_output_holds_the_unstreamed_responses_items_in_its_order(client, written, text):
+    written(text)
+    response, events = responses_both_ways(client)
+    assert events[-1].type == "response.completed"
+    assert output_items(events[-1].response.output) == output_items(response.output)
+    done = [event for event in events if event.type == "response.output_item.done"]
+    assert [event.output_index for event in done] == list(range(len(response.output)))  # one item after another
+    assert output_items([event.item for event in done]) == output_items(response.output)
+
+
+def test_a_streamed_responses_output_fed_back_with_its_calls_results_is_answered_as_the_unstreamed_one(
+    client, server, written
+):
+    written(f"Hello{hermes_call('Paris')}\n\nWorld")
+    response, events = responses_both_ways(client)
+
+    def fed_back(output) -> list[dict]:  # what the Agents SDK sends next: the input, the output, each call's result
+        results = [{"type": "function_call_output", "call_id": item.call_id, "output": "sunny"}
+                   for item in output if item.type == "function_call"]  # fmt: skip
+        return [{"role": "user", "content": "Weather?"}, *(item.model_dump(exclude_none=True) for item in output),
+                *results]  # fmt: skip
+
+    answers = [
+        httpx.post(f"{server.base_url}/responses", headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"model": "planner", "input": fed_back(output), "tools": [RESPONSES_WEATHER]})
+        for output in (events[-1].response.output, response.output)
+    ]  # fmt: skip
+    assert [answer.status_code for answer in answers] == [200, 200], answers[0].text
+    assert answers[0].json()["usage"]["input_tokens"] == answers[1].json()["usage"]["input_tokens"]
+
+
+def test_an_assistant_message_item_between_calls_and_their_outputs_is_the_text_of_the_turn_that_called(client):
+    call = {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": '{"city": "Paris"}'}
+    result = {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}
+    question = {"role": "user", "content": "Weather?"}
+
+    def said(text: str) -> dict:
+        return {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": text}]}
+
+    def input_tokens(items: list[dict]) -> int:
+        settings = dict(model="planner", tools=[RESPONSES_WEATHER], max_output_tokens=1)
+        return client.responses.create(input=items, **settings).usage.input_tokens
+
+    def chat_prompt_tokens(content: str) -> int:
+        function = {"name": "weather", "arguments": call["arguments"]}
+        messages = [question, {"role": "assistant", "content": content, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": function}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]  # fmt: skip
+        return tool_chat(client, messages=messages, tools=[WEATHER], max_tokens=1).usage.prompt_tokens
+
+    assert input_tokens([question, call, said("World"), result]) == chat_prompt_tokens("World")
+    assert input_tokens([question, said("Hello"), call, said("World"), result]) == chat_prompt_tokens("Hello\n\nWorld")
+    assert chat_prompt_tokens("World") != chat_prompt_tokens("")
+
+
+UNCLOSED = 'Let me look.\n<tool_call>\n{"name": "weather", "arguments": {"city": "Par'
+CUT_INSIDE_THE_CALL = 20  # tokens: the tiny model writes `Let me look.\n<tool_call>\n` in 11, the whole call in 33
+
+
+def test_an_unclosed_tool_call_at_a_normal_end_stays_in_the_content_as_written_whole_and_streamed(client, written):
+    written(UNCLOSED)
+    choice = tool_chat(client, tools=[WEATHER], temperature=0).choices[0]
+    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (UNCLOSED, None, "stop")
+    assert streamed_message(client, tools=[WEATHER], temperature=0) == (UNCLOSED, [], "stop")
+    response, events = responses_both_ways(client)
+    assert output_items(response.output) == [("message", "completed", UNCLOSED)]
+    assert output_items(events[-1].response.output) == output_items(response.output)
+
+
+def test_a_tool_call_cut_by_the_length_limit_is_left_out_of_the_content_whole_and_streamed(client, written):
+    written(UNCLOSED + 'is"}}\n</tool_call>', max_new_tokens=CUT_INSIDE_THE_CALL)
+    choice = tool_chat(client, tools=[WEATHER], temperature=0).choices[0]
+    assert (choice.message.content, choice.message.tool_calls) == ("Let me look.", None)
+    assert choice.finish_reason == "length"
+    assert streamed_message(client, tools=[WEATHER], temperature=0) == ("Let me look.", [], "length")
+    response, events = responses_both_ways(client)
+    assert response.status == "incomplete" and events[-1].type == "response.incomplete"
+    assert output_items(response.output) == [("message", "completed", "Let me look.")]
+    assert output_items(events[-1].response.output) == output_items(response.output)
 
 
 # -- the programs guide's Agents SDK episode (docs/programs.md, "The OpenAI Agents SDK")

@@ -279,7 +279,9 @@ def build_app(engine: BatchingEngine, settings: ServingSettings, tokenizing: Thr
         logprobs = parsed.top_logprobs is not None
 
         def body() -> bytes:  # off the event loop: a body with log-probabilities may be megabytes
-            messages = [reader.message(row.completion_ids, row.request.prompt_ids, row.text) for row in rows]
+            messages = [
+                reader.message(row.completion_ids, row.request.prompt_ids, row.text, row.finish_reason) for row in rows
+            ]
             if responses is not None:
                 content, calls = messages[0]
                 status, incomplete = (
@@ -331,7 +333,10 @@ def build_app(engine: BatchingEngine, settings: ServingSettings, tokenizing: Thr
             call_deltas = []
             if calls is not None:  # the content around the calls, and each call once it is whole
                 written[index] += text
-                text, call_deltas = calls[index].deltas(row.completion_ids, row.text if done else written[index], done)
+                ended = finish_reason if done else None  # None: the answer is still being written
+                text, call_deltas = calls[index].deltas(
+                    row.completion_ids, row.text if done else written[index], ended
+                )
                 if done and calls[index].calls_sent and finish_reason == "stop":
                     finish_reason = "tool_calls"
             if text or logprobs is not None:

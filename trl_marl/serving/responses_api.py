@@ -149,8 +149,10 @@ def chat_response_format(text: Any) -> dict:
 
 def conversation(value: Any, instructions: Any) -> list[dict]:
     """`instructions` and `input` as chat messages (`tool_calls` and `tool` messages as `requests.messages` makes
-    them), each `function_call` item joined to the assistant message it follows. A history whose calls and results do
-    not match is refused naming the input item (`tool_requests.check_tool_exchanges`)."""
+    them), each `function_call` item joined to the assistant message it follows, and an assistant `message` item
+    between a turn's calls and their outputs joined to that turn (its text after the turn's, a blank line between).
+    A history whose calls and results do not match is refused naming the input item
+    (`tool_requests.check_tool_exchanges`)."""
     from .requests import messages
 
     if instructions is not None and not isinstance(instructions, str):
@@ -170,6 +172,15 @@ def conversation(value: Any, instructions: Any) -> list[dict]:
             content = item.get("content")
             if isinstance(content, list):
                 content = [text_part(part, f"{where}.content[{position}]") for position, part in enumerate(content)]
+            calling = chat[-1] if chat and chat[-1]["role"] == "assistant" and chat[-1].get("tool_calls") else None
+            texts = (content, calling["content"]) if calling is not None else ()
+            if (
+                item.get("role") == "assistant"
+                and texts
+                and all(isinstance(text, str | list | None) for text in texts)
+            ):
+                calling["content"] = joined_text(calling["content"], content)  # said between the calls and results
+                continue
             chat.append({"role": item.get("role"), "content": content})
             origins.append(where)
         elif kind == "function_call":
@@ -199,6 +210,18 @@ def conversation(value: Any, instructions: Any) -> list[dict]:
         turns, lambda message, call: origins[message] if call is None else call_origins[message, call]
     )
     return turns
+
+
+def joined_text(content: str | list | None, more: str | list) -> str | list:
+    """An assistant turn's content (a string, text parts, or None) with the text of a later message of the same turn
+    after it, a blank line between."""
+    if not content or not more:
+        return content or more
+
+    def parts(text: str | list) -> list:
+        return [{"type": "text", "text": text}] if isinstance(text, str) else text
+
+    return [*parts(content), {"type": "text", "text": "\n\n"}, *parts(more)]
 
 
 def text_part(part: Any, where: str) -> dict:
@@ -272,7 +295,11 @@ def responses_usage(usage: dict) -> dict:
 
 class ResponseEvents:
     """The Responses API's stream events of one answer, from the chat path's deltas (content text, tool-call deltas
-    in the chat format, the end): each a server-sent event `event: <type>` with its JSON `data`."""
+    in the chat format, the end): each a server-sent event `event: <type>` with its JSON `data`.
+
+    Its output items are the unstreamed response's (`output_items`): one message holding all the content, then a
+    `function_call` item per call. The message's text is sent as it is written; since text may still follow a call
+    (and belongs to the message before it), the calls are held and sent once the answer ends, after the message."""
 
     def __init__(self, model: str, echo: dict):
         self.response_id, self.created = new_id("resp"), int(time.time())
@@ -281,7 +308,7 @@ class ResponseEvents:
         self.output: list[dict] = []  # the items done so far
         self.message: dict | None = None  # the message item being written
         self.text = ""
-        self.calls: dict[int, dict] = {}  # chat tool-call index -> its item being written
+        self.calls: dict[int, dict] = {}  # chat tool-call index -> the call, held until the answer ends
 
     def event(self, kind: str, **data) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **data}
@@ -325,36 +352,39 @@ class ResponseEvents:
             self.event("response.output_item.done", output_index=index, item=done),
         ]  # fmt: skip
         self.output.append(done)
-        self.message = None
+        self.message, self.text = None, ""
         return events
 
     def tool_call(self, delta: dict) -> list[str]:
-        """A chat tool-call delta: its first (index, id, name) opens the item; an arguments delta adds to it and,
-        the chat path sending a call's arguments whole, completes it."""
-        events = self._close_message()
+        """A chat tool-call delta (its first: index, id, name; then its arguments), held until the answer ends."""
         index = delta["index"]
         if index not in self.calls:
-            call = {"id": delta["id"], "function": {"name": delta["function"]["name"], "arguments": ""}}
-            self.calls[index] = call
+            self.calls[index] = {"id": delta["id"], "function": {"name": delta["function"]["name"], "arguments": ""}}
+        self.calls[index]["function"]["arguments"] += delta.get("function", {}).get("arguments", "")
+        return []
+
+    def _call_items(self) -> list[str]:
+        """Each held call's events: its item added, its arguments (whole), its item done."""
+        events = []
+        for index in sorted(self.calls):
+            call, output_index = self.calls[index], len(self.output)
+            item_id, arguments = "fc_" + call["id"].removeprefix("call_"), call["function"]["arguments"]
             item = function_call_item(call, "in_progress", arguments="")
-            events.append(self.event("response.output_item.added", output_index=len(self.output), item=item))
-        call = self.calls[index]
-        arguments = delta.get("function", {}).get("arguments", "")
-        if arguments:
-            item_id = "fc_" + call["id"].removeprefix("call_")
-            call["function"]["arguments"] += arguments
-            events.append(self.event("response.function_call_arguments.delta", item_id=item_id,
-                                     output_index=len(self.output), delta=arguments))  # fmt: skip
-            events.append(self.event("response.function_call_arguments.done", item_id=item_id,
-                                     output_index=len(self.output), arguments=call["function"]["arguments"],
-                                     name=call["function"]["name"]))  # fmt: skip
             done = function_call_item(call, "completed")
-            events.append(self.event("response.output_item.done", output_index=len(self.output), item=done))
+            events += [
+                self.event("response.output_item.added", output_index=output_index, item=item),
+                self.event("response.function_call_arguments.delta", item_id=item_id, output_index=output_index,
+                           delta=arguments),
+                self.event("response.function_call_arguments.done", item_id=item_id, output_index=output_index,
+                           arguments=arguments, name=call["function"]["name"]),
+                self.event("response.output_item.done", output_index=output_index, item=done),
+            ]  # fmt: skip
             self.output.append(done)
+        self.calls = {}
         return events
 
     def finish(self, usage: dict, finish_reason: str) -> list[str]:
-        events = self._close_message()
+        events = self._close_message() + self._call_items()
         if not self.output:  # an empty answer is still a message
             events += self.content("") + self._close_message()
         incomplete = "max_output_tokens" if finish_reason == "length" else None

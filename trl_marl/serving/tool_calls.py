@@ -9,7 +9,8 @@ For Hermes-style calls (`<tool_call>\\n{...}\\n</tool_call>`: trl_marl's ChatML 
 cut into its calls and the text around them here, the same way whole and streamed (`read_answer`):
 
 - each closed `<tool_call>...</tool_call>` block that parses as one call is that call; one that does not (malformed)
-  stays in the content as written; an unfinished block (the answer ended inside it: `max_tokens`) is left out;
+  stays in the content as written; so does a block never closed when the answer ended on its own (its end of
+  sequence, a stop string), while one the length limit (`max_tokens`) cut inside is left out, an unfinished call;
 - the content is the rest of the text, blocks taken out, with the whitespace at its two ends removed; None when the
   answer holds calls and no other text, as OpenAI gives it.
 
@@ -58,13 +59,15 @@ class AnswerReader:
     def reads_tool_calls(self) -> bool:
         return self.rules is not None and self.rules.parses_tool_calls
 
-    def message(self, completion_ids: list[int], prompt_ids: list[int], text: str) -> tuple[str | None, list[dict]]:
-        """The answer's content and its tool calls (OpenAI's format); `text` is the answer decoded (the content when
-        no tools are read)."""
+    def message(
+        self, completion_ids: list[int], prompt_ids: list[int], text: str, finish_reason: str
+    ) -> tuple[str | None, list[dict]]:
+        """The content and tool calls (OpenAI's format) of an answer that ended for `finish_reason` ("length" when the
+        length limit cut it); `text` is the answer decoded (the content when no tools are read)."""
         if not self.reads_tool_calls:
             return text, []
         if self.hermes:
-            content, calls = self.read_answer(text, prompt_ids, final=True)
+            content, calls = self.read_answer(text, prompt_ids, finish_reason)
         else:
             parsed = parse_tool_calls(self.tokenizer, completion_ids, prompt_ids, list(self.rules.tools))
             content, calls = (parsed.get("content") or "").strip(), self.allowed(openai_tool_calls(parsed))
@@ -75,20 +78,21 @@ class AnswerReader:
         return calls if self.rules.parallel_tool_calls else calls[:1]
 
     def read_answer(
-        self, text: str, prompt_ids: list[int], final: bool, parsed_blocks: dict | None = None
+        self, text: str, prompt_ids: list[int], finish_reason: str | None, parsed_blocks: dict | None = None
     ) -> tuple[str, list[dict]]:
-        """The content and calls of a Hermes-style answer's `text` (the module's rules). Before the answer is `final`,
-        the content leaves out what may still change: an unfinished block, a tail that could open one, its trailing
-        whitespace. `parsed_blocks` keeps each block's call (or None) between calls, so a stream parses a block once
-        and its call keeps its id."""
+        """The content and calls of a Hermes-style answer's `text` (the module's rules), which ended for
+        `finish_reason`, or is still being written (None): the content then leaves out what may still change, an
+        unfinished block, a tail that could open one, its trailing whitespace. `parsed_blocks` keeps each block's call
+        (or None) between calls, so a stream parses a block once and its call keeps its id."""
         parsed_blocks = {} if parsed_blocks is None else parsed_blocks
         pieces, calls, start = [], [], 0
         while True:
             opening = text.find(HERMES_OPENING, start)
             closing = text.find(HERMES_CLOSING, opening) if opening >= 0 else -1
-            if closing < 0:  # no more closed blocks: the rest is text, up to an unfinished block
-                rest = text[start:] if opening < 0 else text[start:opening]
-                if opening < 0 and not final:
+            if closing < 0:  # no more closed blocks: the rest is text, an unfinished block kept only at a normal end
+                cut = finish_reason in (None, "length")
+                rest = text[start:] if opening < 0 or not cut else text[start:opening]
+                if opening < 0 and finish_reason is None:
                     rest = rest[: len(rest) - held_back(rest, HERMES_OPENING)]
                 pieces.append(rest)
                 break
@@ -122,14 +126,15 @@ class ToolCallStream:
         self.calls_sent: list[dict] = []
         self._parsed_blocks: dict = {}
 
-    def deltas(self, completion_ids: list[int], text: str, final: bool) -> tuple[str, list[dict]]:
+    def deltas(self, completion_ids: list[int], text: str, finish_reason: str | None) -> tuple[str, list[dict]]:
         """The content to send now and the tool-call deltas (a name delta and an arguments delta per call) of the
-        answer's `text` so far; once it is `final`, the rest of the message's content and calls."""
+        answer's `text` so far; once it ended (for `finish_reason`, None before), the rest of the message's content
+        and calls."""
         reader = self.reader
         if reader.hermes:
-            content, calls = reader.read_answer(text, self.prompt_ids, final, self._parsed_blocks)
-        elif final:
-            content, calls = reader.message(completion_ids, self.prompt_ids, text)
+            content, calls = reader.read_answer(text, self.prompt_ids, finish_reason, self._parsed_blocks)
+        elif finish_reason is not None:
+            content, calls = reader.message(completion_ids, self.prompt_ids, text, finish_reason)
             content = content or ""
         else:  # another template's calls are read from the whole answer
             return "", []
