@@ -891,3 +891,20 @@ def test_a_tool_given_again_stands_in_only_for_the_recorded_tools_that_cannot_be
         ValueError, match=r"`tools` gives \['look_up'\].*\['test_tools:look_up'\] import here and are kept"
     ):
         load_team(folder, captured_decode=False, tools=[local_look_up]).run([{"role": "user", "content": "Hi."}])
+
+
+def test_a_math_tool_calls_episode_on_a_machine_without_a_sandbox_stops_naming_what_is_missing(monkeypatch, tmp_path):
+    """Not one tool error per call, which the team would train on: the episode's environment refuses to start."""
+    from trl_marl.sandbox import SandboxUnavailable
+    from trl_marl.sandbox.capability import probe
+    from trl_marl.tasks import sandbox_runs
+    from trl_marl.tasks.math_tool_calls import PythonRunner
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap on it
+    monkeypatch.setattr(sandbox_runs, "_sandbox", None)
+    probe.cache_clear()
+    try:
+        with pytest.raises(SandboxUnavailable, match="bubblewrap is not installed"):
+            PythonRunner().reset(question="What is 1 plus 1?", answer="2")
+    finally:
+        probe.cache_clear()

@@ -37,6 +37,7 @@ from .math_tool import (
     math_prompt,
     run_tool,
 )
+from .sandbox_runs import shared_sandbox
 
 TOOL_CALLS_PROMPT = (
     "You solve math word problems with Python. Call the run_python tool with a complete program that prints only the "
@@ -54,6 +55,9 @@ class PythonRunner:
     10 s) and keeps the answer the last run printed (`printed`)."""
 
     def reset(self, **row) -> None:
+        # A machine that cannot isolate code stops the episode here, naming what is missing: inside a call, the
+        # failure would be one more tool error the model is shown, and the team would train on nothing but those.
+        shared_sandbox()
         self.printed = None  # the answer the last program printed (a Fraction), or None
         self.runs = 0
 
