@@ -1,0 +1,215 @@
+"""Peak memory of each way trl_marl trains, against TRL's `GRPOTrainer` with one LoRA on the same work. Prints figures;
+not a test.
+
+Every arm trains `--steps` steps on the embedded default model (SmolLM2-135M-Instruct, float32, the CPU) in its own
+process, one after the other, with the same LoRA (r 16 on TRL's default modules), the same prompt (about 250 tokens,
+as `recipes/tool_team.py`'s with its tool schema), 16 training rows per micro-batch and 48-token completions:
+
+- `trl`: `GRPOTrainer`, 4 prompts x G=4;
+- `magrpo`: `MAGRPOTrainer`, 2 agents, 2 prompts x G=4 (16 rows: 8 per agent);
+- `atgrpo`: `ATGRPOTrainer`, 2 agents acting in turn, 2 prompts x K=4;
+- `trl_tools` / `magrpo_tools`: as `trl` / `magrpo` with TRL's `tools=[add]`: every first answer calls `add`, the
+  result is appended (masked out of the loss) and the agent answers;
+- `magrpo_sampled` / `program`: 2 agents, their completions sampled (at most 48 tokens), by the built-in rollout or by
+  an agent program calling both agents through the trainer's own endpoint (`episode=`, `recipes/benchmarks/
+  bench_program.py`'s parity episode).
+
+The other arms' completions are fixed token lists (`bench_core.fixed_completions`: 48 tokens ending in EOS), so those
+arms train on the same tokens. Memory is the resident set (Linux `/proc/self/status`): after each training step the
+peak since the previous step (`VmHWM`, then reset) and the resident set (`VmRSS`) are read; `before` is the resident
+set after imports and the dataset, just before the trainer is built. Printed per arm: the highest step peak, it net of
+`before`, the first and last step's floors (growth), and the ratio of each arm's peak to its reference (`trl`, or
+`trl_tools`, or `magrpo_sampled` for `program`). The targets (docs/benchmarks.md): every arm within 1.2x its reference.
+
+    python recipes/benchmarks/bench_memory_paths.py                     # all arms, ~25 min on 2 idle CPU cores
+    python recipes/benchmarks/bench_memory_paths.py --arms trl magrpo   # some
+    ... [--steps 4] [--gradient_checkpointing] [--out PATH]             # default results/bench_memory_paths.json
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+ARMS = ("trl", "magrpo", "atgrpo", "trl_tools", "magrpo_tools", "magrpo_sampled", "program")
+REFERENCE = {"magrpo": "trl", "atgrpo": "trl", "magrpo_tools": "trl_tools", "program": "magrpo_sampled"}
+GIB = 1024**3
+ROWS, COMPLETION, G = 16, 48, 4
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 47, "b": 18}}\n</tool_call>'
+# About 250 tokens with the chat template, as tool_team.py's prompts are with their tool schema.
+PROMPT = (
+    "You are the calculator of a small team. Read the question, find its two numbers and add them. "
+    "Reply with the sum only, as digits, and nothing else: no words, no units, no explanation. "
+) * 5 + "What is 47 plus 18?"
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+def status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(f"{field}:"))
+
+
+def reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+
+
+def reward(prompts, completions, **kwargs):
+    """Any spread of rewards (the advantages are not what is measured): the answers' lengths."""
+    texts = [c[-1]["content"] if isinstance(c, list) else " ".join(c.values()) for c in completions]
+    return [float(len(text) % 7) for text in texts]
+
+
+def scripted(tokenizer, tools: bool):
+    """`_generate_single_turn`'s stand-in: fixed completions of `COMPLETION` tokens; with `tools`, a first answer
+    calls `add` and an answer after its result is fixed text."""
+    from bench_core import fixed_completions
+
+    eos = tokenizer.eos_token_id
+    call = tokenizer(CALL, add_special_tokens=False)["input_ids"] + [eos]
+
+    def generate(prompt_ids, *args, **kwargs):
+        if not tools:
+            return fixed_completions(prompt_ids, COMPLETION, eos), None
+        answers = fixed_completions(prompt_ids, COMPLETION, eos)
+        return [
+            answer if "<tool_response>" in tokenizer.decode(ids[-30:]) else list(call)
+            for ids, answer in zip(prompt_ids, answers)
+        ], None
+
+    return generate
+
+
+def both_agents(client, row) -> float:
+    """The program arm's episode: each agent answers the prompt once, both calls sent at once; `reward`'s value."""
+    from bench_program import each_agent_at_once
+
+    return float(len(" ".join(text or "" for text in each_agent_at_once(client, row).values())) % 7)
+
+
+def train_arm(arm: str, steps: int, gradient_checkpointing: bool) -> dict:
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, default_model_path
+    from trl_marl.generation.tool_templates import CHATML_TOOLS, prepare_response_parsing, tool_chat_template
+
+    model = default_model_path()
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": PROMPT}]] * 64})
+    settings = dict(
+        output_dir=f"/tmp/bench-memory-paths-{arm}", max_completion_length=COMPLETION, num_generations=G,
+        max_steps=steps, learning_rate=5e-4, seed=0, logging_steps=1, report_to="none", save_strategy="no",
+        disable_tqdm=True, use_cpu=True, bf16=False, gradient_checkpointing=gradient_checkpointing,
+    )  # fmt: skip
+    lora = LoraConfig(r=16, lora_alpha=32, task_type="CAUSAL_LM")
+    team = [{"name": "concise"}, {"name": "detailed"}]  # the names bench_program's parity episode calls
+    tools = arm.endswith("_tools")
+    extra = {"tools": [add]} if tools else {}
+    if tools:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer.chat_template = tool_chat_template(tokenizer, CHATML_TOOLS)
+        prepare_response_parsing(tokenizer, CHATML_TOOLS)
+        extra["processing_class"] = tokenizer
+    before = status_bytes("VmRSS")
+    if arm.startswith("trl"):
+        args = GRPOConfig(per_device_train_batch_size=ROWS, **settings)
+        trainer = GRPOTrainer(model, reward, args=args, train_dataset=dataset, peft_config=lora, **extra)
+    elif arm == "atgrpo":
+        args = ATGRPOConfig(agents=team, per_device_train_batch_size=ROWS // 2, **settings)
+        trainer = ATGRPOTrainer(model, reward, args=args, train_dataset=dataset, peft_config=lora)
+    else:
+        args = MAGRPOConfig(agents=team, per_device_train_batch_size=ROWS // 2, **settings)
+        episode = {"episode": both_agents} if arm == "program" else {}
+        rewards = None if arm == "program" else reward
+        trainer = MAGRPOTrainer(model, rewards, args=args, train_dataset=dataset, peft_config=lora, **extra, **episode)
+    if arm not in ("magrpo_sampled", "program"):
+        trainer._generate_single_turn = scripted(trainer.processing_class, tools)
+    load_peak = status_bytes("VmHWM")
+
+    class PerStep(TrainerCallback):
+        peaks, floors = [], []
+
+        def on_train_begin(self, *unused, **kwargs):
+            reset_peak()
+
+        def on_step_end(self, *unused, **kwargs):
+            self.peaks.append(status_bytes("VmHWM"))
+            self.floors.append(status_bytes("VmRSS"))
+            reset_peak()
+
+    trainer.add_callback(PerStep())
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "num_samples" in entry]
+    return {
+        "before": before,
+        "load_peak": load_peak,
+        "step_peaks": PerStep.peaks,
+        "step_floors": PerStep.floors,
+        "rows_per_step": [entry["num_samples"] for entry in logs],
+        "completion_length": [entry["completions/mean_length"] for entry in logs],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--worker", choices=ARMS, help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if options.worker:
+        print(json.dumps(train_arm(options.worker, options.steps, options.gradient_checkpointing)))
+        return
+    from run_info import run_header
+
+    results = {**run_header(), "steps": options.steps, "gradient_checkpointing": options.gradient_checkpointing}
+    arms = {}
+    for arm in options.arms:
+        command = [sys.executable, __file__, "--worker", arm, "--steps", str(options.steps)]
+        command += ["--gradient_checkpointing"] if options.gradient_checkpointing else []
+        finished = subprocess.run(command, capture_output=True, text=True)
+        if finished.returncode != 0:
+            raise RuntimeError(f"arm {arm} failed:\n{finished.stderr[-3000:]}")
+        figures = json.loads(finished.stdout.strip().splitlines()[-1])
+        figures["peak"] = max(figures["step_peaks"])
+        figures["net_peak"] = figures["peak"] - figures["before"]
+        arms[arm] = figures
+        print(
+            f"{arm:15s} peak {figures['peak'] / GIB:5.2f} GiB (net {figures['net_peak'] / GIB:5.2f}), floor "
+            f"{figures['step_floors'][0] / GIB:5.2f} -> {figures['step_floors'][-1] / GIB:5.2f} GiB, rows/step "
+            f"{figures['rows_per_step']}, mean completion {sum(figures['completion_length']) / options.steps:.1f}",
+            flush=True,
+        )
+    ratios = {}
+    for arm, reference in REFERENCE.items():
+        if arm in arms and reference in arms:
+            ratios[arm] = arms[arm]["peak"] / arms[reference]["peak"]
+            print(f"{arm} / {reference} peak: {ratios[arm]:.2f} (target <= 1.2)")
+    results.update(arms=arms, ratios=ratios)
+    out = options.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_memory_paths.json")
+    with open(out, "w") as file:
+        json.dump(results, file, indent=2)
+    print(f"Written: {out}")
+
+
+if __name__ == "__main__":
+    main()
