@@ -1,4 +1,5 @@
-"""Measured memory: the peak a run reached (`trl_marl.memory.peak_memory`), as every recipe prints it at the end."""
+"""Host memory: the peak a run reached (`trl_marl.memory.peak_memory`, which every recipe prints at the end), and the
+free memory of every thread's allocator arena given back between phases (`trl_marl.memory.host`)."""
 
 import json
 import subprocess
@@ -45,3 +46,35 @@ def test_the_peak_is_described_per_device_in_gib():
     }
     on_this_machine = peak_memory()
     assert on_this_machine.resident > 0 and (on_this_machine.allocated is None) == (on_this_machine.device == "cpu")
+
+
+RELEASED = """
+import json, threading
+from trl_marl.memory.host import release_free_memory
+
+def resident():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+kept = []
+
+def generate():  # as a serving engine's thread would: blocks below glibc's mmap threshold, in this thread's arena
+    blocks = [bytearray(64 * 1024) for _ in range(4096)]  # 256 MiB
+    kept.append(blocks[-1])  # the heap's last block stays in use: glibc cannot give the rest back by itself
+    del blocks
+
+worker = threading.Thread(target=generate)
+worker.start()
+worker.join()
+before = resident()
+released = release_free_memory()
+print(json.dumps([before, resident(), released]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim (Linux)")
+def test_what_another_thread_freed_goes_back_to_the_system():
+    result = subprocess.run([sys.executable, "-c", RELEASED], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    before, after, released = json.loads(result.stdout)
+    assert released and before - after > 200 * 2**20  # of the 256 MiB freed in the other thread's arena

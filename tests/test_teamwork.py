@@ -170,7 +170,7 @@ def pick_new_team(tiny_model_dir, tmp_path):
 def test_team_play_plays_each_row_to_its_own_end_and_returns_its_state(pick_new_team, monkeypatch):
     rows = PickNew().dataset("eval").select(range(3)).to_list()
 
-    def answers(model_inputs, agent_index, max_new_tokens, do_sample):
+    def answers(model_inputs, agent_index, max_new_tokens, do_sample, environments=None):
         # row 0 names its free options in order (done after 2 turns); row 1 repeats a named one; row 2 says nothing
         texts = []
         for messages in model_inputs:
@@ -319,7 +319,7 @@ def test_pick_new_hidden_trains_with_at_grpo_and_plays_both_turns_on_the_same_te
     team = trained_team(task, tiny_model_dir, tmp_path)
     rows = task.dataset("eval").select(range(2)).to_list()
 
-    def first_free_option(model_inputs, agent_index, max_new_tokens, do_sample):
+    def first_free_option(model_inputs, agent_index, max_new_tokens, do_sample, environments=None):
         texts = []
         for messages in model_inputs:
             prompt = messages[-1]["content"]

@@ -25,6 +25,7 @@ import torch
 
 from ..generation.captured_decode import CapturedStepFailed
 from ..generation.team_generation import left_padded
+from ..memory.host import release_free_memory
 from ..team.saved import Team
 from .completion_text import CompletionDecoder
 from .rows import GeneratedRow, RowRequest
@@ -38,6 +39,8 @@ logger = logging.getLogger(__name__)
 # When a row arrives at an idle engine, the engine waits this long for the rows sent with it (concurrent clients'
 # requests arrive a few milliseconds apart) so that they start in one call rather than the first alone.
 GATHER_SECONDS = 0.01
+# An engine left without rows this long after serving gives what its calls freed back to the system (`memory.host`).
+IDLE_SECONDS = 1.0
 
 
 class EngineStopped(RuntimeError):
@@ -234,8 +237,13 @@ class BatchingEngine:
         while True:
             with self._condition:
                 if not self._queue and not self._closing:
+                    released = not self.calls
                     while not self._queue and not self._closing:
-                        self._condition.wait()
+                        # Idle for IDLE_SECONDS after calls: what they freed, in every thread's arena, back to the
+                        # system (`memory.host`), once per idle spell.
+                        if not self._condition.wait(None if released else IDLE_SECONDS) and not released:
+                            released = True
+                            release_free_memory()
                     gathered_by = time.monotonic() + self.gather_seconds
                     while not self._closing and (left := gathered_by - time.monotonic()) > 0:
                         self._condition.wait(left)

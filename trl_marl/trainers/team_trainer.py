@@ -39,6 +39,7 @@ from ..config import TeamConfig
 from ..generation.routing import BASE_ROW
 from ..generation.team_generation import captured_single_turn
 from ..generation.tool_calling import check_tool_settings, prepare_tool_tokenizer
+from ..memory.host import release_free_memory
 from ..rollouts.rollout import Rollout, Sample, default_transition
 from ..rollouts.rows import pad_rows, pad_samples, padding_loss_scale, tool_masks
 from ..rollouts.scheduling import resolve_scheduler, scheduled_phases
@@ -436,10 +437,12 @@ class TeamTrainer(TeamCheckpoints, GRPOTrainer):
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
         mode = "train" if self.model.training else "eval"
         num_generations = self.num_generations if mode == "train" else self.num_generations_eval
+        release_free_memory()  # what the last loss freed, back to the system before generation (`memory.host`)
         rollout = self._rollout(inputs, num_generations)
         for base in self.bases:
             if base.decoder is not None:
                 base.decoder.release()  # the static caches' memory goes back to training
+        release_free_memory()  # and what generation freed (its threads' arenas included) before the loss
         # Frozen agents' completions were scored (and are logged) but carry no loss. A process left without a trained
         # row keeps one frozen row, made loss-free below, for TRL's split.
         trained = [s for s in rollout.samples if s.agent in self.trained_agents]
