@@ -194,6 +194,7 @@ def test_cli_trains_at_grpo_when_the_config_says_so(tiny_model_dir, tmp_path):
     assert (tmp_path / "out" / "mover" / "adapter_config.json").is_file()
 
 
+@pytest.mark.slow
 def test_at_grpo_on_the_default_model_trains_every_agent_on_the_puzzle(default_model_dir, tmp_path):
     args = ATGRPOConfig.for_task(
         "reach_target",

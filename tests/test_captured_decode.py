@@ -328,6 +328,7 @@ def test_the_trainer_uses_the_decoder_it_chose(tiny_model_dir, tmp_path, monkeyp
     assert_trained_alike(captured_adapters, eager_adapters, initial)
 
 
+@pytest.mark.slow
 def test_with_tools_the_tool_loops_rounds_go_through_the_decoder_and_train_exactly_as_on_eager_generate(
     tiny_model_dir, tmp_path, monkeypatch
 ):

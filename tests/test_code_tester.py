@@ -393,6 +393,7 @@ class CodeTesterWithLengthBonus(CodeTester):
     }
 
 
+@pytest.mark.slow
 def test_a_few_at_grpo_steps_train_both_agents_on_a_tiny_model(tiny_model_dir, tmp_path, eval_problems):
     task = CodeTesterWithLengthBonus()
     args = ATGRPOConfig.for_task(

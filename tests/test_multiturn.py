@@ -75,7 +75,7 @@ def stop_some_branches(prompt, joint_action, history, turn, **kwargs):
     return [f"{prompt[-1]['content']} Again."] * 2
 
 
-@pytest.mark.parametrize("joint_mode", ["aligned", "cross"])
+@pytest.mark.parametrize("joint_mode", ["aligned", pytest.param("cross", marks=pytest.mark.slow)])
 def test_every_tree_sample_reaches_the_loss_exactly_once(tiny_model_dir, tmp_path, joint_mode):
     # 2 micro-batches per generation and 2 accumulation steps: rows split unevenly must all be trained.
     trainer = make_trainer(

@@ -207,6 +207,7 @@ def test_cli_help_is_available_for_every_command(plugin_site):
         assert result.returncode == 0 and "usage: trl-marl" in result.stdout, arguments
 
 
+@pytest.mark.slow
 def test_cli_train_trains_from_a_yaml_recipe_on_the_default_model(installed, default_model_dir, tmp_path):
     plugin_site = installed
     config = tmp_path / "team.yaml"

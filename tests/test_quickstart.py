@@ -20,6 +20,7 @@ def run_quickstart(output_dir, *flags, timeout=900):
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
 
 
+@pytest.mark.slow
 def test_quickstart_trains_prints_and_saves_the_team(tmp_path, default_model_dir):
     result = run_quickstart(
         tmp_path, "--max_steps", "2", "--eval_questions", "2", "--max_completion_length", "8", "--logging_steps", "1"

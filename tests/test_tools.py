@@ -431,6 +431,7 @@ def team_answer_length(prompts, completions, **kwargs):
     return [len(completion["caller"]) / 10.0 + len(completion["answerer"]) / 7.0 for completion in completions]
 
 
+@pytest.mark.slow
 def test_stopping_and_resuming_a_run_with_tools_equals_the_uninterrupted_run(tiny_model_dir, tmp_path):
     """Resuming mid-generation-buffer (steps_per_generation=2, stopped at step 3) restores the buffered tool masks,
     and the later rollouts draw the same tool calls (decided by the sampler's generator) as the uninterrupted run."""
