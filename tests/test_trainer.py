@@ -344,3 +344,24 @@ def test_peft_model_without_the_agents_adapters_is_rejected(tiny_model_dir, tmp_
 def test_args_must_name_the_team(tiny_model_dir):
     with pytest.raises(TypeError, match="MAGRPOConfig"):
         MAGRPOTrainer(tiny_model_dir, length_ratio_reward, args=None, train_dataset=Dataset.from_dict({"prompt": []}))
+
+
+def test_free_memory_goes_back_to_the_system_once_after_every_optimizer_step(tiny_model_dir, tmp_path, monkeypatch):
+    from trl_marl.memory import host
+
+    releases = []
+    monkeypatch.setattr(host, "release_free_memory", lambda: releases.append(True))  # the callback's, not the rollout's
+
+    class SeenAtStepEnd(TrainerCallback):  # added after the trainer's own callbacks: runs after its release
+        def __init__(self):
+            self.seen = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seen.append((state.global_step, len(releases)))
+
+    # two micro-batches per optimizer step: one release per step, not per backward
+    trainer = make_trainer(tiny_model_dir, tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    seen = SeenAtStepEnd()
+    trainer.add_callback(seen)
+    trainer.train()
+    assert seen.seen == [(1, 1), (2, 2)]

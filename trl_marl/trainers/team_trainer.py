@@ -39,7 +39,7 @@ from ..config import TeamConfig
 from ..generation.routing import BASE_ROW
 from ..generation.team_generation import captured_single_turn
 from ..generation.tool_calling import check_tool_settings, prepare_tool_tokenizer
-from ..memory.host import release_free_memory
+from ..memory.host import ReleaseFreeMemory, release_free_memory
 from ..rollouts.rollout import Rollout, Sample, default_transition
 from ..rollouts.rows import pad_rows, pad_samples, padding_loss_scale, tool_masks
 from ..rollouts.scheduling import resolve_scheduler, scheduled_phases
@@ -171,6 +171,7 @@ class TeamTrainer(TeamCheckpoints, GRPOTrainer):
             )
         finally:
             args.beta, args.model_init_kwargs, args.use_vllm = beta, model_init_kwargs, use_vllm
+        self.add_callback(ReleaseFreeMemory())  # the resident set between steps is the live memory (`memory.host`)
         if calls_tools and not self.tools and not is_chat_template_prefix_preserving(self.processing_class):
             # agents' own tools only: what TRL does for `tools=`, so the loop's suffixes follow the rendering
             self.chat_template = get_training_chat_template(self.processing_class)
