@@ -350,7 +350,8 @@ def test_free_memory_goes_back_to_the_system_once_after_every_optimizer_step(tin
     from trl_marl.memory import host
 
     releases = []
-    monkeypatch.setattr(host, "release_free_memory", lambda: releases.append(True))  # the callback's, not the rollout's
+    # the callback's release, not the rollout's
+    monkeypatch.setattr(host, "release_free_memory", lambda: releases.append(True))
 
     class SeenAtStepEnd(TrainerCallback):  # added after the trainer's own callbacks: runs after its release
         def __init__(self):
