@@ -70,6 +70,7 @@ def warm_start(trainer: ATGRPOTrainer, agent: str, demonstrations, script_args, 
         learning_rate=script_args.warm_start_learning_rate,
         lr_scheduler_type="constant",
         per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,  # the RL steps' batch: 8 demonstrations a step
         logging_steps=4,
         save_strategy="no",
         report_to="none",
@@ -91,7 +92,12 @@ def main() -> None:
         **task_defaults(MathToolCalls()),
         output_dir="outputs/atgrpo-math-tools",
         num_generations=4,
-        per_device_train_batch_size=8,
+        # 8 copies a step (2 problems x K = 4), generated at once and trained in 2 micro-batches with their activations
+        # recomputed in the backward: the same update as one micro-batch (TRL's loss is normalised over the generation
+        # batch) at about half the peak memory (docs/memory.md, "A run's host memory"). Settings v4 (2026-11-29); v3
+        # trained the 8 copies in one micro-batch without checkpointing.
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
         per_device_eval_batch_size=8,
         num_generations_eval=1,
         max_completion_length=128,
@@ -106,7 +112,7 @@ def main() -> None:
         report_to="none",
         seed=0,
         use_cpu=not on_gpu,
-        gradient_checkpointing=on_gpu,
+        gradient_checkpointing=True,
     )
     script_args, args = parser.parse_args_and_config()
     task = MathToolCalls()
