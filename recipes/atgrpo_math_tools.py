@@ -92,12 +92,11 @@ def main() -> None:
         **task_defaults(MathToolCalls()),
         output_dir="outputs/atgrpo-math-tools",
         num_generations=4,
-        # 8 copies a step (2 problems x K = 4), generated at once and trained in 2 micro-batches with their activations
-        # recomputed in the backward: the same update as one micro-batch (TRL's loss is normalised over the generation
-        # batch) at about half the peak memory (docs/memory.md, "A run's host memory"). Settings v4 (2026-11-29); v3
-        # trained the 8 copies in one micro-batch without checkpointing.
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
+        # 8 copies a step (2 problems x K = 4), generated at once and trained in 4 micro-batches: the same update as
+        # one micro-batch (TRL's loss is normalised over the generation batch) at a fraction of the peak memory
+        # (docs/memory.md, "A run's host memory"). Settings v4 (2026-11-29); v3 trained the 8 copies in one.
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=4,
         per_device_eval_batch_size=8,
         num_generations_eval=1,
         max_completion_length=128,
@@ -112,7 +111,7 @@ def main() -> None:
         report_to="none",
         seed=0,
         use_cpu=not on_gpu,
-        gradient_checkpointing=True,
+        gradient_checkpointing=on_gpu,
     )
     script_args, args = parser.parse_args_and_config()
     task = MathToolCalls()
