@@ -4,6 +4,7 @@ their call; stop strings, log-probabilities."""
 
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -461,3 +462,29 @@ def test_an_agents_stop_tokens_are_its_bases_end_of_sequence_tokens(team):
     eos = team.model.generation_config.eos_token_id
     expected = {*(eos if isinstance(eos, list) else [eos]), team.tokenizer.eos_token_id}
     assert set(team.stop_token_ids(0)) == set(team.stop_token_ids(1)) == expected
+
+
+def test_an_engine_idle_after_serving_gives_free_memory_back_once_per_idle_spell(team, monkeypatch):
+    from trl_marl.serving import engine as engine_module
+
+    released = []
+    monkeypatch.setattr(engine_module, "release_free_memory", lambda: released.append(True))
+    monkeypatch.setattr(engine_module, "IDLE_SECONDS", 0.2)
+
+    def released_after_idle(expected: int) -> int:
+        deadline = time.monotonic() + 10
+        while len(released) < expected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # five more idle periods: no further release in the same idle spell
+        return len(released)
+
+    engine = BatchingEngine(team).start()
+    try:
+        time.sleep(1.0)
+        assert released == []  # nothing served yet, nothing freed to give back
+        engine.generate([RowRequest(0, agent_prompt_ids(team, 0), 4)])
+        assert released_after_idle(1) == 1
+        engine.generate([RowRequest(1, agent_prompt_ids(team, 1), 4)])
+        assert released_after_idle(2) == 2
+    finally:
+        engine.close()
