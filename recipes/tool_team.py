@@ -90,23 +90,25 @@ class ToolTeamArguments:
     train_questions: int = field(default=256, metadata={"help": "Generated training questions."})
 
 
-def main() -> None:
-    parser = TrlParser((ToolTeamArguments, MAGRPOConfig))
-    defaults = quickstart_defaults(torch.cuda.is_available())
+def tool_team_defaults(on_gpu: bool) -> dict:
+    """This recipe's `MAGRPOConfig` settings (also what `benchmarks/bench_soak.py` trains)."""
     # The step's 8 question copies (16 rows of ~300 tokens: the tool's schema is in every prompt) are generated at once
     # and trained in 4 micro-batches of 4 rows: the same update (TRL's loss is normalised over the generation batch), a
     # peak of 4.8 GiB instead of 13.7 (docs/memory.md, "A run's host memory"), at no measurable cost in step time
     # here, where generation takes most of a step.
-    parser.set_defaults(
-        **{
-            **defaults,
-            "output_dir": "outputs/tool-team",
-            "agents": AGENTS,
-            "max_completion_length": 48,
-            "per_device_train_batch_size": 2,
-            "gradient_accumulation_steps": 4,
-        }
-    )
+    return {
+        **quickstart_defaults(on_gpu),
+        "output_dir": "outputs/tool-team",
+        "agents": AGENTS,
+        "max_completion_length": 48,
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 4,
+    }
+
+
+def main() -> None:
+    parser = TrlParser((ToolTeamArguments, MAGRPOConfig))
+    parser.set_defaults(**tool_team_defaults(torch.cuda.is_available()))
     script_args, args = parser.parse_args_and_config()
 
     questions = sum_questions(script_args.eval_questions + script_args.train_questions, args.seed)

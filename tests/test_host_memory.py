@@ -34,6 +34,29 @@ def test_the_peak_resident_set_is_the_kernels_high_water_mark_and_follows_a_new_
     assert after >= held > before
 
 
+RESET = """
+import json, os, torch
+from trl_marl.memory.measured import reset_peak_resident, status_bytes
+
+held = torch.ones(2**26, dtype=torch.float32)  # 256 MiB, touched
+peak_holding = status_bytes("VmHWM")
+del held  # a block this large is unmapped at once
+floor = status_bytes("VmRSS", os.getpid())
+reset_peak_resident()
+print(json.dumps([peak_holding, floor, status_bytes("VmHWM")]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/<pid>/status (Linux)")
+def test_resetting_the_peak_starts_it_again_from_the_resident_set_now():
+    """What a benchmark reads between two training steps: the peak of what ran in between, not of the run so far."""
+    result = subprocess.run([sys.executable, "-c", RESET], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    peak_holding, floor, peak_after_reset = json.loads(result.stdout)
+    assert peak_holding - floor > 250 * 2**20  # the tensor was resident, then given back
+    assert abs(peak_after_reset - floor) < 8 * 2**20
+
+
 def test_the_peak_is_described_per_device_in_gib():
     assert PeakMemory(int(5.25 * GIB)).describe() == "Peak memory: 5.25 GiB resident (CPU)"
     gpu = PeakMemory(2 * GIB, "cuda", int(10.5 * GIB), 11 * GIB)

@@ -12,7 +12,12 @@ as `recipes/tool_team.py`'s with its tool schema), 16 training rows per micro-ba
   result is appended (masked out of the loss) and the agent answers;
 - `magrpo_sampled` / `program`: 2 agents, their completions sampled (at most 48 tokens), by the built-in rollout or by
   an agent program calling both agents through the trainer's own endpoint (`episode=`, `recipes/benchmarks/
-  bench_program.py`'s parity episode).
+  bench_program.py`'s parity episode);
+- `agents_sdk`: an agent program written with the OpenAI Agents SDK (`openai-agents`), docs/programs.md's weather
+  report: `writer` must call a `weather` function tool (`tool_choice` required, chat completions API), then `critic`
+  judges the report in a typed answer (`output_type`, Responses API); 8 episodes a step (2 questions x G=4), 16 rows
+  (a call of each agent per episode), each prompt short but the writer's carrying the tool's schema. No reference
+  of the same work: its peak is set against the 8 GB target.
 
 The other arms' completions are fixed token lists (`bench_core.fixed_completions`: 48 tokens ending in EOS), so those
 arms train on the same tokens. Memory is the resident set (Linux `/proc/self/status`): after each training step the
@@ -35,9 +40,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-ARMS = ("trl", "magrpo", "atgrpo", "trl_tools", "magrpo_tools", "magrpo_sampled", "program")
+from trl_marl.memory.measured import GIB, reset_peak_resident, status_bytes  # noqa: E402
+
+ARMS = ("trl", "magrpo", "atgrpo", "trl_tools", "magrpo_tools", "magrpo_sampled", "program", "agents_sdk")
 REFERENCE = {"magrpo": "trl", "atgrpo": "trl", "magrpo_tools": "trl_tools", "program": "magrpo_sampled"}
-GIB = 1024**3
+EPISODES = ("program", "agents_sdk")  # the arms trained from an agent program
 ROWS, COMPLETION, G = 16, 48, 4
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 47, "b": 18}}\n</tool_call>'
 # About 250 tokens with the chat template, as tool_team.py's prompts are with their tool schema.
@@ -55,16 +62,6 @@ def add(a: int, b: int) -> int:
         b: The second.
     """
     return a + b
-
-
-def status_bytes(field: str) -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(f"{field}:"))
-
-
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")
 
 
 def reward(prompts, completions, **kwargs):
@@ -100,6 +97,40 @@ def both_agents(client, row) -> float:
     return float(len(" ".join(text or "" for text in each_agent_at_once(client, row).values())) % 7)
 
 
+WEATHER_QUESTIONS = ["What is the weather in Paris today?", "Is it raining in Rome?"]
+
+
+async def weather_report(client, row) -> float:
+    """The agents_sdk arm's episode (docs/programs.md's): `writer` looks the weather up, `critic` judges the report."""
+    from typing import Literal
+
+    from agents import Agent, ModelSettings, OpenAIProvider, RunConfig, Runner, function_tool
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        correct: bool
+
+    @function_tool
+    def weather(city: Literal["Paris", "Rome"]) -> str:
+        """Today's weather in a city."""
+        return f"sunny in {city}" if city == "Paris" else f"rain in {city}"
+
+    question = row["prompt"][-1]["content"]
+    run_config = RunConfig(model_provider=OpenAIProvider(openai_client=client), tracing_disabled=True)
+    writer = Agent(
+        name="writer",
+        model="writer",
+        tools=[weather],
+        model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False),
+        tool_use_behavior="stop_on_first_tool",
+    )
+    report = (await Runner.run(writer, question, run_config=run_config, max_turns=2)).final_output
+    critic = Agent(name="critic", model="critic", output_type=Verdict)
+    shown = f"{question}\nThe report: {report}. Is it right?"
+    verdict = (await Runner.run(critic, shown, run_config=run_config)).final_output
+    return float(verdict.correct)
+
+
 def train_arm(arm: str, steps: int, gradient_checkpointing: bool) -> dict:
     from datasets import Dataset
     from peft import LoraConfig
@@ -118,6 +149,11 @@ def train_arm(arm: str, steps: int, gradient_checkpointing: bool) -> dict:
     )  # fmt: skip
     lora = LoraConfig(r=16, lora_alpha=32, task_type="CAUSAL_LM")
     team = [{"name": "concise"}, {"name": "detailed"}]  # the names bench_program's parity episode calls
+    if arm == "agents_sdk":
+        team = [{"name": "writer"}, {"name": "critic"}]
+        questions = [[{"role": "user", "content": question}] for question in WEATHER_QUESTIONS]
+        dataset = Dataset.from_dict({"prompt": questions * 32})
+        settings["episode_max_failed_fraction"] = 1.0  # a failed episode is left out; memory is what is measured
     tools = arm.endswith("_tools")
     extra = {"tools": [add]} if tools else {}
     if tools:
@@ -136,10 +172,10 @@ def train_arm(arm: str, steps: int, gradient_checkpointing: bool) -> dict:
         trainer = ATGRPOTrainer(model, reward, args=args, train_dataset=dataset, peft_config=lora)
     else:
         args = MAGRPOConfig(agents=team, per_device_train_batch_size=ROWS // 2, **settings)
-        episode = {"episode": both_agents} if arm == "program" else {}
-        rewards = None if arm == "program" else reward
+        episode = {"episode": {"program": both_agents, "agents_sdk": weather_report}[arm]} if arm in EPISODES else {}
+        rewards = None if arm in EPISODES else reward
         trainer = MAGRPOTrainer(model, rewards, args=args, train_dataset=dataset, peft_config=lora, **extra, **episode)
-    if arm not in ("magrpo_sampled", "program"):
+    if arm not in ("magrpo_sampled", *EPISODES):
         trainer._generate_single_turn = scripted(trainer.processing_class, tools)
     load_peak = status_bytes("VmHWM")
 
@@ -147,12 +183,12 @@ def train_arm(arm: str, steps: int, gradient_checkpointing: bool) -> dict:
         peaks, floors = [], []
 
         def on_train_begin(self, *unused, **kwargs):
-            reset_peak()
+            reset_peak_resident()
 
         def on_step_end(self, *unused, **kwargs):
             self.peaks.append(status_bytes("VmHWM"))
             self.floors.append(status_bytes("VmRSS"))
-            reset_peak()
+            reset_peak_resident()
 
     trainer.add_callback(PerStep())
     trainer.train()
@@ -164,6 +200,7 @@ def train_arm(arm: str, steps: int, gradient_checkpointing: bool) -> dict:
         "step_floors": PerStep.floors,
         "rows_per_step": [entry.get("num_samples", ROWS) for entry in logs],  # GRPOTrainer trains ROWS, logs none
         "completion_length": [entry["completions/mean_length"] for entry in logs],
+        "failed_episodes": [entry.get("episodes/failed", 0) for entry in logs],
     }
 
 

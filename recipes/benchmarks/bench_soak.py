@@ -40,19 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from run_info import run_header  # noqa: E402
 
-GIB = 1024**3
-
-
-def status_bytes(field: str, pid: int | str = "self") -> int:
-    """`VmRSS` or `VmHWM` of a process, in bytes (Linux)."""
-    with open(f"/proc/{pid}/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(f"{field}:"))
-
-
-def reset_peak() -> None:
-    """Make this process's `VmHWM` its current resident set (Linux, `clear_refs` 5)."""
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")
+from trl_marl.memory.measured import GIB, reset_peak_resident, status_bytes  # noqa: E402
 
 
 def growth(values: list[float]) -> dict:
@@ -67,18 +55,16 @@ def growth(values: list[float]) -> dict:
 
 def recipe_trainer(recipe: str, steps: int, output_dir: str):
     """The recipe's trainer, built as its `main` builds it, for `steps` steps (no evaluation, nothing saved)."""
+    import tool_team
     import torch
     from magrpo_quickstart import quickstart_datasets, quickstart_defaults
 
     from trl_marl import MAGRPOConfig, MAGRPOTrainer, default_model_path
     from trl_marl.tasks.toy import explain_ratio_reward
 
-    defaults = {**quickstart_defaults(torch.cuda.is_available()), "output_dir": output_dir, "logging_steps": 1}
-    if recipe == "tool_team":
-        import tool_team
-
-        defaults.update(agents=tool_team.AGENTS, max_completion_length=48)
-    args = MAGRPOConfig(**{**defaults, "max_steps": steps})
+    on_gpu = torch.cuda.is_available()
+    defaults = tool_team.tool_team_defaults(on_gpu) if recipe == "tool_team" else quickstart_defaults(on_gpu)
+    args = MAGRPOConfig(**{**defaults, "output_dir": output_dir, "logging_steps": 1, "max_steps": steps})
     if recipe == "quickstart":
         train_dataset, _ = quickstart_datasets(args.seed, 12)
         return MAGRPOTrainer(default_model_path(), explain_ratio_reward, args=args, train_dataset=train_dataset)
@@ -98,13 +84,13 @@ def soak_training(args) -> dict:
             self.started = time.perf_counter()
 
         def on_train_begin(self, *unused, **kwargs):
-            reset_peak()
+            reset_peak_resident()
 
         def on_step_end(self, *unused, **kwargs):
             self.peaks.append(status_bytes("VmHWM") / GIB)
             self.floors.append(status_bytes("VmRSS") / GIB)
             self.seconds.append(time.perf_counter() - self.started)
-            reset_peak()
+            reset_peak_resident()
 
     with tempfile.TemporaryDirectory() as folder:
         trainer = recipe_trainer(args.recipe, args.steps, folder)

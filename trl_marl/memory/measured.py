@@ -43,12 +43,25 @@ class PeakMemory:
         return {f"peak_{key}_gib" if key != "device" else key: value for key, value in gib.items()}
 
 
+def status_bytes(field: str, pid: int | str = "self") -> int:
+    """A size from a process's `/proc/<pid>/status` (Linux), in bytes: `VmRSS` (its resident set now), `VmHWM` (the
+    set's high-water mark), ..."""
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(f"{field}:"))
+
+
+def reset_peak_resident() -> None:
+    """Start this process's high-water mark (`VmHWM`) again from its resident set now (Linux, `clear_refs` 5), so the
+    next reading is the peak of what ran in between (benchmarks read one per training step)."""
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+
+
 def peak_resident_bytes() -> int:
     """This process's peak resident set size so far: the kernel's high-water mark (`VmHWM`) on Linux, where
     `ru_maxrss` would start from the RSS of the process that forked it; `ru_maxrss` elsewhere (bytes on macOS)."""
     try:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+        return status_bytes("VmHWM")
     except (OSError, StopIteration):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak if sys.platform == "darwin" else peak * 1024
