@@ -92,11 +92,12 @@ def main() -> None:
         **task_defaults(MathToolCalls()),
         output_dir="outputs/atgrpo-math-tools",
         num_generations=4,
-        # 8 copies a step (2 problems x K = 4), generated at once and trained in 4 micro-batches: the same update as
-        # one micro-batch (TRL's loss is normalised over the generation batch) at a fraction of the peak memory
-        # (docs/memory.md, "A run's host memory"). Settings v4 (2026-11-29); v3 trained the 8 copies in one.
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=4,
+        # 8 copies a step (2 problems x K = 4), generated at once and trained one copy per micro-batch: the same
+        # update as one micro-batch (TRL's loss is normalised over the generation batch) at a fraction of the peak
+        # memory (docs/memory.md, "A run's host memory"). Settings v5 (2026-11-29); v4 trained them in 4 micro-batches
+        # of 2 copies (7.51 GiB, over the 8 GB aim), v3 in one.
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=8,
         per_device_eval_batch_size=8,
         num_generations_eval=1,
         max_completion_length=128,
