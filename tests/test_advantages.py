@@ -16,6 +16,7 @@ from trl_marl.rollouts.advantages import (
     baseline_values,
     cross_credit,
     cross_joint_indices,
+    generalized_advantages,
     group_advantages,
     team_rewards,
 )
@@ -289,3 +290,34 @@ def test_cross_joint_indices_match_cross_credit_layout():
 
 def test_cross_joint_indices_single_agent_is_a_column():
     assert cross_joint_indices(1, 3).tolist() == [[0], [1], [2]]
+
+
+# -- generalized advantage estimation (actor-critic trainers)
+
+
+def test_gae_by_hand_on_a_two_turn_and_a_one_turn_trajectory():
+    """γ = 0.9, λ = 0.5. Trajectory 0 plays 2 turns: δ_1 = 1 − 0.4 = 0.6, δ_0 = 0 + 0.9·0.4 − 0.2 = 0.16,
+    A_0 = 0.16 + 0.45·0.6 = 0.43. Trajectory 1 ended after its first turn: δ_0 = 2 − 0.5 (no bootstrap), and its
+    second turn (values and rewards there are garbage) is ignored."""
+    rewards = torch.tensor([[0.0, 1.0], [2.0, 7.0]])
+    values = torch.tensor([[0.2, 0.4], [0.5, 9.0]])
+    advantages, returns = generalized_advantages(rewards, values, torch.tensor([2, 1]), 0.9, 0.5)
+    torch.testing.assert_close(advantages, torch.tensor([[0.43, 0.6], [1.5, 0.0]]))
+    torch.testing.assert_close(returns, torch.tensor([[0.63, 1.0], [2.0, 0.0]]))
+
+
+def test_gae_with_a_zero_critic_and_gamma_lambda_one_is_the_reward_to_go():
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.5, 0.0, 2.0, 0.0]])
+    advantages, returns = generalized_advantages(rewards, torch.zeros(2, 4), torch.tensor([4, 3]), 1.0, 1.0)
+    torch.testing.assert_close(advantages, torch.tensor([[1.0, 1.0, 1.0, 1.0], [2.5, 2.0, 2.0, 0.0]]))
+    torch.testing.assert_close(returns, advantages)
+
+
+def test_gae_lambda_zero_is_the_td_error_and_lambda_one_the_discounted_return_minus_the_value():
+    rewards, values, lengths = torch.tensor([[1.0, 0.0, 3.0]]), torch.tensor([[0.5, 1.5, 2.0]]), torch.tensor([3])
+    td, _ = generalized_advantages(rewards, values, lengths, 0.5, 0.0)
+    torch.testing.assert_close(td, torch.tensor([[1.0 + 0.75 - 0.5, 0.0 + 1.0 - 1.5, 3.0 - 2.0]]))
+    monte_carlo, returns = generalized_advantages(rewards, values, lengths, 0.5, 1.0)
+    discounted = torch.tensor([[1.0 + 0.25 * 3.0, 0.5 * 3.0, 3.0]])
+    torch.testing.assert_close(monte_carlo, discounted - values)
+    torch.testing.assert_close(returns, discounted)

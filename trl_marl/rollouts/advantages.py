@@ -170,3 +170,40 @@ def node_credit(
     else:
         credit = cross_credit(advantages, num_agents, num_generations)
     return credit, advantages, std
+
+
+def generalized_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, discount: float, gae_lambda: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-turn advantages of trajectories from a critic's values, by generalized advantage estimation (GAE):
+    `δ_t = r_t + γ·V_{t+1} − V_t` (no `V_{t+1}` after a trajectory's last turn: it ended), `A_t = Σ_l (γλ)^l δ_{t+l}`,
+    and the critic's targets, the λ-returns `A_t + V_t`.
+
+    With λ = 1 the advantage is the discounted reward-to-go minus `V_t`; with λ = 0 it is the one-step TD error
+    `δ_t`. With a critic that answers 0 and γ = λ = 1 it is the reward-to-go `Σ_{k≥t} r_k`, MAGRPO's return with
+    `baseline="none"`.
+
+    Args:
+        rewards: `(B, T)` team reward of each turn, 0 where a turn gave none (a sparse reward at the end); turns at and
+            past a trajectory's length are ignored.
+        values: `(B, T)` the critic's value of each turn's history, taken before the turn's action.
+        lengths: `(B,)` turns each trajectory played, 1..T (an episode that ended early is shorter).
+        discount: γ.
+        gae_lambda: λ.
+
+    Returns:
+        `(advantages, returns)`, both `(B, T)`, 0 past each trajectory's length.
+    """
+    batch, turns = rewards.shape
+    played = torch.arange(turns, device=rewards.device).unsqueeze(0) < lengths.unsqueeze(1)
+    rewards = torch.where(played, rewards, torch.zeros_like(rewards))
+    values = torch.where(played, values, torch.zeros_like(values))
+    next_values = torch.cat([values[:, 1:], values.new_zeros(batch, 1)], dim=1)  # 0 after the last turn played
+    deltas = rewards + discount * next_values - values
+    advantages = torch.zeros_like(rewards)
+    running = rewards.new_zeros(batch)
+    for turn in reversed(range(turns)):
+        running = deltas[:, turn] + discount * gae_lambda * running
+        advantages[:, turn] = running
+    advantages = torch.where(played, advantages, torch.zeros_like(advantages))
+    return advantages, torch.where(played, advantages + values, torch.zeros_like(values))
