@@ -16,12 +16,12 @@ process's resident set (`VmRSS`) and its peak since the step before (`VmHWM`, re
 `/proc/self/clear_refs`). Step 1 allocates what every later step reuses, so the quarters are taken over steps 2..N:
 growth = mean of the last quarter / mean of the first quarter - 1, for the steps' peaks and for the floors after them.
 Serving: the server process's `VmRSS` every `--sample_seconds`; the quarters over the samples after `--warmup_minutes`.
-Also counted: answers per kind, server errors (5xx, a dropped connection the client did not ask for, a stream without
-its end) and lost requests (sent, never answered). The targets (docs/benchmarks.md): growth within 5 %, no server
-error, nothing lost.
+Also counted: answers per kind, server errors (5xx, a dropped connection the client did not ask for, an error event or
+a stream without its end) and lost requests (sent, never answered: the client's timeout, 600 s). The targets
+(docs/benchmarks.md): growth within 5 %, no server error, nothing lost.
 
-    python recipes/benchmarks/bench_soak.py train --recipe quickstart --steps 30    # ~15 min on 2 idle CPU cores
-    python recipes/benchmarks/bench_soak.py train --recipe tool_team --steps 30     # ~30 min
+    python recipes/benchmarks/bench_soak.py train --recipe quickstart --steps 30    # ~17 min on 2 idle CPU cores
+    python recipes/benchmarks/bench_soak.py train --recipe tool_team --steps 30     # ~45 min
     python recipes/benchmarks/bench_soak.py serve --minutes 20 --clients 8          # 20 min
 
 Each writes its figures to `--out` (default results/bench_soak_<part>.json).
@@ -32,6 +32,7 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,11 +44,22 @@ from run_info import run_header  # noqa: E402
 from trl_marl.memory.measured import GIB, reset_peak_resident, status_bytes  # noqa: E402
 
 
-def growth(values: list[float]) -> dict:
-    """Mean of the first and last quarters of `values`, and the last over the first minus 1."""
+def growth(values: list[float]) -> dict | None:
+    """Mean of the first and last quarters of `values`, and the last over the first minus 1 (None without values)."""
+    if not values:
+        return None
     quarter = max(1, len(values) // 4)
     first, last = statistics.mean(values[:quarter]), statistics.mean(values[-quarter:])
     return {"first_quarter": first, "last_quarter": last, "growth": last / first - 1}
+
+
+def described(figures: dict | None) -> str:
+    if figures is None:
+        return "no samples"
+    return (
+        f"first quarter {figures['first_quarter']:.2f} GiB, last quarter {figures['last_quarter']:.2f} GiB, growth "
+        f"{100 * figures['growth']:+.1f} %"
+    )
 
 
 # -- training
@@ -111,11 +123,7 @@ def soak_training(args) -> dict:
     print(f"{args.recipe}, {args.steps} steps: peak per step (GiB) {[round(p, 2) for p in resident.peaks]}")
     print(f"floor after each step (GiB) {[round(f, 2) for f in resident.floors]}")
     for name in ("peak", "floor"):
-        figures = result[name]
-        print(
-            f"{name}, steps 2..{args.steps}: first quarter {figures['first_quarter']:.2f} GiB, last quarter "
-            f"{figures['last_quarter']:.2f} GiB, growth {100 * figures['growth']:+.1f} %"
-        )
+        print(f"{name}, steps 2..{args.steps}: {described(result[name])}")
     return result
 
 
@@ -146,7 +154,8 @@ QUESTIONS = ["What is the capital of France?", "Name a colour of the sky.", "Wha
 
 
 async def one_request(client, http, base_url: str, kind: str, index: int, tokens: int) -> str:
-    """Send one request of `kind`; the outcome: "ok", "expected_4xx", "server_error" or "lost"."""
+    """Send one request of `kind`; the outcome: "ok", "expected_4xx", "unexpected_4xx", "server_error" or "lost"."""
+    import httpx
     import openai
 
     model = ("writer", "critic")[index % 2]
@@ -175,13 +184,20 @@ async def one_request(client, http, base_url: str, kind: str, index: int, tokens
             await stream.close()  # the client goes away mid-answer
         elif kind == "refused":
             body = {**options, "model": "nobody"} if index % 2 else {**options, "max_tokens": "many"}
-            response = await http.post(f"{base_url}/chat/completions", json=body)
+            try:
+                response = await http.post(f"{base_url}/chat/completions", json=body)
+            except httpx.TimeoutException:
+                return "lost"
+            except httpx.HTTPError:
+                return "server_error"  # the connection dropped, or the answer was not HTTP
             return "expected_4xx" if 400 <= response.status_code < 500 else "server_error"
         return "ok"
     except openai.APIStatusError as error:
         return "server_error" if error.status_code >= 500 else "unexpected_4xx"
-    except (openai.APIConnectionError, openai.APITimeoutError):
-        return "lost"
+    except openai.APITimeoutError:
+        return "lost"  # sent, never answered
+    except (openai.APIConnectionError, openai.APIError):
+        return "server_error"  # a dropped connection the client did not ask for, or an error event mid-stream
 
 
 async def clients_loop(base_url: str, api_key: str, clients: int, seconds: float, tokens: int) -> dict:
@@ -221,7 +237,10 @@ def soak_serving(args) -> dict:
         def sample() -> None:
             started = time.monotonic()
             while not stop.wait(args.sample_seconds):
-                samples.append((time.monotonic() - started, status_bytes("VmRSS", process.pid) / GIB))
+                try:
+                    samples.append((time.monotonic() - started, status_bytes("VmRSS", process.pid) / GIB))
+                except (OSError, StopIteration):
+                    return  # the server is gone: `server_exit_code_before_stop` says so
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
@@ -230,8 +249,12 @@ def soak_serving(args) -> dict:
         finally:
             stop.set()
             sampler.join()
+            exit_code = process.poll()  # None: the server was still serving when the clients stopped
             process.terminate()
-            process.wait(30)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
     after_warmup = [rss for at, rss in samples if at >= 60 * args.warmup_minutes]
     counts = {outcome: sum(kind.get(outcome, 0) for kind in outcomes.values()) for outcome in
               ("ok", "expected_4xx", "unexpected_4xx", "server_error", "lost")}  # fmt: skip
@@ -243,15 +266,14 @@ def soak_serving(args) -> dict:
         "counts": counts,
         "rss_gib_samples": samples,
         "rss": growth(after_warmup),
-        "highest_rss_gib": max(rss for _, rss in samples),
+        "highest_rss_gib": max((rss for _, rss in samples), default=None),
+        "server_exit_code_before_stop": exit_code,
     }
     print(f"{args.clients} clients, {args.minutes} min: {counts}")
-    figures = result["rss"]
-    print(
-        f"server RSS after {args.warmup_minutes} min: first quarter {figures['first_quarter']:.2f} GiB, last quarter "
-        f"{figures['last_quarter']:.2f} GiB, growth {100 * figures['growth']:+.1f} %; highest "
-        f"{result['highest_rss_gib']:.2f} GiB"
-    )
+    highest = result["highest_rss_gib"]
+    print(f"server RSS after {args.warmup_minutes} min: {described(result['rss'])}; highest {highest} GiB")
+    if exit_code is not None:
+        print(f"The server had exited (code {exit_code}) before the clients stopped.")
     return result
 
 
