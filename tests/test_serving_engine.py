@@ -467,8 +467,21 @@ def test_an_agents_stop_tokens_are_its_bases_end_of_sequence_tokens(team):
 def test_an_engine_idle_after_serving_gives_free_memory_back_once_per_idle_spell(team, monkeypatch):
     from trl_marl.serving import engine as engine_module
 
-    released = []
-    monkeypatch.setattr(engine_module, "release_free_memory", lambda: released.append(True))
+    released, lock_free = [], []
+
+    def take_the_lock() -> None:  # as a request submitting or cancelling does
+        taken = engine._condition.acquire(blocking=False)
+        if taken:
+            engine._condition.release()
+        lock_free.append(taken)
+
+    def release() -> None:
+        other = threading.Thread(target=take_the_lock)
+        other.start()
+        other.join()
+        released.append(True)
+
+    monkeypatch.setattr(engine_module, "release_free_memory", release)
     monkeypatch.setattr(engine_module, "IDLE_SECONDS", 0.2)
 
     def released_after_idle(expected: int) -> int:
@@ -486,5 +499,10 @@ def test_an_engine_idle_after_serving_gives_free_memory_back_once_per_idle_spell
         assert released_after_idle(1) == 1
         engine.generate([RowRequest(1, agent_prompt_ids(team, 1), 4)])
         assert released_after_idle(2) == 2
+        assert lock_free == [True, True]  # given back outside the engine's lock
+        engine.generate([RowRequest(0, agent_prompt_ids(team, 0), 4)])
+        engine.pause()  # a trainer between its rollouts gives memory back itself
+        time.sleep(1.0)
+        assert len(released) == 2
     finally:
         engine.close()

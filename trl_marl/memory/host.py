@@ -11,7 +11,6 @@ allocator keeps device memory, as it should).
 """
 
 import ctypes
-import ctypes.util
 import functools
 import sys
 
@@ -24,8 +23,7 @@ def _malloc_trim():
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
+        trim = ctypes.CDLL(None).malloc_trim  # the process's own C library, without `find_library`'s `ldconfig` run
     except (OSError, AttributeError):
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int

@@ -240,10 +240,16 @@ class BatchingEngine:
                     released = not self.calls
                     while not self._queue and not self._closing:
                         # Idle for IDLE_SECONDS after calls: what they freed, in every thread's arena, back to the
-                        # system (`memory.host`), once per idle spell.
+                        # system (`memory.host`), once per idle spell. Not under the lock (requests submit and cancel
+                        # under it), and not while paused: a trainer gives memory back at its own phases' ends.
                         if not self._condition.wait(None if released else IDLE_SECONDS) and not released:
                             released = True
-                            release_free_memory()
+                            if not self._paused:
+                                self._condition.release()
+                                try:
+                                    release_free_memory()
+                                finally:
+                                    self._condition.acquire()
                     gathered_by = time.monotonic() + self.gather_seconds
                     while not self._closing and (left := gathered_by - time.monotonic()) > 0:
                         self._condition.wait(left)
