@@ -33,6 +33,7 @@ from trl import SFTConfig, SFTTrainer, TrlParser
 from trl_marl import ATGRPOConfig, ATGRPOTrainer, default_model_path
 from trl_marl.generation.tool_templates import tool_chat_template
 from trl_marl.memory import peak_memory
+from trl_marl.memory.host import ReleaseFreeMemory
 from trl_marl.tasks import task_defaults
 from trl_marl.tasks.math_tool import TOOL, TOOL_PROMPT
 from trl_marl.tasks.math_tool_calls import MathToolCalls
@@ -81,7 +82,10 @@ def warm_start(trainer: ATGRPOTrainer, agent: str, demonstrations, script_args, 
         gradient_checkpointing=args.gradient_checkpointing,
         gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs,
     )
-    SFTTrainer(model=model, args=sft_args, train_dataset=demonstrations, processing_class=tokenizer).train()
+    callbacks = [ReleaseFreeMemory()]  # as the team trainer's steps: free memory back to the system after each step
+    SFTTrainer(
+        model=model, args=sft_args, train_dataset=demonstrations, processing_class=tokenizer, callbacks=callbacks
+    ).train()
     trainer.adapters_changed()
 
 
@@ -92,12 +96,13 @@ def main() -> None:
         **task_defaults(MathToolCalls()),
         output_dir="outputs/atgrpo-math-tools",
         num_generations=4,
-        # 8 copies a step (2 problems x K = 4), generated at once and trained one copy per micro-batch: the same
-        # update as one micro-batch (TRL's loss is normalised over the generation batch) at a fraction of the peak
-        # memory (docs/memory.md, "A run's host memory"). Settings v5 (2026-11-29); v4 trained them in 4 micro-batches
-        # of 2 copies (7.51 GiB, over the 8 GB aim), v3 in one.
-        per_device_train_batch_size=1,
-        gradient_accumulation_steps=8,
+        # 8 copies a step (2 problems x K = 4), generated at once; on the CPU trained in 8 micro-batches of 2 rows
+        # (TRL shuffles the rows before it splits them): the same update as one micro-batch with TRL's default
+        # `loss_type` ("dapo": normalised over the whole generation batch; not so for "bnpo" or an entropy bonus), at
+        # a fraction of the peak memory (docs/memory.md, "A run's host memory"). Settings v5 (2026-11-29); v4 trained
+        # them in 4 micro-batches (7.51 GiB, over the 8 GB aim), v3 in one, as a GPU still does (with checkpointing).
+        per_device_train_batch_size=8 if on_gpu else 1,
+        gradient_accumulation_steps=1 if on_gpu else 8,
         per_device_eval_batch_size=8,
         num_generations_eval=1,
         max_completion_length=128,

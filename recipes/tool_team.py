@@ -92,17 +92,18 @@ class ToolTeamArguments:
 
 def tool_team_defaults(on_gpu: bool) -> dict:
     """This recipe's `MAGRPOConfig` settings (also what `benchmarks/bench_soak.py` trains)."""
-    # The step's 8 question copies (16 rows of ~300 tokens: the tool's schema is in every prompt) are generated at once
-    # and trained in 4 micro-batches of 4 rows: the same update (TRL's loss is normalised over the generation batch), a
-    # peak of 4.8 GiB instead of 13.7 (docs/memory.md, "A run's host memory"), at no measurable cost in step time
-    # here, where generation takes most of a step.
+    # On the CPU the step's 8 question copies (16 rows of ~300 tokens: the tool's schema is in every prompt) are
+    # generated at once and trained in 4 micro-batches of 4 rows: the same update with TRL's default `loss_type`
+    # ("dapo": normalised over the whole generation batch; not so for "bnpo" or an entropy bonus), a peak of 4.8 GiB
+    # instead of 13.7 (docs/memory.md, "A run's host memory"), at no measurable cost in step time here, where
+    # generation takes most of a step. A GPU trains them in one micro-batch, with gradient checkpointing.
     return {
         **quickstart_defaults(on_gpu),
         "output_dir": "outputs/tool-team",
         "agents": AGENTS,
         "max_completion_length": 48,
-        "per_device_train_batch_size": 2,
-        "gradient_accumulation_steps": 4,
+        "per_device_train_batch_size": 8 if on_gpu else 2,
+        "gradient_accumulation_steps": 1 if on_gpu else 4,
     }
 
 

@@ -346,23 +346,28 @@ def test_args_must_name_the_team(tiny_model_dir):
         MAGRPOTrainer(tiny_model_dir, length_ratio_reward, args=None, train_dataset=Dataset.from_dict({"prompt": []}))
 
 
-def test_free_memory_goes_back_to_the_system_once_after_every_optimizer_step(tiny_model_dir, tmp_path, monkeypatch):
+def test_free_memory_goes_back_to_the_system_around_each_rollout_and_once_after_every_optimizer_step(
+    tiny_model_dir, tmp_path, monkeypatch
+):
     from trl_marl.memory import host
+    from trl_marl.trainers import team_trainer
 
     releases = []
-    # the callback's release, not the rollout's
-    monkeypatch.setattr(host, "release_free_memory", lambda: releases.append(True))
+    monkeypatch.setattr(host, "release_free_memory", lambda: releases.append("step"))  # the callback's
+    monkeypatch.setattr(team_trainer, "release_free_memory", lambda: releases.append("rollout"))
 
     class SeenAtStepEnd(TrainerCallback):  # added after the trainer's own callbacks: runs after its release
         def __init__(self):
             self.seen = []
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.seen.append((state.global_step, len(releases)))
+            self.seen.append((state.global_step, list(releases)))
 
-    # two micro-batches per optimizer step: one release per step, not per backward
-    trainer = make_trainer(tiny_model_dir, tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    # three micro-batches per optimizer step (one generation): one release per step, not per backward (nor per
+    # micro-batch's end), and one before and one after each rollout
+    trainer = make_trainer(tiny_model_dir, tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=3)
     seen = SeenAtStepEnd()
     trainer.add_callback(seen)
     trainer.train()
-    assert seen.seen == [(1, 1), (2, 2)]
+    step = ["rollout", "rollout", "step"]
+    assert seen.seen == [(1, step), (2, step + step)]
