@@ -40,7 +40,7 @@ RECIPES = {
     "atgrpo_puzzles": ["--max_steps", "3"],
     "atgrpo_two_bases": ["--max_steps", "3"],
 }
-PEAK = re.compile(r"Peak memory: ([0-9.]+) GiB resident")
+PEAK = re.compile(r"Peak memory.*?([0-9.]+) GiB resident")  # the host's, on the CPU or beside a GPU's peaks
 
 
 def run_recipe(name: str, flags: list[str]) -> dict:
@@ -61,18 +61,24 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     options = parser.parse_args()
     results = {**run_header(), "target_gib": TARGET_GIB, "recipes": {}}
-    for name in options.only:
-        figures = results["recipes"][name] = run_recipe(name, RECIPES[name])
-        verdict = "under" if figures["peak_resident_gib"] < TARGET_GIB else "OVER"
-        print(
-            f"{name:22s} peak {figures['peak_resident_gib']:5.2f} GiB ({verdict} 8 GB), {figures['minutes']:.1f} min",
-            flush=True,
-        )
     out = options.out or os.path.join(
         os.path.dirname(os.path.abspath(__file__)), "results", "bench_recipe_memory.json"
     )
-    with open(out, "w") as file:
-        json.dump(results, file, indent=2)
+    for name in options.only:
+        try:
+            figures = results["recipes"][name] = run_recipe(name, RECIPES[name])
+        except RuntimeError as error:  # the others still run; the failure is in the results
+            results["recipes"][name] = {"flags": RECIPES[name], "error": str(error)[-3000:]}
+            print(f"{name:22s} FAILED: {str(error).splitlines()[0]}", flush=True)
+        else:
+            verdict = "under" if figures["peak_resident_gib"] < TARGET_GIB else "OVER"
+            print(
+                f"{name:22s} peak {figures['peak_resident_gib']:5.2f} GiB ({verdict} 8 GB), "
+                f"{figures['minutes']:.1f} min",
+                flush=True,
+            )
+        with open(out, "w") as file:  # after every recipe: an interrupted run keeps what it measured
+            json.dump(results, file, indent=2)
     print(f"Written: {out}")
 
 
