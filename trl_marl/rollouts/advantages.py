@@ -204,6 +204,5 @@ def generalized_advantages(
     running = rewards.new_zeros(batch)
     for turn in reversed(range(turns)):
         running = deltas[:, turn] + discount * gae_lambda * running
-        advantages[:, turn] = running
-    advantages = torch.where(played, advantages, torch.zeros_like(advantages))
-    return advantages, torch.where(played, advantages + values, torch.zeros_like(values))
+        advantages[:, turn] = running  # past a trajectory's length every δ is 0: so is its advantage
+    return advantages, advantages + values
