@@ -99,6 +99,7 @@ class TreeRollout(EpisodeRollout):
                 "`joint_mode='aligned'`."
             )
         self.joint_actions_per_node = num_generations if joint_mode == "aligned" else num_generations**self.num_agents
+        self.children_per_joint_action = num_generations  # slots of each child node (a critic's trajectories: 1)
         if self.environment is not None and joint_mode == "cross":
             raise ValueError(
                 "`joint_mode='cross'` recombines completions sampled in different episodes, which an environment "
@@ -274,8 +275,9 @@ class TreeRollout(EpisodeRollout):
                 joint_action.completions,
                 state=joint_action.state,
             )
-            environments = [copy.deepcopy(joint_action.environment) for _ in range(self.num_generations)]
-            slots += [TreeSlot(node, g, branch, environments[g]) for g in range(self.num_generations)]
+            children = self.children_per_joint_action
+            environments = [copy.deepcopy(joint_action.environment) for _ in range(children)]
+            slots += [TreeSlot(node, g, branch, environments[g]) for g in range(children)]
         return slots
 
     def _next_turn(self, joint_action: JointAction) -> tuple[list[Prompt], bool]:
