@@ -65,8 +65,9 @@ def described(figures: dict | None) -> str:
 # -- training
 
 
-def recipe_trainer(recipe: str, steps: int, output_dir: str):
-    """The recipe's trainer, built as its `main` builds it, for `steps` steps (no evaluation, nothing saved)."""
+def recipe_trainer(recipe: str, steps: int, output_dir: str, model: str | None = None, **overrides):
+    """The recipe's trainer, built as its `main` builds it, for `steps` steps (no evaluation, nothing saved), on
+    `model` (default: the embedded one), with `overrides` of its `MAGRPOConfig` settings."""
     import tool_team
     import torch
     from magrpo_quickstart import quickstart_datasets, quickstart_defaults
@@ -76,15 +77,14 @@ def recipe_trainer(recipe: str, steps: int, output_dir: str):
 
     on_gpu = torch.cuda.is_available()
     defaults = tool_team.tool_team_defaults(on_gpu) if recipe == "tool_team" else quickstart_defaults(on_gpu)
-    args = MAGRPOConfig(**{**defaults, "output_dir": output_dir, "logging_steps": 1, "max_steps": steps})
+    args = MAGRPOConfig(**{**defaults, "output_dir": output_dir, "logging_steps": 1, "max_steps": steps, **overrides})
+    model = model or default_model_path()
     if recipe == "quickstart":
         train_dataset, _ = quickstart_datasets(args.seed, 12)
-        return MAGRPOTrainer(default_model_path(), explain_ratio_reward, args=args, train_dataset=train_dataset)
+        return MAGRPOTrainer(model, explain_ratio_reward, args=args, train_dataset=train_dataset)
     questions = tool_team.sum_questions(12 + 256, args.seed)
     train_dataset = questions.select(range(12, len(questions)))
-    return MAGRPOTrainer(
-        default_model_path(), args=args, train_dataset=train_dataset, episode=tool_team.calculate_then_answer
-    )
+    return MAGRPOTrainer(model, args=args, train_dataset=train_dataset, episode=tool_team.calculate_then_answer)
 
 
 def soak_training(args) -> dict:
