@@ -29,8 +29,25 @@ def test_the_value_head_reads_each_rows_last_attended_token_whichever_side_it_is
     expected = torch.stack(
         [hidden[0, 4].float() @ weight, hidden[1, 2].float() @ weight, hidden[2, 4].float() @ weight]
     )
-    values = head(hidden, mask)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as under `bf16=True`: the value stays float32
+        values = head(hidden, mask)
     assert values.dtype == torch.float32 and torch.allclose(values, expected, atol=1e-6)
+    with pytest.raises(ValueError, match="all zeros"):
+        head(hidden, torch.tensor([[0, 0, 1, 1, 1], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]]))
+
+
+def test_attaching_critics_keeps_every_agents_adapter_trainable_and_adds_theirs(tiny_model_dir):
+    from trl_marl.agents import attach_agent_adapters
+
+    config = agent_lora_config(4, 8, 0.0, "all-linear")
+    model = attach_agent_adapters(AutoModelForCausalLM.from_pretrained(tiny_model_dir), ["writer", "checker"], config)
+    names = critic_adapter_names(["writer", "checker"], "iac")
+    heads = attach_critics(model, names, config, model.config.hidden_size)
+    assert sorted(heads) == sorted(names) and model.peft_config.keys() == {"writer", "checker", *names}
+    for adapter in ("writer", "checker", *names):
+        weights = [p for path, p in model.named_parameters() if f".{adapter}." in path]
+        assert weights and all(p.requires_grad for p in weights), adapter
+    assert not any(p.requires_grad for path, p in model.named_parameters() if "lora_" not in path)  # the base
 
 
 def test_a_critic_trained_on_a_fixed_return_reaches_it_and_moves_only_its_adapter_and_head(tiny_model_dir):

@@ -75,15 +75,45 @@ def test_gae_advantages_and_targets_of_given_values_match_hand_computation_per_a
                 assert sample.advantage == approx(expected[turn])
 
 
-def test_one_critic_for_the_team_gives_every_agent_the_same_advantage():
+def test_one_critic_for_the_team_gives_every_agent_the_same_advantage_written_out():
+    # copy 0: rewards 1, 0; copy 1: 0, 1. V = 0.25 everywhere, gamma 0.5, lambda 0.5:
+    # copy 0: d1 = 0 - 0.25 = -0.25, d0 = 1 + 0.5 * 0.25 - 0.25 = 0.875; A1 = -0.25, A0 = 0.875 + 0.25 * -0.25 = 0.8125
+    # copy 1: d1 = 1 - 0.25 = 0.75, d0 = 0 + 0.125 - 0.25 = -0.125; A1 = 0.75, A0 = -0.125 + 0.25 * 0.75 = 0.0625
     rollout = play([1, 0, 0, 0] + [0, 0, 1, 0], num_turns=2)
     values = torch.tensor([[0.25]] * len(rollout.joint_actions))  # MAAC: one column
-    critic_advantages(rollout, values, 1.0, 1.0)
-    for joint_action in rollout.joint_actions:
+    returns = critic_advantages(rollout, values, 0.5, 0.5)
+    chains = trajectories(rollout.joint_actions)
+    expected = {chains[0][0]: 0.8125, chains[0][1]: -0.25, chains[1][0]: 0.0625, chains[1][1]: 0.75}
+    for j, joint_action in enumerate(rollout.joint_actions):
         pair = [
             s.advantage for s in rollout.samples if (s.node, s.position) == (joint_action.node, joint_action.index)
         ]
-        assert len(pair) == 2 and pair[0] == pair[1] == approx(joint_action.advantage)
+        assert pair == approx([expected[j]] * 2) and joint_action.advantage == approx(expected[j])
+        assert returns[j, 0].item() == approx(expected[j] + 0.25)
+
+
+def test_early_termination_ends_a_trajectory_on_its_own_reward_not_its_prompt_groups_mean():
+    # turn 0: copy 0 (1, 1) -> 2 reaches the threshold 2 and ends; copy 1 (0, 0) -> 0 goes on (the mean, 1, would not)
+    rollout = play([1, 1, 0, 0] + [1, 0], num_turns=2, termination_threshold=2.0)
+    assert [len(chain) for chain in trajectories(rollout.joint_actions)] == [1, 2]
+    assert [ja.terminated for ja in rollout.joint_actions] == [True, False, False]
+
+
+def test_an_unscorable_joint_action_gives_its_samples_no_advantage_and_its_critic_no_target():
+    class UnscorableAtTurnOne(ScriptedTeam):
+        @staticmethod
+        def score(joint_actions):
+            return torch.tensor([[float("nan") if ja.turn == 1 else 1.0] for ja in joint_actions])
+
+    team = UnscorableAtTurnOne([0] * 12)
+    rollout = TrajectoryRollout(settings(3), 2).run([{"prompt": "task"}] * 2, 0, team.generate, team.score)
+    returns = critic_advantages(rollout, torch.zeros(len(rollout.joint_actions), 1), 1.0, 1.0)
+    for j, joint_action in enumerate(rollout.joint_actions):
+        samples = [s for s in rollout.samples if (s.node, s.position) == (joint_action.node, joint_action.index)]
+        if joint_action.turn == 1:
+            assert all(s.advantage == 0.0 for s in samples) and returns[j, 0].isnan()
+        else:  # its NaN counts as 0 in the turns before it: turn 0's reward-to-go is 1 + 0 + 1, turn 2's 1
+            assert [s.advantage for s in samples] == [2.0 - joint_action.turn // 2] * 2
 
 
 def test_a_trajectory_the_transition_ends_early_is_shorter_and_gets_no_value_after_its_end():
@@ -120,5 +150,28 @@ def test_joint_actions_of_a_tree_are_refused_as_trajectories_naming_the_rollout(
     )
     with pytest.raises(ValueError, match="two children.*TrajectoryRollout"):
         trajectories(tree.joint_actions)
-    with pytest.raises(ValueError, match="`values` has 3 rows for 6 joint actions"):
-        critic_advantages(tree, torch.zeros(3, 1), 1.0, 1.0)
+    rollout = play([0] * 8, num_turns=2)
+    with pytest.raises(ValueError, match=r"`values` has shape \(3, 1\): one row per joint action \(4\)"):
+        critic_advantages(rollout, torch.zeros(3, 1), 1.0, 1.0)
+    with pytest.raises(ValueError, match="`values` has 0 columns: one per agent"):
+        critic_advantages(rollout, torch.zeros(4, 0), 1.0, 1.0)
+
+
+def test_an_iac_critic_reads_its_own_agents_input_and_a_maac_critic_every_agents_under_their_names():
+    from trl_marl.rollouts.trajectory_rollout import critic_inputs
+
+    rollout = play([1, 0, 0, 0] + [0, 0, 1, 0], num_turns=2)
+    iac, maac = critic_inputs(rollout, "iac", AGENTS), critic_inputs(rollout, "maac", AGENTS)
+    assert len(iac) == len(maac) == len(rollout.joint_actions) == 4
+    for j, joint_action in enumerate(rollout.joint_actions):
+        given = {
+            s.agent: s.model_input
+            for s in rollout.samples
+            if (s.node, s.position) == (joint_action.node, joint_action.index)
+        }
+        assert iac[j] == [given[0], given[1]] and given[0].startswith("<a>") and given[1].startswith("<b>")
+        assert maac[j] == [f"[a] {given[0]}\n\n[b] {given[1]}"]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}]
+    from trl_marl.rollouts.trajectory_rollout import as_text
+
+    assert as_text(chat) == "system: Be brief.\nuser: Hi." and as_text("plain") == "plain"

@@ -49,22 +49,34 @@ class ValueHead(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """`hidden_states` (rows, length, hidden) and `attention_mask` (rows, length), padded on either side: the
-        value of each row, (rows,), read at its last position whose mask is 1."""
+        value of each row, (rows,), on the head's device, read at its last position whose mask is 1. Raises
+        ValueError for a row with no such position."""
+        if not attention_mask.any(dim=1).all():
+            raise ValueError("A row of `attention_mask` is all zeros: an empty text has no last token to value.")
         positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-        last = (attention_mask.long() * positions).argmax(dim=1)
+        last = (attention_mask.long() * positions).argmax(dim=1).to(hidden_states.device)
         hidden = hidden_states[torch.arange(hidden_states.shape[0], device=hidden_states.device), last]
-        return self.linear(hidden.float()).squeeze(-1)
+        with torch.autocast(self.linear.weight.device.type, enabled=False):  # float32 under mixed precision too
+            return self.linear(hidden.to(self.linear.weight.device, torch.float32)).squeeze(-1)
 
 
 def attach_critics(
     model: PeftModel, critic_names: Sequence[str], lora_config: LoraConfig, hidden_size: int
 ) -> torch.nn.ModuleDict:
     """Give `model` (the team's `PeftModel`) one trainable LoRA adapter per critic, configured as the agents' are, and
-    return their value heads (`ValueHead`, by critic name) on the device of the model's parameters. A critic the
-    model already carries (a saved run's) is kept and made trainable."""
+    return new value heads (`ValueHead`, by critic name) on the device of the model's output layer, where its final
+    hidden states are. An adapter the model already carries under a critic's name (a saved run's) is kept and made
+    trainable; its head is new all the same. Adapters that were trainable stay trainable."""
+    trainable = [name for name in model.peft_config if _requires_grad(model, name)]
     for name in critic_names:
         if name not in model.peft_config:
+            # PEFT's `add_adapter` re-activates the active adapter alone, freezing every other one
             model.add_adapter(name, copy.deepcopy(lora_config))
-    model.set_requires_grad(list(critic_names), requires_grad=True)
-    device = next(model.parameters()).device
+    model.set_requires_grad(list(dict.fromkeys([*trainable, *critic_names])), requires_grad=True)
+    device = model.get_output_embeddings().weight.device
     return torch.nn.ModuleDict({name: ValueHead(hidden_size) for name in critic_names}).to(device)
+
+
+def _requires_grad(model: PeftModel, adapter: str) -> bool:
+    """Whether any of `adapter`'s LoRA weights is trainable."""
+    return any(parameter.requires_grad for path, parameter in model.named_parameters() if f".{adapter}." in path)

@@ -53,6 +53,11 @@ def tiny_model(folder: str) -> str:
     return folder
 
 
+# The functions that build a TLS context and load the CA certificates into it: the standard library's, and httpx's
+# (`httpcore2.default_ssl_context` on Linux, which calls `load_verify_locations` itself).
+TLS_CONTEXT_MAKERS = ("create_default_context", "default_ssl_context", "load_verify_locations")
+
+
 def where(record) -> str:
     """An allocation's place: "TLS contexts" when OpenSSL made it for a new context, else its 4 innermost Python
     frames (its innermost native frames where no Python frame is known)."""
@@ -60,8 +65,8 @@ def where(record) -> str:
         frames = list(record.hybrid_stack_trace(max_stacks=60))
     except AssertionError:  # memray cannot merge some native stacks with their Python frames
         frames = list(record.stack_trace(max_stacks=60))
-    if any(function == "create_default_context" for function, _, _ in frames):
-        return "TLS contexts (ssl.create_default_context: CA certificates parsed)"
+    if any(function in TLS_CONTEXT_MAKERS for function, _, _ in frames):
+        return "TLS contexts (CA certificates parsed into a new ssl.SSLContext)"
     python = [
         f"{function} ({path.rsplit('/', 1)[-1]}:{line})" for function, path, line in frames if path.endswith(".py")
     ]
@@ -75,6 +80,8 @@ def main() -> None:
     parser.add_argument("--stop", type=int, default=9, help="to the end of this one")
     parser.add_argument("--top", type=int, default=12, help="places printed")
     options = parser.parse_args()
+    if not 1 <= options.start < options.stop:
+        parser.error(f"--start ({options.start}) must be at least 1 and below --stop ({options.stop}).")
     import memray
     from transformers import TrainerCallback
 
@@ -102,8 +109,9 @@ def main() -> None:
     trainer.train()
     size, count = collections.Counter(), collections.Counter()
     for record in memray.FileReader(capture).get_leaked_allocation_records(merge_threads=True):
-        size[where(record)] += record.size
-        count[where(record)] += record.n_allocations
+        place = where(record)
+        size[place] += record.size
+        count[place] += record.n_allocations
     steps = options.stop - options.start
     print(f"resident set after each step (MiB): {', '.join(f'{k}: {v:.0f}' for k, v in sorted(resident.items()))}")
     alive = sum(size.values()) / 2**20

@@ -253,12 +253,14 @@ class TreeRollout(EpisodeRollout):
         threshold = self.settings.termination_threshold
         return {node for node, values in rewards.items() if sum(values) / len(values) >= threshold}
 
-    def _expand(
-        self, turn: int, first: int, joint_actions: list[JointAction], stopped: set[NodeKey]
-    ) -> list[TreeSlot]:
+    def _stopped(self, joint_action: JointAction, stopped: set) -> bool:
+        """Whether early termination ends `joint_action`'s branch (`stopped`: `_terminated_nodes`'s answer)."""
+        return joint_action.node in stopped
+
+    def _expand(self, turn: int, first: int, joint_actions: list[JointAction], stopped: set) -> list[TreeSlot]:
         slots = []
         for offset, joint_action in enumerate(joint_actions):
-            if joint_action.node in stopped:
+            if self._stopped(joint_action, stopped):
                 joint_action.terminated = True
                 continue
             prompts, done = self._next_turn(joint_action)
