@@ -519,8 +519,10 @@ def test_a_call_arriving_after_its_episode_ended_never_reaches_the_model_during_
         if len(late) == 8:
             break
         threading.Event().wait(0.1)
-    # refused: the episode is over (404), the engine paused (503), the server stopped
-    assert len(late) == 8 and set(late) <= {404, 503, "stopped"} and 404 in late
+    # refused: the episode is over (404), the engine paused (503), the server stopped. Which of them depends on when
+    # the late call lands (on a loaded machine every one can land in the loss's pause); a closed episode's 404 is
+    # checked on its own in test_during_training_requests_outside_an_open_episode_are_refused_and_calls_are_bounded.
+    assert len(late) == 8 and set(late) <= {404, 503, "stopped"}
     assert calls_in_loss and not any(calls_in_loss)
 
 
