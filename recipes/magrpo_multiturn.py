@@ -59,7 +59,12 @@ def main() -> None:
         num_turns=2,
         discount=0.9,
         num_generations=2,  # per node: 2 completions per agent; the tree of one prompt has 2 + 4 joint actions
-        per_device_train_batch_size=4,  # two words per step
+        # Two words per step: 4 prompt copies, generated at once, whose trees give 8 root rows and 16 child rows. The
+        # CPU trains them in 4 micro-batches (a peak of about 13.6 GiB in one); the same update with TRL's default
+        # `loss_type` (docs/multiturn.md pads the tree's rows so that each weighs what it would in one batch). A GPU
+        # trains them in one, with gradient checkpointing.
+        per_device_train_batch_size=4 if on_gpu else 1,
+        gradient_accumulation_steps=1 if on_gpu else 4,
         per_device_eval_batch_size=4,
         num_generations_eval=2,
         max_completion_length=24,
