@@ -21,37 +21,10 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_serve import tiny_base  # noqa: E402
 from bench_soak import recipe_trainer  # noqa: E402
 
 from trl_marl.memory.measured import status_bytes  # noqa: E402
-
-
-def tiny_model(folder: str) -> str:
-    """A tiny random Llama with the embedded model's tokenizer (and so its vocabulary and chat template)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from trl_marl import default_model_path
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
 
 # The functions that build a TLS context and load the CA certificates into it: the standard library's, and httpx's
 # (`httpcore2.default_ssl_context` on Linux, which calls `load_verify_locations` itself).
@@ -90,7 +63,7 @@ def main() -> None:
     # quiet, nothing saved; a random model's tool calls are mostly wrong: its episodes still run, call and record,
     # and none may stop the run
     quiet = {"disable_tqdm": True, "save_strategy": "no", "report_to": "none", "episode_max_failed_fraction": 1.0}
-    model = tiny_model(os.path.join(work, "tiny"))
+    model = tiny_base(os.path.join(work, "tiny"), positions=1024)
     trainer = recipe_trainer(options.recipe, options.stop, work, model, **quiet)
     resident = {}
 
