@@ -14,7 +14,7 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
     lambda record: not str(record.msg).startswith(BITSANDBYTES_KERNELS_NOTICE)
 )
 
-from .config import ATGRPOConfig, MAGRPOConfig, TeamConfig
+from .config import ATGRPOConfig, IACConfig, MAACConfig, MAGRPOConfig, TeamConfig
 from .registry import PluginError, register_episode, register_reward, register_scheduler, register_task
 from .rollouts.advantages import aligned_credit, baseline_values, cross_credit, group_advantages, team_rewards
 from .rollouts.rollout import NextTurn, RolloutSettings, TransitionError, default_transition
@@ -22,6 +22,7 @@ from .serving import serve_team  # FastAPI and uvicorn are imported only when a 
 from .tasks import Task
 from .team.default_model import DEFAULT_MODEL_ID, default_model_path
 from .team.saved import Team, TeamRun, load_team
+from .trainers.actor_critic_trainer import IACTrainer, MAACTrainer
 from .trainers.atgrpo_trainer import ATGRPOTrainer
 from .trainers.magrpo_trainer import MAGRPOTrainer
 from .trainers.reward_checks import RewardFunctionError, for_agent
@@ -47,6 +48,10 @@ __all__ = [
     "ATGRPOConfig",
     "ATGRPOTrainer",
     "DEFAULT_MODEL_ID",
+    "IACConfig",
+    "IACTrainer",
+    "MAACConfig",
+    "MAACTrainer",
     "MAGRPOConfig",
     "MAGRPOTrainer",
     "NextTurn",

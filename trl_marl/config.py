@@ -1,5 +1,6 @@
-"""Configurations of the two trainers: `TeamConfig` (TRL's `GRPOConfig` plus the team) and its two siblings,
-`MAGRPOConfig` and `ATGRPOConfig`, each with the fields of its algorithm."""
+"""Configurations of the trainers: `TeamConfig` (TRL's `GRPOConfig` plus the team) and its siblings, `MAGRPOConfig`,
+`ATGRPOConfig` and the actor-critic `IACConfig` and `MAACConfig` (`ActorCriticConfig`), each with the fields of its
+algorithm."""
 
 import logging
 from dataclasses import dataclass, field
@@ -186,7 +187,10 @@ class TeamConfig(GRPOConfig, metaclass=_TeamConfigType):
 
     def __post_init__(self):
         if not self._trainer:
-            raise TypeError("TeamConfig is the base the two configs share: use MAGRPOConfig or ATGRPOConfig.")
+            raise TypeError(
+                f"{type(self).__name__} is a base the configs share: use MAGRPOConfig, ATGRPOConfig, IACConfig or "
+                "MAACConfig."
+            )
         self.agents = normalize_agents(self.agents)
         frozen = self.frozen_agents or []
         self.frozen_agents = [frozen] if isinstance(frozen, str) else list(frozen)  # `frozen_agents: critic`
@@ -461,3 +465,116 @@ class ATGRPOConfig(TeamConfig):
             f"num_turns={self.num_turns} = {size} candidates, more than `max_joint_actions` "
             f"({self.max_joint_actions}). Lower `num_turns` or `num_generations`, or raise `max_joint_actions`."
         )
+
+
+@dataclass
+class ActorCriticConfig(TeamConfig):
+    r"""
+    Configuration shared by [`IACConfig`] and [`MAACConfig`]: everything [`~trl.GRPOConfig`] has, plus the team
+    ([`TeamConfig`]) and the critics' fields (docs/critics.md).
+
+    Each of the `num_generations` copies of a prompt is one trajectory: at every turn every agent acts once (as in
+    MAGRPO, without its tree), the team reward scores the joint action, and a critic (a LoRA adapter on the team's base
+    with a value head) values the history before it. Each agent's completion is trained with TRL's GRPO loss whose
+    advantage is the generalized advantage estimate A_t = Σ_l (γλ)^l δ_{t+l}, δ_t = r_t + γ·V_{t+1} − V_t, and the
+    critic with a value loss towards the λ-returns A_t + V_t. `baseline` and `scale_rewards` do not apply: the critic
+    is the baseline and `normalize_advantages` the scaling.
+
+    Parameters:
+        discount (`float`, *optional*, defaults to `1.0`):
+            γ.
+        gae_lambda (`float`, *optional*, defaults to `0.95`):
+            λ of the generalized advantage estimate: 0 is the one-step TD error (CoMLRL's), 1 the Monte-Carlo
+            return less the value.
+        value_loss_coef (`float`, *optional*, defaults to `0.1`):
+            Weight of the critics' value loss (TRL's `PPOConfig.vf_coef`).
+        value_clip_range (`float` or `None`, *optional*, defaults to `0.2`):
+            A new value is clipped to within this of the value the rollout computed before the value loss is taken
+            (the larger of the clipped and unclipped losses, as TRL's PPO; `cliprange_value`). `None`: no clipping.
+        critic_learning_rate (`float` or `None`, *optional*):
+            Learning rate of the critics' adapters and value heads (their own optimizer parameter group, on the same
+            schedule); `None`: `learning_rate`.
+        normalize_advantages (`bool`, *optional*, defaults to `True`):
+            Z-score each critic's advantages over the process's scored joint actions of the step (PPO's whitening).
+
+    The team's fields are [`TeamConfig`]'s.
+    """
+
+    _algorithm: ClassVar[str] = "an actor-critic team"
+    _critic_kind: ClassVar[str] = ""
+    not_applicable: ClassVar[dict[str, tuple[Any, str]]] = {
+        "joint_mode": (
+            "aligned",
+            "every agent's g-th completion forms the g-th trajectory's joint action; there is no tree to cross.",
+        ),
+    }
+
+    discount: float = field(default=1.0, metadata={"help": "Discount γ."})
+    gae_lambda: float = field(default=0.95, metadata={"help": "λ of the generalized advantage estimate."})
+    value_loss_coef: float = field(default=0.1, metadata={"help": "Weight of the critics' value loss."})
+    value_clip_range: float | None = field(
+        default=0.2, metadata={"help": "Clip new values to within this of the rollout's (None: no clipping)."}
+    )
+    critic_learning_rate: float | None = field(
+        default=None, metadata={"help": "The critics' learning rate (None: learning_rate)."}
+    )
+    normalize_advantages: bool = field(
+        default=True, metadata={"help": "Z-score each critic's advantages over the step's joint actions."}
+    )
+
+    def __post_init__(self):
+        for name in ("discount", "gae_lambda"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise ValueError(f"`{name}` must be a number in [0, 1], got {value!r}.")
+        if isinstance(self.value_loss_coef, bool) or not isinstance(self.value_loss_coef, (int, float)):
+            raise ValueError(f"`value_loss_coef` must be a number, got {self.value_loss_coef!r}.")
+        if self.value_loss_coef < 0:
+            raise ValueError(f"`value_loss_coef` must be 0 or more, got {self.value_loss_coef!r}.")
+        for name in ("value_clip_range", "critic_learning_rate"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"`{name}` must be a positive number or None, got {value!r}.")
+        if self.baseline != "mean":
+            raise ValueError(
+                f"`baseline={self.baseline!r}` does not apply to {self._algorithm}: the critic's value is the "
+                "baseline. Leave `baseline` out."
+            )
+        super().__post_init__()
+
+    def joint_actions_per_prompt(self, num_generations: int) -> int:
+        """Team reward evaluations of one prompt at most: one per trajectory and turn."""
+        return num_generations * self.num_turns
+
+    def _tree_too_large_message(self, field_name: str, num_generations: int, size: int) -> str:
+        return (
+            f"The trajectories of one prompt make {field_name}={num_generations} × num_turns={self.num_turns} = {size} "
+            f"joint actions, more than `max_joint_actions` ({self.max_joint_actions}). Lower `num_turns` or "
+            "`num_generations`, or raise `max_joint_actions`."
+        )
+
+
+@dataclass
+class IACConfig(ActorCriticConfig):
+    r"""
+    Configuration class for [`IACTrainer`], independent actor-critic: one critic per agent (the adapter
+    `critic_<agent>` and its value head), reading that agent's own prompt of the turn; each agent's completions take
+    its own critic's advantages. Its fields are [`ActorCriticConfig`]'s.
+    """
+
+    _algorithm: ClassVar[str] = "IAC"
+    _trainer: ClassVar[str] = "IACTrainer"
+    _critic_kind: ClassVar[str] = "iac"
+
+
+@dataclass
+class MAACConfig(ActorCriticConfig):
+    r"""
+    Configuration class for [`MAACTrainer`], multi-agent actor-critic: one centralised critic for the team (the
+    adapter `critic` and its value head), reading every agent's prompt of the turn; every agent's completions take the
+    team's advantage. Its fields are [`ActorCriticConfig`]'s.
+    """
+
+    _algorithm: ClassVar[str] = "MAAC"
+    _trainer: ClassVar[str] = "MAACTrainer"
+    _critic_kind: ClassVar[str] = "maac"

@@ -32,6 +32,7 @@ The targets (docs/benchmarks.md): every arm within 1.2x its reference.
     python recipes/benchmarks/bench_memory_paths.py                     # all arms, ~25 min on 2 idle CPU cores
     python recipes/benchmarks/bench_memory_paths.py --arms trl magrpo   # some
     ... [--steps 4] [--gradient_checkpointing] [--out PATH]             # default results/bench_memory_paths.json
+    ... [--micro_batches 4]     # a step's 16 rows in 4 micro-batches of 4 (gradient accumulation), every arm alike
 """
 
 import argparse
@@ -143,7 +144,7 @@ async def weather_report(client, row) -> float:
     return float(verdict.correct)
 
 
-def train_arm(arm: str, steps: int, gradient_checkpointing: bool) -> dict:
+def train_arm(arm: str, steps: int, gradient_checkpointing: bool, micro_batches: int = 1) -> dict:
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import TrainerCallback
@@ -159,7 +160,9 @@ def train_arm(arm: str, steps: int, gradient_checkpointing: bool) -> dict:
         output_dir=f"/tmp/bench-memory-paths-{arm}", max_completion_length=COMPLETION, num_generations=G,
         max_steps=steps, learning_rate=5e-4, seed=0, logging_steps=1, report_to="none", save_strategy="no",
         disable_tqdm=True, use_cpu=True, bf16=False, gradient_checkpointing=gradient_checkpointing,
+        gradient_accumulation_steps=micro_batches,  # TRL generates every micro-batch's rows at once, then splits them
     )  # fmt: skip
+    rows = ROWS // micro_batches  # per micro-batch; a step's rows stay ROWS
     lora = LoraConfig(r=16, lora_alpha=32, task_type="CAUSAL_LM")
     team = [{"name": "concise"}, {"name": "detailed"}]  # the names bench_program's parity episode calls
     if arm == "agents_sdk":
@@ -178,15 +181,15 @@ def train_arm(arm: str, steps: int, gradient_checkpointing: bool) -> dict:
         extra["processing_class"] = tokenizer
     before = status_bytes("VmRSS")
     if arm.startswith("trl"):
-        args = GRPOConfig(per_device_train_batch_size=ROWS, **settings)
+        args = GRPOConfig(per_device_train_batch_size=rows, **settings)
         if arm == "trl_released":
             extra["callbacks"] = [ReleaseFreeMemory()]
         trainer = GRPOTrainer(model, reward, args=args, train_dataset=dataset, peft_config=lora, **extra)
     elif arm == "atgrpo":
-        args = ATGRPOConfig(agents=team, per_device_train_batch_size=ROWS // 2, **settings)
+        args = ATGRPOConfig(agents=team, per_device_train_batch_size=rows // 2, **settings)
         trainer = ATGRPOTrainer(model, reward, args=args, train_dataset=dataset, peft_config=lora)
     else:
-        args = MAGRPOConfig(agents=team, per_device_train_batch_size=ROWS // 2, **settings)
+        args = MAGRPOConfig(agents=team, per_device_train_batch_size=rows // 2, **settings)
         episode = {"episode": {"program": both_agents, "agents_sdk": weather_report}[arm]} if arm in EPISODES else {}
         rewards = None if arm in EPISODES else reward
         trainer = MAGRPOTrainer(model, rewards, args=args, train_dataset=dataset, peft_config=lora, **extra, **episode)
@@ -224,20 +227,24 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--micro_batches", type=int, default=1, choices=[1, 2, 4, 8])
     parser.add_argument("--out", default=None)
     parser.add_argument("--worker", choices=ARMS, help=argparse.SUPPRESS)
     options = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if options.worker:
-        print(json.dumps(train_arm(options.worker, options.steps, options.gradient_checkpointing)))
+        figures = train_arm(options.worker, options.steps, options.gradient_checkpointing, options.micro_batches)
+        print(json.dumps(figures))
         return
     from run_info import run_header
 
     results = {**run_header(), "steps": options.steps, "gradient_checkpointing": options.gradient_checkpointing}
+    results["micro_batches"] = options.micro_batches
     arms = {}
     for arm in options.arms:
         command = [sys.executable, __file__, "--worker", arm, "--steps", str(options.steps)]
         command += ["--gradient_checkpointing"] if options.gradient_checkpointing else []
+        command += ["--micro_batches", str(options.micro_batches)]
         finished = subprocess.run(command, capture_output=True, text=True)
         if finished.returncode != 0:
             raise RuntimeError(f"arm {arm} failed:\n{finished.stderr[-3000:]}")

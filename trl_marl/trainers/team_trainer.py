@@ -108,8 +108,11 @@ class TeamTrainer(TeamCheckpoints, GRPOTrainer):
         environment_factory: Callable | None = None,
     ):
         config_class = self._config_class
-        if config_class is TeamConfig:
-            raise TypeError("TeamTrainer is the base the two trainers share: use MAGRPOTrainer or ATGRPOTrainer.")
+        if not config_class._trainer:
+            raise TypeError(
+                f"{type(self).__name__} is a base the trainers share: use MAGRPOTrainer, ATGRPOTrainer, IACTrainer or "
+                "MAACTrainer."
+            )
         if not isinstance(args, config_class):
             other = ""
             if isinstance(args, TeamConfig) and args._trainer:  # the sibling algorithm's config

@@ -1,0 +1,171 @@
+"""IACTrainer and MAACTrainer on a tiny random model: actors and critics train and the base does not, a critic held at
+zero gives MAGRPO's `baseline="none"` training, each critic reads what it should, and checkpoints carry the critics."""
+
+import pytest
+import torch
+from datasets import Dataset
+from tiny_run import TINY_RUN
+
+from trl_marl import IACConfig, IACTrainer, MAACConfig, MAACTrainer, MAGRPOConfig, MAGRPOTrainer
+from trl_marl.trainers.actor_critic_trainer import VALUE_HEADS_FILE, value_loss, zscore
+
+AGENTS = [{"name": "writer", "system_prompt": "Write."}, {"name": "checker", "system_prompt": "Check."}]
+PROMPTS = ["Name a colour.", "Name a fruit.", "Count to three.", "Say hello."]
+KINDS = {"iac": (IACConfig, IACTrainer), "maac": (MAACConfig, MAACTrainer)}
+
+
+def team_reward(prompts, completions, **kwargs):
+    return [len(c["checker"]) / (1.0 + len(c["writer"])) for c in completions]
+
+
+def settings(tmp_path, **overrides):
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        agents=AGENTS,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+        max_steps=2,
+        **TINY_RUN,
+        seed=3,
+    )
+    values.update(overrides)
+    return values
+
+
+def dataset():
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
+
+
+def make_trainer(kind, model_dir, tmp_path, **overrides):
+    config_class, trainer_class = KINDS[kind]
+    return trainer_class(
+        model_dir, team_reward, args=config_class(**settings(tmp_path, **overrides)), train_dataset=dataset()
+    )
+
+
+def weights(model, marker):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if marker(n)}
+
+
+def changed(before, model):
+    after = dict(model.named_parameters())
+    return [n for n in before if not torch.equal(before[n], after[n].detach())]
+
+
+@pytest.mark.parametrize("kind", ["iac", "maac"])
+def test_actors_and_critics_train_and_the_base_stays_frozen_over_two_turns(tiny_model_dir, tmp_path, kind):
+    trainer = make_trainer(kind, tiny_model_dir, tmp_path, num_turns=2)
+    model = trainer.model
+    critics = ["critic_writer", "critic_checker"] if kind == "iac" else ["critic"]
+    assert trainer.critic_names == critics and set(model.peft_config) == {"writer", "checker", *critics}
+    adapters = {name: weights(model, lambda n, name=name: f".{name}." in n) for name in ["writer", "checker", *critics]}
+    heads = weights(model, lambda n: n.startswith("value_heads."))
+    base = weights(model, lambda n: "lora_" not in n and not n.startswith("value_heads."))
+    trainer.train()
+    for name, before in adapters.items():
+        assert before and changed(before, model), f"adapter {name} did not change"
+    assert len(changed(heads, model)) == len(heads) == 2 * len(critics)  # every head's weight and bias
+    assert not changed(base, model)
+    logged = [log for log in trainer.state.log_history if "critic/value_loss" in log]
+    assert logged and all(log["critic/value_loss"] >= 0 for log in logged)
+    # The optimizer holds the critics in a group of their own, at the learning rate (no `critic_learning_rate`).
+    critic_group = trainer.optimizer.param_groups[-1]
+    assert {id(p) for p in critic_group["params"]} == {id(p) for p in trainer.critic_parameters()}
+
+
+def test_a_critic_held_at_zero_trains_the_actors_exactly_as_magrpo_without_a_baseline(tiny_model_dir, tmp_path):
+    common = dict(max_steps=3, logging_steps=1, scale_rewards="none", num_turns=1)
+    magrpo = MAGRPOTrainer(
+        tiny_model_dir,
+        team_reward,
+        args=MAGRPOConfig(**settings(tmp_path / "magrpo", baseline="none", **common)),
+        train_dataset=dataset(),
+    )
+    magrpo.train()  # each trainer trains right after its construction, which seeds torch's generators
+    iac = make_trainer(
+        "iac",
+        tiny_model_dir,
+        tmp_path / "iac",
+        discount=1.0,
+        gae_lambda=1.0,
+        normalize_advantages=False,
+        value_loss_coef=0.0,  # the critics never move
+        **common,
+    )
+    with torch.no_grad():
+        for head in iac.value_heads.values():
+            head.linear.weight.zero_()
+    iac.train()
+    losses = [[log["loss"] for log in t.state.log_history if "loss" in log] for t in (magrpo, iac)]
+    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], abs=1e-6)
+    assert any(loss != 0 for loss in losses[0])
+    for agent in ("writer", "checker"):
+        ours = weights(iac.model, lambda n, agent=agent: f".{agent}." in n)
+        theirs = weights(magrpo.model, lambda n, agent=agent: f".{agent}." in n)
+        assert ours.keys() == theirs.keys()
+        assert all(torch.allclose(ours[n], theirs[n], atol=1e-6) for n in ours), agent
+    assert all(float(head.linear.weight.abs().sum()) == 0 for head in iac.value_heads.values())
+
+
+def test_the_critics_learning_rate_is_their_groups_and_the_scheduler_scales_it(tiny_model_dir, tmp_path):
+    trainer = make_trainer("maac", tiny_model_dir, tmp_path, max_steps=1, critic_learning_rate=1e-3)
+    trainer.create_optimizer_and_scheduler(num_training_steps=4)
+    groups = trainer.optimizer.param_groups
+    assert groups[-1]["lr"] == pytest.approx(1e-3) and groups[0]["lr"] == pytest.approx(5e-2)
+    actor = {id(p) for group in groups[:-1] for p in group["params"]}
+    assert not actor & {id(p) for p in trainer.critic_parameters()}
+
+
+def test_a_checkpoint_carries_the_critics_and_a_resumed_run_equals_the_uninterrupted_one(tiny_model_dir, tmp_path):
+    common = dict(max_steps=4, save_strategy="steps", save_steps=2, logging_steps=1)
+    full = make_trainer("iac", tiny_model_dir, tmp_path / "full", **common)
+    full.train()
+    checkpoint = tmp_path / "full" / "out" / "checkpoint-2"
+    assert (checkpoint / VALUE_HEADS_FILE).exists() and (checkpoint / "critic_writer").is_dir()
+    resumed = make_trainer("iac", tiny_model_dir, tmp_path / "resumed", **common)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    every = weights(full.model, lambda n: "lora_" in n or n.startswith("value_heads."))
+    again = dict(resumed.model.named_parameters())
+    assert every and all(torch.allclose(every[n], again[n].detach(), atol=1e-6) for n in every)
+
+
+def test_resuming_from_a_checkpoint_without_value_heads_is_refused_and_names_the_file(tiny_model_dir, tmp_path):
+    trainer = make_trainer("iac", tiny_model_dir, tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
+    trainer.train()
+    checkpoint = tmp_path / "out" / "checkpoint-1"
+    (checkpoint / VALUE_HEADS_FILE).unlink()
+    again = make_trainer("iac", tiny_model_dir, tmp_path, max_steps=2)
+    with pytest.raises(FileNotFoundError, match=VALUE_HEADS_FILE):
+        again.train(resume_from_checkpoint=str(checkpoint))
+    assert (checkpoint / "critic_writer").is_dir()  # nothing of the checkpoint was touched
+
+
+def test_the_value_loss_is_half_the_squared_error_and_clipping_takes_the_larger():
+    values, old, targets = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.0]), torch.tensor([0.0, 2.0])
+    assert value_loss(values, old, targets, None).item() == pytest.approx(0.5 * (1.0 + 4.0) / 2)
+    # clipped to within 0.2 of the old value: 0.2 (row 0: (1-0)² > (0.2-0)², keeps 1) and 0.0 (row 1: keeps 4)
+    assert value_loss(values, old, targets, 0.2).item() == pytest.approx(0.5 * (1.0 + 4.0) / 2)
+    values = torch.tensor([1.5, 1.0])  # row 1 clipped to 0.2: (0.2 - 2)² = 3.24 > (1 - 2)² = 1
+    assert value_loss(values, old, targets, 0.2).item() == pytest.approx(0.5 * (1.5**2 + 3.24) / 2)
+
+
+def test_zscore_centres_and_scales_each_column():
+    advantages = torch.tensor([[1.0, 10.0], [3.0, 10.0]])
+    normalized = zscore(advantages)
+    assert normalized[:, 0].tolist() == pytest.approx([-0.7071, 0.7071], abs=1e-3)
+    assert normalized[:, 1].tolist() == [0.0, 0.0]
+    assert zscore(torch.tensor([[2.0]])).tolist() == [[0.0]]
+
+
+def test_the_configs_refuse_a_baseline_and_out_of_range_settings_by_name(tmp_path):
+    with pytest.raises(ValueError, match="`baseline='none'` does not apply to IAC"):
+        IACConfig(**settings(tmp_path, baseline="none"))
+    with pytest.raises(ValueError, match="`gae_lambda` must be a number in"):
+        MAACConfig(**settings(tmp_path, gae_lambda=1.5))
+    with pytest.raises(ValueError, match="`value_clip_range` must be a positive number or None"):
+        MAACConfig(**settings(tmp_path, value_clip_range=0))
+    with pytest.raises(ValueError, match="`joint_mode='cross'` does not apply to MAAC"):
+        MAACConfig(**settings(tmp_path, joint_mode="cross"))
+    with pytest.raises(TypeError, match="MAACConfig naming the agents, got IACConfig.*goes to IACTrainer"):
+        MAACTrainer("unused", team_reward, args=IACConfig(**settings(tmp_path)))
