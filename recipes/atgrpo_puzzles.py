@@ -88,7 +88,9 @@ def main() -> None:
         report_to="none",
         seed=0,
         use_cpu=not on_gpu,
-        gradient_checkpointing=on_gpu,  # TRL turns it on; on the CPU it only recomputes activations
+        # TRL's default, on the CPU too: its 4-row micro-batches of long turns peaked at 7.98 GiB without it, 5.09
+        # GiB with it, for 11.4 minutes of a 3-step run against 10.4 (docs/benchmarks.md)
+        gradient_checkpointing=True,
     )
     script_args, args = parser.parse_args_and_config()
     task = TASKS[script_args.task](

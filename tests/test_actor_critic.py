@@ -59,7 +59,8 @@ def test_actors_and_critics_train_and_the_base_stays_frozen_over_two_turns(tiny_
     model = trainer.model
     critics = ["critic_writer", "critic_checker"] if kind == "iac" else ["critic"]
     assert trainer.critic_names == critics and set(model.peft_config) == {"writer", "checker", *critics}
-    adapters = {name: weights(model, lambda n, name=name: f".{name}." in n) for name in ["writer", "checker", *critics]}
+    names = ["writer", "checker", *critics]
+    adapters = {name: weights(model, lambda n, name=name: f".{name}." in n) for name in names}
     heads = weights(model, lambda n: n.startswith("value_heads."))
     base = weights(model, lambda n: "lora_" not in n and not n.startswith("value_heads."))
     trainer.train()
@@ -169,3 +170,13 @@ def test_the_configs_refuse_a_baseline_and_out_of_range_settings_by_name(tmp_pat
         MAACConfig(**settings(tmp_path, joint_mode="cross"))
     with pytest.raises(TypeError, match="MAACConfig naming the agents, got IACConfig.*goes to IACTrainer"):
         MAACTrainer("unused", team_reward, args=IACConfig(**settings(tmp_path)))
+
+
+def test_an_optimizer_given_without_the_critics_is_refused(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="does not hold the critics' parameters.*leave `optimizers` out"):
+        args = IACConfig(**settings(tmp_path))
+        IACTrainer(model, team_reward, args=args, train_dataset=dataset(), optimizers=(optimizer, None))

@@ -548,8 +548,8 @@ class ActorCriticConfig(TeamConfig):
 
     def _tree_too_large_message(self, field_name: str, num_generations: int, size: int) -> str:
         return (
-            f"The trajectories of one prompt make {field_name}={num_generations} × num_turns={self.num_turns} = {size} "
-            f"joint actions, more than `max_joint_actions` ({self.max_joint_actions}). Lower `num_turns` or "
+            f"The trajectories of one prompt make {field_name}={num_generations} × num_turns={self.num_turns} = "
+            f"{size} joint actions, more than `max_joint_actions` ({self.max_joint_actions}). Lower `num_turns` or "
             "`num_generations`, or raise `max_joint_actions`."
         )
 

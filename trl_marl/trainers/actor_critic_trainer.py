@@ -22,6 +22,7 @@ import textwrap
 import torch
 from safetensors.torch import load_file, save_file
 from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import disable_dropout_in_model
 
 from ..config import ActorCriticConfig, IACConfig, MAACConfig
 from ..critics import attach_critics, critic_adapter_names
@@ -58,6 +59,14 @@ class ActorCriticTrainer(TeamTrainer):
         self._critic_batch = None  # the last rollout's critic inputs, values and targets, for its rows
         self._critic_micro_batch = None  # the critic rows of the micro-batch whose actors' loss was just taken
         super().__init__(model, reward_funcs, args, *more, **kwargs)
+        distributed = self.accelerator.num_processes > 1 or self.is_deepspeed_enabled or self.is_fsdp_enabled
+        if distributed:
+            # The critics' backward follows the actors' in the same step: DDP would find the value heads outside the
+            # forward's outputs, and DeepSpeed steps its optimizer at the actors' last backward.
+            raise ValueError(
+                f"{type(self).__name__} trains in one process for now, without DeepSpeed or FSDP: run it without "
+                "`accelerate launch` across processes (one GPU or the CPU)."
+            )
         if len(self.bases) > 1:
             raise ValueError(
                 f"{type(self).__name__} puts its critics on the team's base: agents on other bases "
@@ -71,8 +80,17 @@ class ActorCriticTrainer(TeamTrainer):
         # Initialised on a fork of the random generators: the run samples what a MAGRPO run of the same seed samples.
         with torch.random.fork_rng():
             peft_model.value_heads = attach_critics(peft_model, names, lora_config, hidden_size)
+        if self.args.disable_dropout:  # as TRL's init did for the agents' adapters
+            disable_dropout_in_model(peft_model)
         self.critic_names = names
         self.critic_router = AdapterRouter(peft_model, names)
+        if self.optimizer is not None:  # given by the user, built before the critics existed
+            held = {id(p) for group in self.optimizer.param_groups for p in group["params"]}
+            if not all(id(p) in held for p in self.critic_parameters()):
+                raise ValueError(
+                    f"The optimizer passed to {type(self).__name__} does not hold the critics' parameters, which the "
+                    "trainer creates: leave `optimizers` out (the critics get a group at `critic_learning_rate`)."
+                )
 
     @property
     def value_heads(self) -> torch.nn.ModuleDict:
@@ -145,7 +163,7 @@ class ActorCriticTrainer(TeamTrainer):
         was sampled from them; MAAC, the joint text of every agent's prompt (`critic_inputs`), tokenized."""
         if self.args._critic_kind == "iac":
             prompt_ids = {(s.node, s.position, s.agent): s.prompt_ids for s in rollout.samples}
-            critic_inputs(rollout, "iac", self.agent_names)  # every agent acted at every joint action, or a clear error
+            critic_inputs(rollout, "iac", self.agent_names)  # every agent acted at every joint action, or an error
             return [
                 [prompt_ids[(ja.node, ja.index, agent)] for agent in range(len(self.agent_names))]
                 for ja in rollout.joint_actions
@@ -262,12 +280,12 @@ class ActorCriticTrainer(TeamTrainer):
             loss = value_loss(
                 values, batch["old_values"][rows], batch["value_targets"][rows], self.args.value_clip_range
             )
-            self.accelerator.backward(
-                self.args.value_loss_coef * loss / self.current_gradient_accumulation_steps
-            )
+            self.accelerator.backward(self.args.value_loss_coef * loss / self.current_gradient_accumulation_steps)
         finally:
             self.critic_router.route(None)
-        self._metrics["train"]["critic/value_loss"].append(self.accelerator.gather(loss.detach().reshape(1)).mean().item())
+        self._metrics["train"]["critic/value_loss"].append(
+            self.accelerator.gather(loss.detach().reshape(1)).mean().item()
+        )
 
     # ------------------------------------------------------------------ saving
 
@@ -281,13 +299,13 @@ class ActorCriticTrainer(TeamTrainer):
             save_file(heads, os.path.join(folder, VALUE_HEADS_FILE))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        super()._load_from_checkpoint(resume_from_checkpoint, model=model)
         path = os.path.join(resume_from_checkpoint, VALUE_HEADS_FILE)
-        if not os.path.exists(path):
+        if not os.path.exists(path):  # checked before anything loads: the team in memory stays as it was
             raise FileNotFoundError(
                 f"{resume_from_checkpoint} has no {VALUE_HEADS_FILE}: it is not a checkpoint of {type(self).__name__} "
                 "(its critics' value heads are missing). Resume from one of this trainer's checkpoints."
             )
+        super()._load_from_checkpoint(resume_from_checkpoint, model=model)
         self.value_heads.load_state_dict(load_file(path))  # in place: the optimizer keeps the same parameters
 
 
