@@ -164,9 +164,12 @@ def test_the_cli_applies_the_same_rule_to_yaml_keys_and_flags(tmp_path):
 
 
 def test_the_shared_bases_say_which_class_to_use(tiny_model_dir, tmp_path):
-    with pytest.raises(TypeError, match="use MAGRPOConfig or ATGRPOConfig"):
-        TeamConfig(output_dir=str(tmp_path), agents=["writer", "editor"])
-    with pytest.raises(TypeError, match="use MAGRPOTrainer or ATGRPOTrainer"):
+    from trl_marl.config import ActorCriticConfig
+
+    for shared in (TeamConfig, ActorCriticConfig):
+        with pytest.raises(TypeError, match=f"{shared.__name__} is a base.*MAGRPOConfig, ATGRPOConfig, IACConfig or"):
+            shared(output_dir=str(tmp_path), agents=["writer", "editor"])
+    with pytest.raises(TypeError, match="TeamTrainer is a base.*use MAGRPOTrainer, ATGRPOTrainer, IACTrainer or"):
         TeamTrainer(tiny_model_dir, args=config(MAGRPOConfig, tmp_path), task=Notebook())
 
 
