@@ -180,3 +180,56 @@ def test_an_optimizer_given_without_the_critics_is_refused(tiny_model_dir, tmp_p
     with pytest.raises(ValueError, match="does not hold the critics' parameters.*leave `optimizers` out"):
         args = IACConfig(**settings(tmp_path))
         IACTrainer(model, team_reward, args=args, train_dataset=dataset(), optimizers=(optimizer, None))
+
+
+def test_trl_marl_train_builds_the_actor_critic_configs_and_points_a_critic_field_to_them(tmp_path):
+    from trl_marl.cli.train import UsageError, algorithm_classes, parse_train_config
+
+    path = tmp_path / "maac.yaml"
+    common = f"output_dir: {tmp_path / 'out'}\nagents: [writer, checker]\nuse_cpu: true\n"
+    path.write_text(f"algorithm: maac\n{common}gae_lambda: 0.5\n")
+    script_args, args = parse_train_config(str(path), ["--value_loss_coef", "0.3"], require_data=False)
+    assert script_args.algorithm == "maac" and type(args) is MAACConfig
+    assert (args.gae_lambda, args.value_loss_coef) == (0.5, 0.3)
+    assert algorithm_classes("iac") == (IACConfig, IACTrainer)
+    path.write_text(f"{common}gae_lambda: 0.5\n")  # magrpo's
+    with pytest.raises(UsageError, match=r"'gae_lambda' \(a field of iac: set `algorithm: iac`\)"):
+        parse_train_config(str(path), require_data=False)
+
+
+def test_trl_marl_estimate_counts_each_critic_as_a_trained_adapter(tiny_model_dir, tmp_path):
+    from trl_marl.cli.command import estimate_config
+
+    estimates = {}
+    for algorithm in ("magrpo", "iac", "maac"):
+        path = tmp_path / f"{algorithm}.yaml"
+        path.write_text(f"algorithm: {algorithm}\noutput_dir: {tmp_path}\nagents: [writer, checker]\nuse_cpu: true\n")
+        estimates[algorithm] = estimate_config(str(path), ["--model_name_or_path", tiny_model_dir])
+    magrpo, iac, maac = estimates["magrpo"], estimates["iac"], estimates["maac"]
+    per_adapter = magrpo.adapters // 2  # two agents' float32 adapters
+    assert (iac.details["critic adapters"], maac.details["critic adapters"]) == (2, 1)
+    assert (iac.adapters, maac.adapters) == (magrpo.adapters + 2 * per_adapter, magrpo.adapters + per_adapter)
+    assert maac.gradients == magrpo.gradients * 3 // 2 and iac.gradients == magrpo.gradients * 2
+    assert maac.optimizer_states == magrpo.optimizer_states * 3 // 2
+    assert maac.saved_activations == magrpo.saved_activations  # the routed terms count the agents' adapters only
+
+
+def test_on_a_4bit_base_the_critic_trains_in_the_agents_dtype_and_the_base_stays_frozen(tiny_model_dir, tmp_path):
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is needed for 4-bit bases")
+    from transformers import BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
+    args = MAACConfig(**settings(tmp_path, max_steps=1, bf16=False))
+    trainer = MAACTrainer(
+        tiny_model_dir, team_reward, args=args, train_dataset=dataset(), quantization_config=quantization
+    )
+    model = trainer.model
+    dtypes = {p.dtype for n, p in model.named_parameters() if "lora_" in n}
+    assert dtypes == {torch.bfloat16}  # the agents' (TRL's cast on a quantized base) and the critic's alike
+    critic = weights(model, lambda n: ".critic." in n)
+    base = weights(model, lambda n: "lora_" not in n and not n.startswith("value_heads."))
+    trainer.train()
+    assert critic and changed(critic, model)
+    assert not changed(base, model)

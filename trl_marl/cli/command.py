@@ -3,11 +3,12 @@
     trl-marl list [rewards|tasks|schedulers]      the installed plugins: name, source distribution, one-line doc
     trl-marl train [CONFIG.yaml | --config CONFIG.yaml] [--field value ...]
                                                   train a team, as `trl grpo --config` trains one policy: the YAML
-                                                  holds `algorithm` (magrpo or at_grpo), that algorithm's config fields
-                                                  (MAGRPOConfig / ATGRPOConfig), `task` (and `task_source`) or TRL's
-                                                  `dataset_name` / `dataset_config` / `dataset_train_split` /
-                                                  `dataset_test_split` with `rewards`, `model_name_or_path` and
-                                                  `load_in_4bit`; flags override the file; `--help` lists every field
+                                                  holds `algorithm` (magrpo, at_grpo, iac or maac), its config
+                                                  fields (MAGRPOConfig, ATGRPOConfig, IACConfig, MAACConfig),
+                                                  `task` (and `task_source`) or TRL's `dataset_name` /
+                                                  `dataset_config` / `dataset_train_split` / `dataset_test_split`
+                                                  with `rewards`, `model_name_or_path` and `load_in_4bit`; flags
+                                                  override the file; `--help` lists every field
     trl-marl evaluate TASK [--baseline B] [--team PATH [--base_model M] [--base_models NAME=PATH ...]
                       [--load_in_4bit] [--dtype D]] [--model M]
                       [--limit N] [--split S] [--task_source SRC]
@@ -43,7 +44,7 @@ from typing import Any
 
 from ..agents import BASE_DTYPES
 from ..registry import GROUPS, PluginError, did_you_mean, discover
-from .train import ALGORITHMS, TrainArguments, UsageError, flag_value, parse_train_config, read_config, train
+from .train import EVALUATED_ALGORITHMS, TrainArguments, UsageError, flag_value, parse_train_config, read_config, train
 
 __all__ = ["TrainArguments", "UsageError", "main", "parse_train_config"]
 
@@ -342,7 +343,7 @@ def run(argv: list[str]) -> int:
                             help="with --team: every base's dtype (default: as team.json records)")  # fmt: skip
     evaluating.add_argument("--split", default="eval", choices=["train", "eval"], help="the task's split to score")
     evaluating.add_argument(
-        "--algorithm", default="magrpo", choices=list(ALGORITHMS),
+        "--algorithm", default="magrpo", choices=list(EVALUATED_ALGORITHMS),
         help="at_grpo: one episode per problem, one candidate per turn; adds episodes/success_rate",
     )  # fmt: skip
     evaluating.add_argument("--task_source", default=None, help="the task's data source, e.g. hub (default: offline)")

@@ -27,7 +27,7 @@ from typing import Any
 from ..agents import BASE_KEYS
 from ..tasks import Task, resolve_task, task_defaults
 from ..trainers.metrics import is_training_metric
-from .train import ALGORITHMS
+from .train import EVALUATED_ALGORITHMS
 
 BASELINES = ("team", "parallel", "sequential", "single")
 SPLITS = ("train", "eval")  # what Task.dataset(split) takes
@@ -100,8 +100,8 @@ def evaluate_task(
 
     if baseline not in BASELINES:
         raise ValueError(f"`baseline` must be one of {list(BASELINES)}, got {baseline!r}.")
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"`algorithm` must be one of {list(ALGORITHMS)}, got {algorithm!r}.")
+    if algorithm not in EVALUATED_ALGORITHMS:
+        raise ValueError(f"`algorithm` must be one of {list(EVALUATED_ALGORITHMS)}, got {algorithm!r}.")
     if split not in SPLITS:
         raise ValueError(f"`split` must be one of {list(SPLITS)} (a task's splits), got {split!r}.")
     if (baseline == "team") != (team is not None):

@@ -1,6 +1,7 @@
 """`trl-marl train`: a team from a YAML config and `--field value` flags, the way `trl grpo --config` trains one
-policy. The config holds `algorithm` (magrpo or at_grpo), that algorithm's config fields (`MAGRPOConfig` /
-`ATGRPOConfig`), and the script arguments below: a task plugin, or TRL's dataset arguments with reward plugins.
+policy. The config holds `algorithm` (magrpo, at_grpo, iac or maac), that algorithm's config fields (`MAGRPOConfig`,
+`ATGRPOConfig`, `IACConfig`, `MAACConfig`), and the script arguments below: a task plugin, or TRL's dataset arguments
+with reward plugins.
 
 Every mistake that can be seen in the config or the flags (a key or flag that is no field, an unknown plugin, no
 data, a dataset without the asked split) is a `UsageError` raised before any model loads; `trl-marl` prints it as
@@ -18,7 +19,9 @@ from trl import ScriptArguments
 
 from ..registry import PluginError, check_plugin_name, did_you_mean
 
-ALGORITHMS = ("magrpo", "at_grpo")
+ALGORITHMS = ("magrpo", "at_grpo", "iac", "maac")
+# The algorithms `trl-marl evaluate` scores a team with (an actor-critic team is scored as MAGRPO plays it).
+EVALUATED_ALGORITHMS = ("magrpo", "at_grpo")
 # Data files `dataset_name` / `dataset_test_split` may name, by suffix: the `datasets` builder that reads them.
 DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 DATA_FILES = "/".join(DATA_FILE_BUILDERS)
@@ -35,7 +38,10 @@ class TrainArguments(ScriptArguments):
 
     algorithm: str = field(
         default="magrpo",
-        metadata={"help": "magrpo (MAGRPOTrainer) or at_grpo (ATGRPOTrainer).", "choices": list(ALGORITHMS)},
+        metadata={
+            "help": "magrpo (MAGRPOTrainer), at_grpo (ATGRPOTrainer), iac (IACTrainer) or maac (MAACTrainer).",
+            "choices": list(ALGORITHMS),
+        },
     )
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "Base model (Hub id or path); defaults to the embedded SmolLM2-135M-Instruct."}
@@ -62,12 +68,18 @@ class TrainArguments(ScriptArguments):
 
 
 def algorithm_classes(algorithm: str) -> tuple[type, type]:
-    """`(config class, trainer class)` of `algorithm` (`magrpo` or `at_grpo`)."""
-    from ..config import ATGRPOConfig, MAGRPOConfig
+    """`(config class, trainer class)` of `algorithm` (one of `ALGORITHMS`)."""
+    from ..config import ATGRPOConfig, IACConfig, MAACConfig, MAGRPOConfig
+    from ..trainers.actor_critic_trainer import IACTrainer, MAACTrainer
     from ..trainers.atgrpo_trainer import ATGRPOTrainer
     from ..trainers.magrpo_trainer import MAGRPOTrainer
 
-    return (ATGRPOConfig, ATGRPOTrainer) if algorithm == "at_grpo" else (MAGRPOConfig, MAGRPOTrainer)
+    return {
+        "magrpo": (MAGRPOConfig, MAGRPOTrainer),
+        "at_grpo": (ATGRPOConfig, ATGRPOTrainer),
+        "iac": (IACConfig, IACTrainer),
+        "maac": (MAACConfig, MAACTrainer),
+    }[algorithm]
 
 
 def train_parser(algorithm: str):
@@ -90,7 +102,7 @@ def train_parser(algorithm: str):
 def parse_train_config(
     config_path: str | None, overrides: list[str] | tuple[str, ...] = (), require_data: bool = True
 ) -> tuple[TrainArguments, Any]:
-    """`(TrainArguments, MAGRPOConfig or ATGRPOConfig)` from a `trl-marl train` YAML file (or none: flags only) and
+    """`(TrainArguments, the algorithm's config)` from a `trl-marl train` YAML file (or none: flags only) and
     `--key value` overrides, validated as `trl-marl train` does, without loading a model. A key or flag that is no
     field, an unknown plugin, or no data (with `require_data`) is a `UsageError` naming it."""
     from ..tasks import task_defaults
@@ -194,10 +206,10 @@ def true_by_default(algorithm: str) -> set[str]:
 
 
 def hint(name: str, known: set[str], algorithm: str, prefix: str = "") -> str:
-    """What a name that is no field may have meant: a field of the other algorithm, or the closest field."""
-    other = next(a for a in ALGORITHMS if a != algorithm)
-    if name in {f.name for f in dataclasses.fields(algorithm_classes(other)[0])}:
-        return f" (a field of {other}: set `algorithm: {other}`)"
+    """What a name that is no field may have meant: a field of another algorithm, or the closest field."""
+    for other in ALGORITHMS:
+        if other != algorithm and name in {f.name for f in dataclasses.fields(algorithm_classes(other)[0])}:
+            return f" (a field of {other}: set `algorithm: {other}`)"
     return did_you_mean(prefix + name, [prefix + key for key in known])
 
 

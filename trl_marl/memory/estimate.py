@@ -24,7 +24,7 @@ from .training import (
     training_layer_bytes,
 )
 from .vllm_engine import EngineTerms, card_problems, engine_terms
-from .weights import adapter_bytes, adapter_counts, base_weight_bytes, gradient_bytes, optimizer_bytes
+from .weights import adapter_bytes, adapter_counts, base_weight_bytes, critic_count, gradient_bytes, optimizer_bytes
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -259,7 +259,10 @@ def estimate_memory(
     # Static: weights, adapters and optimizer states; the adapters' gradients live in the training phase.
     adapter_params = lora_parameters(shape, rank, targets)
     adapters, trained = adapter_counts(config, agents)
-    optimizer_states = optimizer_bytes(adapter_params, trained, config.optim, dtypes.adapter)
+    # Critics (IAC, MAAC) are trained adapters too, routed apart from the agents' (not in the routed terms), their
+    # forwards after the rollout and after the actors' backward, on prompts only: within the phases counted below.
+    critics = critic_count(config, agents)
+    optimizer_states = optimizer_bytes(adapter_params, trained + critics, config.optim, dtypes.adapter)
 
     # Training phase: one micro-batch of `rows` sequences of `seq_len` tokens.
     calls, rows, seq_len = rollout_geometry(config, prompt_length, agents)
@@ -307,9 +310,9 @@ def estimate_memory(
     estimate = MemoryEstimate(
         device=device,
         base_weights=base_weights,
-        adapters=adapter_bytes(adapter_params, adapters, trained, dtypes.adapter),
+        adapters=adapter_bytes(adapter_params, adapters + critics, trained + critics, dtypes.adapter),
         optimizer_states=optimizer_states,
-        gradients=gradient_bytes(adapter_params, trained, dtypes.adapter),
+        gradients=gradient_bytes(adapter_params, trained + critics, dtypes.adapter),
         saved_activations=saved_activation_bytes(shape, layer, rows, seq_len, dtypes.model, checkpointing),
         log_prob_head=log_prob_head_bytes(shape, rows, seq_len, completion, dtypes, device),
         backward_working_set=backward_working_set_bytes(shape, layer, rows * seq_len, checkpointing),
@@ -321,6 +324,7 @@ def estimate_memory(
             "4-bit": load_in_4bit,
             "model dtype bytes": dtypes.model,
             "adapters": adapters,
+            "critic adapters": critics,
             "LoRA parameters per adapter": adapter_params,
             "training rows per micro-batch": rows,
             "training sequence length": seq_len,

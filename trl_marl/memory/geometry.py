@@ -38,25 +38,27 @@ def rollout_geometry(
     with the prompt lengths of the whole team's episode.
 
     MAGRPO: at turn t (0-based) each acting agent of a scheduler phase answers `copies·K^t` rows in one call per
-    phase (K = G aligned, G^N cross); the rows of trained agents are trained. AT-GRPO: each scheduler phase is one
+    phase (K = G aligned, G^N cross); the rows of trained agents are trained. IAC and MAAC: the same with K = 1 (one
+    trajectory per copy). AT-GRPO: each scheduler phase is one
     call of `len(phase) · copies` rows (`ATGRPOTrainer._generate_phase`: the phase's agents in one batch). An answer
     is shown, at most, to every later phase's call; the agents of a phase see the answers of earlier phases only, the
     same number for each, so one prompt length, the phase's longest, serves the whole call: P_t = P + (earlier
     answers)·C. The micro-batch holds ⌈rows / steps_per_generation⌉ rows padded to the longest: S = max P_t + C.
     """
-    from ..config import ATGRPOConfig
+    from ..config import ActorCriticConfig, ATGRPOConfig
     from ..rollouts.scheduling import resolve_scheduler
 
     scheduler = resolve_scheduler(config.scheduler)
     copies = config.per_device_train_batch_size * config.steps_per_generation
-    at_grpo = isinstance(config, ATGRPOConfig)
-    per_node = None if at_grpo else config.joint_actions_per_node(config.num_generations)  # AT-GRPO has no tree
+    # AT-GRPO and the actor-critic trainers have no tree: each copy continues once per turn
+    one_path = isinstance(config, (ATGRPOConfig, ActorCriticConfig))
+    per_node = 1 if one_path else config.joint_actions_per_node(config.num_generations)
     members = set(range(config.num_agents) if agents is None else agents)
     trained = {i for i, name in enumerate(config.agent_names) if name not in config.frozen_agents and i in members}
     completion = config.max_completion_length
     calls, train_rows, answers_before = [], 0, 0
     for turn in range(config.num_turns):
-        nodes = copies if at_grpo else copies * per_node**turn
+        nodes = copies * per_node**turn
         for phase in scheduler.phases(turn, config.num_agents):
             # the agents of a phase see the same earlier answers (their prompts are fixed when the phase begins)
             visible = visible_answers(config.scheduler, turn, answers_before, config.num_agents)

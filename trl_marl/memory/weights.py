@@ -53,6 +53,16 @@ def adapter_counts(config: MAGRPOConfig, agents: list[int] | None = None) -> tup
     return len(names), len(names) - len(frozen)
 
 
+def critic_count(config: MAGRPOConfig, agents: list[int] | None = None) -> int:
+    """The critics' adapters of an actor-critic config (`IACConfig`: one per agent, `MAACConfig`: one), all trained,
+    on the team's first base (`agents` holding agent 0, or None); 0 for the other algorithms. Each also has a value
+    head of `hidden_size + 1` floats, which no term counts."""
+    kind = getattr(config, "_critic_kind", "")
+    if not kind or (agents is not None and 0 not in agents):
+        return 0
+    return config.num_agents if kind == "iac" else 1
+
+
 def adapter_bytes(parameters: int, adapters: int, trained: int, adapter_width: int) -> int:
     """The LoRA adapters: `P·(n_trained·b_a + n_frozen·4)`, P = `parameters` each (`lora_parameters`), b_a =
     `adapter_width`, n_frozen = `adapters - trained`; frozen adapters are not cast and stay float32."""

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import disable_dropout_in_model
 
+from ..agents import cast_frozen_adapters_like_trained
 from ..config import ActorCriticConfig, IACConfig, MAACConfig
 from ..critics import attach_critics, critic_adapter_names
 from ..generation.routing import AdapterRouter
@@ -80,6 +81,8 @@ class ActorCriticTrainer(TeamTrainer):
         # Initialised on a fork of the random generators: the run samples what a MAGRPO run of the same seed samples.
         with torch.random.fork_rng():
             peft_model.value_heads = attach_critics(peft_model, names, lora_config, hidden_size)
+        # On a 4-bit base TRL cast the agents' trainable adapters to bf16; the critics' are cast alike.
+        cast_frozen_adapters_like_trained(peft_model, self.trained_adapters)
         if self.args.disable_dropout:  # as TRL's init did for the agents' adapters
             disable_dropout_in_model(peft_model)
         self.critic_names = names
