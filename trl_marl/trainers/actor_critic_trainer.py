@@ -22,7 +22,7 @@ import textwrap
 import torch
 from safetensors.torch import load_file, save_file
 from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import disable_dropout_in_model
+from trl.trainer.utils import disable_dropout_in_model, pad
 
 from ..agents import cast_frozen_adapters_like_trained
 from ..config import ActorCriticConfig, IACConfig, MAACConfig
@@ -335,14 +335,11 @@ class MAACTrainer(ActorCriticTrainer):
 
 
 def left_padded(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rows` padded on the left to one length: `(input_ids, attention_mask)`, so that each row's last token is in
-    the last column."""
-    length = max(len(row) for row in rows)
-    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
-    for i, row in enumerate(rows):
-        input_ids[i, length - len(row) :] = torch.tensor(row, dtype=torch.long)
-        attention_mask[i, length - len(row) :] = 1
+    """`rows` padded on the left to one length with TRL's `pad`: `(input_ids, attention_mask)`, so that each row's
+    last token is in the last column."""
+    ids = [torch.tensor(row, dtype=torch.long) for row in rows]
+    input_ids = pad(ids, padding_value=pad_id, padding_side="left")
+    attention_mask = pad([torch.ones_like(row) for row in ids], padding_value=0, padding_side="left")
     return input_ids.to(device), attention_mask.to(device)
 
 
