@@ -4,6 +4,7 @@ its runs are benchmarks, not tests."""
 
 import importlib.util
 import json
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -230,10 +231,10 @@ def test_seeds_for_power_is_the_smallest_n_whose_t_test_has_80_percent_power_at_
 
 @pytest.fixture
 def version_2(versions):
-    """Version 2's tables in force (version 3 benchmarks its tasks again), the latest's again afterwards."""
+    """Version 2's tables in force (version 3 benchmarks its tasks again), version 3's again afterwards."""
     versions.select_version(2)
     yield versions
-    versions.select_version(versions.LATEST)
+    versions.select_version(3)  # version 3 holds these tasks after import
 
 
 def test_version_2_comes_from_its_settings_file_and_changes_one_thing_per_claim(bench, version_2):
@@ -269,7 +270,7 @@ def test_version_2_comes_from_its_settings_file_and_changes_one_thing_per_claim(
 
 
 def test_version_3_is_version_2_with_a_strict_one_agent_scorer_and_a_held_out_split_of_unseen_categories(versions):
-    assert versions.LATEST == 3 and versions.tasks_of(3) == ["congestion", "pick_new_hidden"]
+    assert versions.tasks_of(3) == ["congestion", "pick_new_hidden"]
     assert versions.HELD_OUT[3] == ["eval", "unseen"] and versions.HELD_OUT[2] == ["eval"]
     assert versions.results_file(3).endswith("results/bench_learning_v3.json")
     latest = {(t, m): versions.run_settings(t, m, 32, 16) for t in versions.tasks_of(3) for m in versions.METHODS[t]}
@@ -289,7 +290,7 @@ def test_a_run_is_scored_on_every_held_out_split_of_its_version_and_records_its_
     monkeypatch.setattr(bench, "train", lambda *args: trained)
     seen = []
 
-    def score_team(task_name, folder, rows, max_new_tokens):
+    def score_team(task_name, folder, rows, max_new_tokens, captured_decode=None):
         seen.append((folder.rsplit("/", 1)[-1], rows[0]["options"]))
         return {"scores": [float(len(seen))]}
 
@@ -377,7 +378,7 @@ def test_held_out_runs_refuse_seeds_outside_the_registered_ones_and_results_of_a
         with pytest.raises(SystemExit, match="holds runs made under settings commit 0123abc.*a new version"):
             bench.main()
     finally:
-        versions.select_version(versions.LATEST)
+        versions.select_version(3)
     assert json.loads(results.read_text())["runs"] == [{"task": "congestion", "settings_commit": "0123abc"}]
 
 
@@ -398,3 +399,46 @@ def test_diagnostics_say_whether_congestion_teams_collide_and_how_often_one_agen
     team["evaluations"] = [{**e, "second_by_first": {}, "turns": 2.0} for e in solo["evaluations"]]
     lines = report.diagnostics_table([team, solo]).splitlines()
     assert "| pick_new_hidden | solo | both picks new 1.00 | all - |" in lines
+
+
+def test_version_4_pits_the_critics_against_magrpo_on_the_sparse_task_at_about_the_same_rollout_budget(versions):
+    assert versions.LATEST == 4 and versions.tasks_of(4) == ["pick_new_sparse"]
+    assert versions.HELD_OUT[4] == ["eval", "unseen"] and versions.SEEDS[4] == [0, 1, 2, 3, 4]
+    settings = {m: versions.run_settings("pick_new_sparse", m, 16, 8) for m in ("maac", "iac", "magrpo")}
+    assert [settings[m]["algorithm"] for m in settings] == ["maac", "iac", "magrpo"]
+    assert {tuple(s["reward_funcs"]) for s in settings.values()} == {("final_new_options_reward",)}
+
+    def most_completions(s):  # per agent and step: copies x G^t summed over the turns (one copy per tree root)
+        problems = s["per_device_train_batch_size"] * s["gradient_accumulation_steps"] // s["num_generations"]
+        if s["algorithm"] == "magrpo":
+            return problems * sum(s["num_generations"] ** turn for turn in range(1, 5))
+        return problems * s["num_generations"] * 4  # one trajectory per copy
+
+    assert [most_completions(settings[m]) for m in settings] == [32, 32, 30]
+    assert ("maac", "magrpo") in versions.CLAIMS["pick_new_sparse"]
+
+
+def test_a_run_outside_a_checkout_is_registered_by_the_settings_files_blob(bench, tmp_path):
+    settings = tmp_path / "bench_learning_v9.json"
+    settings.write_text('{"version": 9}\n')
+    blob = subprocess.run(["git", "hash-object", str(settings)], capture_output=True, text=True).stdout.strip()
+    assert bench.registered_as(str(settings), f"abc123:{blob}") == "abc123"
+    settings.write_text('{"version": 9, "seeds": [7]}\n')
+    with pytest.raises(SystemExit, match=r"bench_learning_v9\.json hashes to [0-9a-f]{40}, not to the blob"):
+        bench.registered_as(str(settings), f"abc123:{blob}")
+
+
+def test_merging_adds_runs_made_apart_and_replaces_the_same_run(bench, tmp_path):
+    def run(method, seed, score):
+        return {"task": "pick_new_sparse", "method": method, "seed": seed, "settings": {"x": 1}, "score": score}
+
+    record = {"runs": [run("maac", 0, 0.1), run("iac", 0, 0.2)]}
+    for name, runs in (("a.json", [run("maac", 0, 0.5)]), ("b.json", [run("magrpo", 1, 0.3)])):
+        (tmp_path / name).write_text(json.dumps({"runs": runs, "machine": name}))
+    merged = bench.merged(record, [str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert [(r["method"], r["seed"], r["score"]) for r in merged["runs"]] == [
+        ("iac", 0, 0.2),
+        ("maac", 0, 0.5),
+        ("magrpo", 1, 0.3),
+    ]
+    assert merged["machine"] == "b.json"

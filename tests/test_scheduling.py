@@ -86,6 +86,12 @@ def test_round_robin_blind_shows_each_agent_its_prompt_only_and_the_reward_still
     assert [ja.completions for ja in rollout.joint_actions][-1] == {"ann": "ann@0", "bob": "bob@0", "cy": ""}
 
 
+def test_parallel_blind_lets_everyone_act_at_every_turn_shown_only_the_turn_prompt():
+    seen, rollout = episode("parallel_blind")
+    assert seen == [(0, name, TASK) for name in NAMES] * 2  # the transcript `parallel` appends is left out
+    assert [ja.completions for ja in rollout.joint_actions][-1] == {name: f"{name}@0" for name in NAMES}
+
+
 def test_debate_each_sees_the_others_previous_answers_not_its_own():
     seen, _ = episode("debate")
     assert seen[:3] == [(0, name, TASK) for name in NAMES]

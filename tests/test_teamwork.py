@@ -16,9 +16,11 @@ from trl_marl.tasks.teamwork import (
     POINTS,
     PickNew,
     PickNewHidden,
+    PickNewSparse,
     congestion_reward,
     distinct_items_reward,
     exactly_two_new_options_reward,
+    final_new_options_reward,
     new_option_gain,
     new_options_reward,
     one_option,
@@ -132,6 +134,30 @@ def test_pick_new_rewards_new_options_only_and_stops_once_the_team_has_two():
     unsolved, _ = play(task, row, [("first", "red")])
     prompts = task.transition(state=unsolved, **row)
     assert len(prompts) == 2 and "Already named: blue, grey, red." in prompts[0][0]["content"]
+
+
+def test_pick_new_sparse_pays_the_team_only_at_the_end_of_its_episode():
+    task = PickNewSparse()
+    assert (task.num_turns, task.scheduler, task.goal) == (4, "parallel_blind", 4)
+    row = task.dataset("eval")[0]
+    unnamed = [option for option in row["options"] if option not in row["named"]]
+    # turn 0: both name the same new option (one counts); turn 1: a named one and a new one; turn 2: the last two
+    turns = [[unnamed[0], unnamed[0]], [row["named"][0], unnamed[1]], [unnamed[2], unnamed[3]]]
+    state, rewards = task.reset(row), []
+    for turn, answers in enumerate(turns):
+        for agent, text in zip(("first", "second"), answers):
+            state = task.step(state, agent, text, turn)
+        kwargs = {"goal": [row["goal"]], "num_turns": [row["num_turns"]], "turn": [turn]}
+        rewards += final_new_options_reward(None, [None], state=[state], **kwargs)
+        if turn < 2:
+            assert len(task.transition(state=state, **row)) == 2  # not done: both act again
+    assert rewards == [0.0, 0.0, 1.0]  # nothing before the end; solved at turn 2, which ends the episode
+    assert task.transition(state=state, **row) == NextTurn(done=True)
+    # an episode that runs out of turns is paid what it named, at its last turn only
+    state = task.reset(row)
+    state = task.step(state, "first", unnamed[0], 0)
+    ends = [final_new_options_reward(None, [None], [state], [4], [4], [turn])[0] for turn in range(4)]
+    assert ends == [0.0, 0.0, 0.0, 0.25]
 
 
 def test_pick_new_holds_out_64_problems_never_trained_on():
@@ -290,7 +316,7 @@ def test_echoing_the_prompt_scored_two_thirds_for_one_agent_alone_and_scores_not
     assert exactly_two_new_options_reward(None, echoes, **columns) == [0.0] * len(echoes)
 
 
-@pytest.mark.parametrize("task_name", ["congestion", "pick_new", "pick_new_hidden"])
+@pytest.mark.parametrize("task_name", ["congestion", "pick_new", "pick_new_hidden", "pick_new_sparse"])
 def test_the_unseen_split_draws_its_problems_from_categories_no_training_problem_comes_from(task_name):
     task = resolve_task(task_name)
     train, eval_split, unseen = (task.dataset(split) for split in ("train", "eval", "unseen"))

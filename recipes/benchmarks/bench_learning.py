@@ -45,6 +45,7 @@ teams on problems of their own; the run's record names the folder (`kept`).
 import argparse
 import datetime
 import gc
+import hashlib
 import json
 import math
 import os
@@ -62,7 +63,18 @@ import trl_marl  # first: it filters a bitsandbytes notice that importing PEFT w
 import torch
 from transformers import TrainerCallback
 
-from trl_marl import ATGRPOConfig, ATGRPOTrainer, MAGRPOConfig, MAGRPOTrainer, default_model_path, load_team
+from trl_marl import (
+    ATGRPOConfig,
+    ATGRPOTrainer,
+    IACConfig,
+    IACTrainer,
+    MAACConfig,
+    MAACTrainer,
+    MAGRPOConfig,
+    MAGRPOTrainer,
+    default_model_path,
+    load_team,
+)
 from trl_marl.agents import agent_lora_config
 from trl_marl.rollouts.advantages import group_advantages
 from trl_marl.tasks import task_defaults
@@ -101,6 +113,13 @@ from learning_versions import (  # noqa: E402
     select_version,
     tasks_of,
 )
+
+ALGORITHMS = {  # a method's algorithm -> its team config and trainer
+    "magrpo": (MAGRPOConfig, MAGRPOTrainer),
+    "at_grpo": (ATGRPOConfig, ATGRPOTrainer),
+    "iac": (IACConfig, IACTrainer),
+    "maac": (MAACConfig, MAACTrainer),
+}
 
 # --- the coarse-key ablation ---
 
@@ -144,9 +163,12 @@ def first_choice(state) -> str:
     return "invalid" if choice is None else "new" if new else "repeated"
 
 
-def score_team(task_name: str, folder: str, rows: list[dict], max_new_tokens: int) -> dict:
-    """Play every held-out problem greedily with the team saved in `folder`: per-problem team rewards, diagnostics."""
-    team = load_team(folder)
+def score_team(
+    task_name: str, folder: str, rows: list[dict], max_new_tokens: int, captured_decode: bool | str | None = None
+) -> dict:
+    """Play every held-out problem greedily with the team saved in `folder` (generating as `captured_decode` says, as
+    the run trained): per-problem team rewards, diagnostics."""
+    team = load_team(folder, captured_decode=captured_decode)
     try:
         runs = team.play(rows, max_new_tokens=max_new_tokens)
     finally:
@@ -289,14 +311,9 @@ def make_trainer(task_name: str, method: str, seed: int, steps: int, output_dir:
             train_dataset=task.solo_dataset("train"),
             peft_config=lora,
         )
-    config_class = ATGRPOConfig if algorithm == "at_grpo" else MAGRPOConfig
-    trainer_class = (
-        CoarseGroupsTrainer
-        if (task_name, method) in COARSE
-        else ATGRPOTrainer
-        if algorithm == "at_grpo"
-        else MAGRPOTrainer
-    )
+    config_class, trainer_class = ALGORITHMS[algorithm]
+    if (task_name, method) in COARSE:
+        trainer_class = CoarseGroupsTrainer
     args = config_class(output_dir=output_dir, **{**task_defaults(task), **fields})
     return trainer_class(default_model_path(), REWARDS.get((task_name, method)), args=args, task=task)
 
@@ -351,7 +368,8 @@ def run(
     splits = HELD_OUT[VERSION[task_name]]  # scored on each; the first split's scores are the record's own
     make_rows = TASKS[task_name]().solo_dataset if solo else TASKS[task_name]().dataset
     rows = {split: make_rows(split).to_list() for split in splits}
-    max_new_tokens = {**SETTINGS[task_name], **METHODS[task_name][method][1]}["max_completion_length"]
+    generation = {**COMMONS[VERSION[task_name]], **SETTINGS[task_name], **METHODS[task_name][method][1]}
+    max_new_tokens, captured_decode = generation["max_completion_length"], generation.get("captured_decode")
     evaluations, kept = [], None
     with tempfile.TemporaryDirectory() as scratch:
         saves = os.path.join(saves_dir, task_name, method, f"seed-{seed}") if saves_dir else scratch
@@ -364,7 +382,7 @@ def run(
                 if solo:
                     result = score_solo(folder, rows[split], max_new_tokens, REWARDS[(task_name, method)][0])
                 else:
-                    result = score_team(task_name, folder, rows[split], max_new_tokens)
+                    result = score_team(task_name, folder, rows[split], max_new_tokens, captured_decode)
                 if split == splits[0]:
                     evaluation.update(result)
                 else:
@@ -389,6 +407,35 @@ def run(
         "code_commit": code_commit(),
         **({"kept": kept} if kept else {}),
     }
+
+
+def registered_as(path: str, registered: str) -> str:
+    """`--registered COMMIT:BLOB`: COMMIT, once the settings file at `path` is checked to hash to BLOB (git's blob
+    hash of its content); a `SystemExit` otherwise."""
+    commit, _, blob = registered.partition(":")
+    with open(path, "rb") as f:
+        content = f.read()
+    actual = hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest()
+    if not commit or actual != blob:
+        raise SystemExit(
+            f"--registered: {path} hashes to {actual}, not to the blob {blob!r} given with commit {commit!r}: these "
+            "are not the registered settings (give `COMMIT:$(git rev-parse COMMIT:<settings file>)`)."
+        )
+    return commit
+
+
+def merged(record: dict, files: list[str]) -> dict:
+    """`record` with the runs of each results file in `files` added, a run already there (same task, method, seed and
+    settings) replaced by the merged one; the machine, version and date of the last file."""
+    for path in files:
+        with open(path) as f:
+            other = json.load(f)
+        for run in other["runs"]:
+            record["runs"] = [
+                r for r in record["runs"] if (identity(r), r["settings"]) != (identity(run), run["settings"])
+            ] + [run]
+        record.update({key: other[key] for key in ("machine", "trl_marl", "date") if key in other})
+    return record
 
 
 def main() -> None:
@@ -421,6 +468,20 @@ def main() -> None:
         help="Score held out although the settings file is not committed (recorded as such; not a benchmark result).",
     )
     parser.add_argument(
+        "--registered",
+        metavar="COMMIT:BLOB",
+        help="Where the settings file is not in a git checkout (a bundle on another machine): the commit it was "
+        "registered at and its git blob hash (`git rev-parse COMMIT:<settings file>`); held-out runs start only if "
+        "the file's content hashes to BLOB, and record COMMIT.",
+    )
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="FILE",
+        help="Add the runs of these results files (made apart: other machines, parallel runs) to the version's "
+        "results file, then report.",
+    )
+    parser.add_argument(
         "--saves",
         metavar="DIR",
         help="Keep every run's saved steps in DIR/<task>/<method>/seed-<seed>; a run whose saves are there with the "
@@ -445,12 +506,20 @@ def main() -> None:
     if os.path.exists(results) and not options.fresh:
         with open(results) as f:
             record = json.load(f)
-    if options.report:
+    if options.merge:
+        record = merged(record, options.merge)
+        with open(results, "w") as f:
+            json.dump(record, f, indent=1)
+    if options.report or options.merge:
         return report(record, results, options.steps, options.eval_every, version, options.pilot)
     settings_file = SETTINGS_FILES[version]
     commit = None
     if settings_file and not options.pilot and not options.unregistered:
-        commit = registered_commit(settings_file)
+        commit = (
+            registered_as(settings_file, options.registered)
+            if options.registered
+            else registered_commit(settings_file)
+        )
         other = sorted({r.get("settings_commit") for r in record["runs"]} - {commit}, key=str)
         if other:
             raise SystemExit(
@@ -489,6 +558,8 @@ def main() -> None:
         )
         if settings_file:
             result.update(settings_file=os.path.relpath(settings_file, RESULTS), settings_commit=commit)
+        if options.registered and result["code_commit"] is None:  # outside a checkout: the tree sent is the commit's
+            result["code_commit"] = f"{commit} (given with --registered)"
         print(f"   {result['minutes']:.1f} min", flush=True)
         record["runs"] = [r for r in record["runs"] if r not in same] + [result]
         record["date"] = datetime.date.today().isoformat()

@@ -342,8 +342,12 @@ def report(record: dict, results: str, steps: int | None, eval_every: int | None
     stem = os.path.splitext(results)[0]
     with open(stem + ".md", "w") as f:
         f.write(text + "\n")
-    plot(runs, stem + ".png", tasks)
-    print(f"{len(runs)} of the {len(record['runs'])} runs in {results}; tables: {stem}.md; curves: {stem}.png")
+    try:
+        plot(runs, stem + ".png", tasks)
+        curves = f"curves: {stem}.png"
+    except ImportError:  # matplotlib comes with the `bench` extra
+        curves = "no curves (matplotlib is not installed: pip install -e '.[bench]')"
+    print(f"{len(runs)} of the {len(record['runs'])} runs in {results}; tables: {stem}.md; {curves}")
     defaults = steps is None and eval_every is None
     if results == results_file(version) and defaults and replace_between(DOCS, docs_marker(version), text):
         print(f"Tables updated in {DOCS}")

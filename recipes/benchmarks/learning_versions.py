@@ -16,7 +16,7 @@ import subprocess
 import torch
 
 from trl_marl.tasks import teamwork
-from trl_marl.tasks.teamwork import Congestion, DistinctItems, PickNew, PickNewHidden, new_option_gain
+from trl_marl.tasks.teamwork import Congestion, DistinctItems, PickNew, PickNewHidden, PickNewSparse, new_option_gain
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 DEFAULT_RESULTS = os.path.join(RESULTS, "bench_learning.json")
@@ -81,7 +81,7 @@ HELD_OUT = {1: ["eval"]}  # per version: the held-out splits its runs are scored
 # (task, method) -> attributes set on the task instance: `local_reward_funcs = {}` trains on the team reward alone
 TASK_VARIANTS: dict[tuple[str, str], dict] = {}
 SETTINGS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "settings")
-NEW_TASKS = {"congestion": Congestion, "pick_new_hidden": PickNewHidden}
+NEW_TASKS = {"congestion": Congestion, "pick_new_hidden": PickNewHidden, "pick_new_sparse": PickNewSparse}
 
 
 def register_version(path: str) -> int:

@@ -103,8 +103,19 @@ class RoundRobinBlind(RoundRobin):
         return prompt
 
 
+class ParallelBlind(Parallel):
+    """All agents act at once, each shown only its task prompt for the turn (the transition's): nothing said before.
+    For tasks whose transition puts what an agent may know in the prompt (`pick_new_sparse`: the options named so
+    far)."""
+
+    name = "parallel_blind"
+
+    def observe(self, agent: int, prompt: Prompt, history: list[Said], current: Said, names: list[str]) -> Prompt:
+        return prompt
+
+
 parallel, sequential, round_robin, debate = Parallel(), Sequential(), RoundRobin(), Debate()
-round_robin_blind = RoundRobinBlind()
+round_robin_blind, parallel_blind = RoundRobinBlind(), ParallelBlind()
 
 
 def scheduled_phases(scheduler, num_agents: int, num_turns: int) -> list[list[list[int]]]:

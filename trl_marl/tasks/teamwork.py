@@ -21,9 +21,13 @@ are built so that it provably does.
 - `pick_new_hidden` (AT-GRPO, two turns): `pick_new` whose second prompt hides the first pick, so both agents get
   the same task text (only their system prompts differ) and must follow different conventions; with its one-agent
   baseline (`solo_dataset`).
+- `pick_new_sparse` (MAAC / IAC / MAGRPO, four turns): `pick_new` with both teammates naming an option at every turn
+  (blind to each other within a turn), the team to name all four options not yet named, and the team reward only at
+  the episode's end (`final_new_options_reward`: 0 at every earlier turn): the long-horizon, sparse-reward regime a
+  learned critic is for (docs/critics.md).
 
-Offline data: the categories of `categories.py`; held-out problems are never trained on. `pick_new`, `congestion` and
-`pick_new_hidden` have two held-out splits: `"eval"`, 64 problems of the training categories, and `"unseen"`, 64
+Offline data: the categories of `categories.py`; held-out problems are never trained on. `pick_new` and the tasks
+after it have two held-out splits: `"eval"`, 64 problems of the training categories, and `"unseen"`, 64
 problems of eight categories that no training problem comes from (`UNSEEN_CATEGORIES`).
 """
 
@@ -367,6 +371,38 @@ def two_new_options_reward(prompts, completions, options, named, goal, **kwargs)
         first_two = [option for option in mentioned_in_order(text, listed)][:2]
         rewards.append(min(1.0, len({option for option in first_two if option not in already}) / target))
     return rewards
+
+
+# ------------------------------------------------------------------------------------------------ pick_new_sparse
+
+
+def final_new_options_reward(prompts, completions, state, goal, num_turns, turn, **kwargs) -> list[float]:
+    """Sparse team reward: 0 until the episode's last turn (the team done, or turn `num_turns` − 1), then the new
+    options the team named, over `goal` (`new_options_reward`'s value at the end). Summed over an episode's turns it is
+    that final value, for the algorithms that sum a turn's rewards into returns (MAGRPO, the critics' λ-returns)."""
+    last = [s["new"] >= g or t >= n - 1 for s, g, n, t in zip(state, goal, num_turns, turn)]
+    return [min(1.0, s["new"] / g) if end else 0.0 for s, g, end in zip(state, goal, last)]
+
+
+class PickNewSparse(PickNew):
+    """`pick_new` over four turns at which both teammates name an option at once (the `parallel_blind` scheduler: each
+    is shown the options and those named so far, not what its teammate says); the team must name every option not named
+    yet (`goal` = 4 of the 6), and is rewarded only at the end: `final_new_options_reward`, 0 at every earlier turn.
+    Two blind picks of one turn that coincide, or a pick of an option already named, waste a turn's answer; the
+    episode stops once the team is done. No reward at the turns before the last, so AT-GRPO (which scores each turn's
+    candidates by the team reward at that turn) has no signal there: the task is for methods that credit a
+    trajectory's end back to its turns, a learned critic or MAGRPO's tree of returns."""
+
+    name = "pick_new_sparse"
+    num_turns = 4
+    scheduler = "parallel_blind"
+    reward_funcs = [final_new_options_reward]
+    local_reward_funcs = {}
+    goal = OPTIONS - ALREADY_NAMED
+
+    def dataset(self, split: str = "train") -> Dataset:
+        problems = super().dataset(split)
+        return problems.add_column("num_turns", [self.num_turns] * len(problems))
 
 
 def check_split(split: str) -> None:
