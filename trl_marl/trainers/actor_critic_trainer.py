@@ -245,6 +245,7 @@ class ActorCriticTrainer(TeamTrainer):
         filler = num_rows - len(rows)
         rows += [rows[0] if rows else [self._tokenizer.pad_token_id]] * filler
         device = self.accelerator.device
+        old, target = [v.to(device) for v in old], [t.to(device) for t in target]  # the advantages' device may differ
         critic_ids, critic_mask = left_padded(rows, self._tokenizer.pad_token_id, device)
         zeros = [torch.zeros((), device=device)] * filler
         return {
