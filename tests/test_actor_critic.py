@@ -7,6 +7,7 @@ from datasets import Dataset
 from tiny_run import TINY_RUN
 
 from trl_marl import IACConfig, IACTrainer, MAACConfig, MAACTrainer, MAGRPOConfig, MAGRPOTrainer
+from trl_marl.rollouts.trajectory_rollout import critic_inputs, trajectories
 from trl_marl.trainers.actor_critic_trainer import VALUE_HEADS_FILE, value_loss, zscore
 
 AGENTS = [{"name": "writer", "system_prompt": "Write."}, {"name": "checker", "system_prompt": "Check."}]
@@ -37,11 +38,10 @@ def dataset():
     return Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
 
 
-def make_trainer(kind, model_dir, tmp_path, **overrides):
+def make_trainer(kind, model_dir, tmp_path, transition=None, **overrides):
     config_class, trainer_class = KINDS[kind]
-    return trainer_class(
-        model_dir, team_reward, args=config_class(**settings(tmp_path, **overrides)), train_dataset=dataset()
-    )
+    args = config_class(**settings(tmp_path, **overrides))
+    return trainer_class(model_dir, team_reward, args=args, train_dataset=dataset(), transition=transition)
 
 
 def weights(model, marker):
@@ -73,6 +73,40 @@ def test_actors_and_critics_train_and_the_base_stays_frozen_over_two_turns(tiny_
     # The optimizer holds the critics in a group of their own, at the learning rate (no `critic_learning_rate`).
     critic_group = trainer.optimizer.param_groups[-1]
     assert {id(p) for p in critic_group["params"]} == {id(p) for p in trainer.critic_parameters()}
+
+
+def own_answer_only(prompt, joint_action, **kwargs):
+    """Each agent's next prompt holds its own answer, not its teammate's."""
+    return [[{"role": "user", "content": f"You said: {joint_action[a['name']]}. Again."}] for a in AGENTS]
+
+
+@pytest.mark.parametrize("kind", ["iac", "maac"])
+def test_maacs_value_changes_with_a_teammates_action_and_iacs_only_with_its_agents_own(kind, tiny_model_dir, tmp_path):
+    trainer = make_trainer(
+        kind, tiny_model_dir, tmp_path, transition=own_answer_only, num_turns=2, scheduler="parallel_blind"
+    )
+    trainer.model.train()
+    rollout = trainer._rollout([{"prompt": [{"role": "user", "content": PROMPTS[0]}]}] * 2, 2)
+    chain = next(chain for chain in trajectories(rollout.joint_actions) if len(chain) == 2)
+    first, j = rollout.joint_actions[chain[0]], chain[1]  # a turn-0 joint action and the one after it
+    writer, checker = first.completions["writer"].strip(), first.completions["checker"].strip()
+    assert writer and checker and writer not in checker and checker not in writer
+    tokenizer = trainer._tokenizer
+
+    def value(text, critic):
+        return trainer.critic_values([tokenizer(text, add_special_tokens=False)["input_ids"]], [critic]).item()
+
+    if kind == "maac":  # one critic over every agent's input: either agent's earlier answer moves its value
+        text = critic_inputs(rollout, "maac", ["writer", "checker"])[j][0]
+        assert writer in text and checker in text
+        for answer in (writer, checker):
+            assert value(text.replace(answer, "zebra"), "critic") != value(text, "critic")
+    else:  # the writer's critic reads the writer's own input: the checker's answer is not in it, its own moves it
+        ids = trainer._critic_input_ids(rollout)[j][0]
+        text = tokenizer.decode(ids)
+        assert writer in text and checker not in text
+        assert value(text, "critic_writer") == pytest.approx(trainer.critic_values([ids], ["critic_writer"]).item())
+        assert value(text.replace(writer, "zebra"), "critic_writer") != value(text, "critic_writer")
 
 
 def test_a_critic_held_at_zero_trains_the_actors_exactly_as_magrpo_without_a_baseline(tiny_model_dir, tmp_path):
