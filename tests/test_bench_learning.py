@@ -422,10 +422,13 @@ def test_a_run_outside_a_checkout_is_registered_by_the_settings_files_blob(bench
     settings = tmp_path / "bench_learning_v9.json"
     settings.write_text('{"version": 9}\n')
     blob = subprocess.run(["git", "hash-object", str(settings)], capture_output=True, text=True).stdout.strip()
-    assert bench.registered_as(str(settings), f"abc123:{blob}") == "abc123"
+    commit = "a" * 40
+    assert bench.registered_as(str(settings), f"{commit}:{blob}") == commit
+    with pytest.raises(SystemExit, match="'abc123' is not a full commit hash"):
+        bench.registered_as(str(settings), f"abc123:{blob}")
     settings.write_text('{"version": 9, "seeds": [7]}\n')
     with pytest.raises(SystemExit, match=r"bench_learning_v9\.json hashes to [0-9a-f]{40}, not to the blob"):
-        bench.registered_as(str(settings), f"abc123:{blob}")
+        bench.registered_as(str(settings), f"{commit}:{blob}")
 
 
 def test_merging_adds_runs_made_apart_and_replaces_the_same_run(bench, tmp_path):
@@ -442,3 +445,12 @@ def test_merging_adds_runs_made_apart_and_replaces_the_same_run(bench, tmp_path)
         ("magrpo", 1, 0.3),
     ]
     assert merged["machine"] == "b.json"
+    # into a registered version's results only runs of its settings commit: a pilot's run is refused, naming its file
+    registered = {"runs": []}
+    (tmp_path / "c.json").write_text(json.dumps({"runs": [{**run("iac", 2, 0.4), "settings_commit": "c" * 40}]}))
+    assert bench.merged(registered, [str(tmp_path / "c.json")], "c" * 40)["runs"][0]["seed"] == 2
+    (tmp_path / "pilot.json").write_text(json.dumps({"runs": [run("maac", 3, 0.9)]}))
+    with pytest.raises(
+        SystemExit, match=r"pilot\.json holds a run \(pick_new_sparse/maac/3\) made under settings commit None"
+    ):
+        bench.merged(registered, [str(tmp_path / "pilot.json")], "c" * 40)

@@ -149,15 +149,20 @@ def test_pick_new_sparse_pays_the_team_only_at_the_end_of_its_episode():
             state = task.step(state, agent, text, turn)
         kwargs = {"goal": [row["goal"]], "num_turns": [row["num_turns"]], "turn": [turn]}
         rewards += final_new_options_reward(None, [None], state=[state], **kwargs)
-        if turn < 2:
-            assert len(task.transition(state=state, **row)) == 2  # not done: both act again
+        if turn < 2:  # not done: both act again, shown the next turn's number and what has been named
+            prompts = task.transition(state=state, turn=turn, **row)
+            assert len(prompts) == 2 and prompts[0][0]["content"].startswith(f"Turn {turn + 2} of 4. Options: ")
+            assert f"Already named: {', '.join(state['named'])}." in prompts[0][0]["content"]
     assert rewards == [0.0, 0.0, 1.0]  # nothing before the end; solved at turn 2, which ends the episode
-    assert task.transition(state=state, **row) == NextTurn(done=True)
+    assert task.transition(state=state, turn=2, **row) == NextTurn(done=True)
+    assert row["prompt"][0]["content"].startswith("Turn 1 of 4. Options: ")
     # an episode that runs out of turns is paid what it named, at its last turn only
     state = task.reset(row)
     state = task.step(state, "first", unnamed[0], 0)
     ends = [final_new_options_reward(None, [None], [state], [4], [4], [turn])[0] for turn in range(4)]
     assert ends == [0.0, 0.0, 0.0, 0.25]
+    with pytest.raises(ValueError, match=r"turn 4 is past the episode's 4 turns .*`num_turns=4`"):
+        final_new_options_reward(None, [None], [state], [4], [4], [4])  # a run longer than the task
 
 
 def test_pick_new_holds_out_64_problems_never_trained_on():

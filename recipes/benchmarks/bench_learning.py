@@ -50,6 +50,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import statistics
 import sys
@@ -413,6 +414,10 @@ def registered_as(path: str, registered: str) -> str:
     """`--registered COMMIT:BLOB`: COMMIT, once the settings file at `path` is checked to hash to BLOB (git's blob
     hash of its content); a `SystemExit` otherwise."""
     commit, _, blob = registered.partition(":")
+    if not re.fullmatch(r"[0-9a-f]{40}", commit):
+        raise SystemExit(
+            f"--registered: {commit!r} is not a full commit hash (40 hex digits): give `git rev-parse` of it."
+        )
     with open(path, "rb") as f:
         content = f.read()
     actual = hashlib.sha1(b"blob %d\0" % len(content) + content).hexdigest()
@@ -424,13 +429,20 @@ def registered_as(path: str, registered: str) -> str:
     return commit
 
 
-def merged(record: dict, files: list[str]) -> dict:
+def merged(record: dict, files: list[str], commit: str | None = None) -> dict:
     """`record` with the runs of each results file in `files` added, a run already there (same task, method, seed and
-    settings) replaced by the merged one; the machine, version and date of the last file."""
+    settings) replaced by the merged one; the machine, version and date of the last file. With `commit` (a registered
+    version's results), a run made under other settings, a pilot's or an unregistered one, is refused."""
     for path in files:
         with open(path) as f:
             other = json.load(f)
         for run in other["runs"]:
+            if commit and run.get("settings_commit") != commit:
+                raise SystemExit(
+                    f"--merge: {path} holds a run ({'/'.join(map(str, identity(run)))}) made under settings commit "
+                    f"{run.get('settings_commit')}, not the registered {commit}: a pilot's, an unregistered or "
+                    "another version's run never joins the registered results. Nothing was merged."
+                )
             record["runs"] = [
                 r for r in record["runs"] if (identity(r), r["settings"]) != (identity(run), run["settings"])
             ] + [run]
@@ -507,7 +519,8 @@ def main() -> None:
         with open(results) as f:
             record = json.load(f)
     if options.merge:
-        record = merged(record, options.merge)
+        registered = SETTINGS_FILES[version] and results == results_file(version)
+        record = merged(record, options.merge, registered_commit(SETTINGS_FILES[version]) if registered else None)
         with open(results, "w") as f:
             json.dump(record, f, indent=1)
     if options.report or options.merge:
@@ -558,6 +571,7 @@ def main() -> None:
         )
         if settings_file:
             result.update(settings_file=os.path.relpath(settings_file, RESULTS), settings_commit=commit)
+        result["machine"] = record["machine"]  # each run's own: runs made apart are merged into one file
         if options.registered and result["code_commit"] is None:  # outside a checkout: the tree sent is the commit's
             result["code_commit"] = f"{commit} (given with --registered)"
         print(f"   {result['minutes']:.1f} min", flush=True)

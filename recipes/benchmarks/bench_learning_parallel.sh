@@ -8,14 +8,16 @@
 set -euo pipefail
 version=$1 task=$2 dir=$3 jobs=$4 methods=$5 seeds=$6; shift 6
 here=$(cd "$(dirname "$0")" && pwd)
-mkdir -p "$dir"
+mkdir -p "$dir"; rm -f "$dir"/*.failed
 for seed in $seeds; do
   for method in $methods; do
     while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n || true; done
     name="$dir/$method-$seed"
     (OMP_NUM_THREADS=1 python3 "$here/bench_learning.py" --version "$version" --task "$task" --methods "$method" \
       --seeds "$seed" --results "$name.json" "$@" > "$name.log" 2>&1 \
-      && echo "done: $method seed $seed" || echo "FAILED: $method seed $seed (see $name.log)") &
+      && echo "done: $method seed $seed" || { echo "FAILED: $method seed $seed (see $name.log)"; touch "$name.failed"; }) &
   done
 done
 wait
+failed=$(find "$dir" -name '*.failed' | wc -l)
+[ "$failed" -eq 0 ] || { echo "$failed run(s) failed"; exit 1; }

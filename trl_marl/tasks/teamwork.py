@@ -376,21 +376,36 @@ def two_new_options_reward(prompts, completions, options, named, goal, **kwargs)
 # ------------------------------------------------------------------------------------------------ pick_new_sparse
 
 
+def sparse_prompt(options: list[str], named: list[str], turn: int, num_turns: int) -> list[dict]:
+    """`pick_prompt` headed by the turn (1-based) and the episode's length: where a critic reads only the prompt, the
+    same options and picks are worth less with fewer turns left."""
+    content = pick_prompt(options, named)[0]["content"]
+    return [{"role": "user", "content": f"Turn {turn + 1} of {num_turns}. {content}"}]
+
+
 def final_new_options_reward(prompts, completions, state, goal, num_turns, turn, **kwargs) -> list[float]:
     """Sparse team reward: 0 until the episode's last turn (the team done, or turn `num_turns` − 1), then the new
     options the team named, over `goal` (`new_options_reward`'s value at the end). Summed over an episode's turns it is
-    that final value, for the algorithms that sum a turn's rewards into returns (MAGRPO, the critics' λ-returns)."""
+    that final value, for the algorithms that sum a turn's rewards into returns (MAGRPO, the critics' λ-returns).
+    `num_turns` is the dataset's column (the task's horizon); a turn past it is refused (a run longer than the task
+    would be paid at every extra turn)."""
+    late = [t for t, n in zip(turn, num_turns) if t >= n]
+    if late:
+        raise ValueError(
+            f"final_new_options_reward: turn {late[0]} is past the episode's {num_turns[0]} turns (the dataset's "
+            f"`num_turns` column): train pick_new_sparse with `num_turns={num_turns[0]}`, the task's own."
+        )
     last = [s["new"] >= g or t >= n - 1 for s, g, n, t in zip(state, goal, num_turns, turn)]
     return [min(1.0, s["new"] / g) if end else 0.0 for s, g, end in zip(state, goal, last)]
 
 
 class PickNewSparse(PickNew):
     """`pick_new` over four turns at which both teammates name an option at once (the `parallel_blind` scheduler: each
-    is shown the options and those named so far, not what its teammate says); the team must name every option not named
-    yet (`goal` = 4 of the 6), and is rewarded only at the end: `final_new_options_reward`, 0 at every earlier turn.
-    Two blind picks of one turn that coincide, or a pick of an option already named, waste a turn's answer; the
-    episode stops once the team is done. No reward at the turns before the last, so AT-GRPO (which scores each turn's
-    candidates by the team reward at that turn) has no signal there: the task is for methods that credit a
+    is shown the turn, the options and those named so far, not what its teammate says); the team must name every option
+    not named yet (`goal` = 4 of the 6), and is rewarded only at the end: `final_new_options_reward`, 0 at every
+    earlier turn. Two blind picks of one turn that coincide, or a pick of an option already named, waste a turn's
+    answer; the episode stops once the team is done. No reward at the turns before the last, so AT-GRPO (which scores
+    each turn's candidates by the team reward at that turn) has no signal there: the task is for methods that credit a
     trajectory's end back to its turns, a learned critic or MAGRPO's tree of returns."""
 
     name = "pick_new_sparse"
@@ -401,8 +416,15 @@ class PickNewSparse(PickNew):
     goal = OPTIONS - ALREADY_NAMED
 
     def dataset(self, split: str = "train") -> Dataset:
-        problems = super().dataset(split)
-        return problems.add_column("num_turns", [self.num_turns] * len(problems))
+        """`pick_new`'s problems, each prompt headed by "Turn 1 of 4.", with the horizon as a column (`num_turns`)."""
+        problems = super().dataset(split).remove_columns("prompt")
+        prompts = [sparse_prompt(o, n, 0, self.num_turns) for o, n in zip(problems["options"], problems["named"])]
+        return problems.add_column("prompt", prompts).add_column("num_turns", [self.num_turns] * len(problems))
+
+    def transition(self, state, options, goal, turn, num_turns, **kwargs):
+        if state["new"] >= goal:
+            return NextTurn(done=True)
+        return [sparse_prompt(options, state["named"], turn + 1, num_turns)] * len(self.agents)
 
 
 def check_split(split: str) -> None:
