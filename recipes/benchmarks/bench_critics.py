@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -35,46 +34,23 @@ ARMS = ("magrpo", "iac", "maac")
 def one_arm(shape: str, arm: str, steps: int) -> dict:
     """Train `arm` for `steps` steps in this process: its step times and peak memory."""
     import torch
-    from transformers import TrainerCallback
 
-    from trl_marl import (
-        IACConfig,
-        IACTrainer,
-        MAACConfig,
-        MAACTrainer,
-        MAGRPOConfig,
-        MAGRPOTrainer,
-        default_model_path,
-    )
+    sys.path[:0] = [str(HERE), str(HERE.parent)]
+    import bench_learning
+    from gpu_check import StepTimes  # the recipes' step timer
+
+    from trl_marl import default_model_path
     from trl_marl.memory import peak_memory
-
-    class StepTimes(TrainerCallback):
-        def __init__(self):
-            self.times, self.started = [], None
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.started = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter() - self.started)
 
     with tempfile.TemporaryDirectory() as output_dir:
         if shape == "sparse":
-            sys.path.insert(0, str(HERE))
-            import bench_learning
-
             trainer = bench_learning.make_trainer("pick_new_sparse", arm, 0, steps, output_dir)
         else:
-            sys.path.insert(0, str(HERE.parent))
             from magrpo_quickstart import quickstart_datasets, quickstart_defaults
 
             from trl_marl.tasks.toy import explain_ratio_reward
 
-            config_class, trainer_class = {
-                "magrpo": (MAGRPOConfig, MAGRPOTrainer),
-                "iac": (IACConfig, IACTrainer),
-                "maac": (MAACConfig, MAACTrainer),
-            }[arm]
+            config_class, trainer_class = bench_learning.ALGORITHMS[arm]
             settings = {**quickstart_defaults(torch.cuda.is_available()), "output_dir": output_dir, "max_steps": steps}
             train, _ = quickstart_datasets(0, 12)
             args = config_class(**settings)
